@@ -1,0 +1,218 @@
+// NVFP4 numerics shared by the CPU and CUDA kernels: one source of truth.
+//
+// Every function is the exact IEEE float32 computation written in
+// tests/golden/README.md (TransformerEngine's reference quantizer). The pure-JAX
+// spec in jax_nvfp4/reference.py computes the same bits. Callers must run with
+// subnormals preserved (no flush-to-zero, no fast-math, no FMA contraction).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define NVFP4_HD __host__ __device__ __forceinline__
+#else
+#define NVFP4_HD inline
+#endif
+
+namespace nvfp4 {
+
+constexpr int kBlock = 16;           // values per block (1x16) or block side (16x16)
+constexpr float kE2M1Max = 6.0f;     // largest E2M1 magnitude
+constexpr float kE4M3Max = 448.0f;   // largest E4M3 magnitude
+constexpr float kFloatMax = 3.40282346638528859812e+38f;
+constexpr uint32_t kCanonicalNaN = 0x7FC00000u;
+constexpr uint8_t kE4M3NaN = 0xFF;   // what the reference writes for a NaN scale
+
+NVFP4_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+NVFP4_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// ---- input / output element conversions (exact, bit-level) ----
+
+NVFP4_HD float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
+
+NVFP4_HD float f16_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  if (exp == 0x1F) return bits_float(sign | 0x7F800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return bits_float(sign);
+    // Subnormal half: normalize into a float32 normal.
+    exp = 127 - 15 + 1;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    return bits_float(sign | (exp << 23) | ((mant & 0x3FFu) << 13));
+  }
+  return bits_float(sign | ((exp + 127 - 15) << 23) | (mant << 13));
+}
+
+// float32 -> bfloat16 bits, round to nearest even; NaN -> canonical quiet NaN.
+NVFP4_HD uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// float32 -> float16 bits, round to nearest even (subnormals, overflow to inf).
+NVFP4_HD uint16_t float_to_f16(float f) {
+  const uint32_t u = float_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return 0x7E00;
+  if (mag >= 0x477FF000u) return sign | 0x7C00;  // >= 65520 rounds to inf
+  const int exp = int(mag >> 23) - 127;
+  if (exp >= -14) {
+    const uint32_t r = mag - ((127u - 15u) << 23);
+    return sign | uint16_t((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
+  }
+  if (exp < -25) return sign;  // below half the smallest subnormal
+  // Subnormal half: value = sig * 2^(exp-23); quantum 2^-24.
+  const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u;
+  const int shift = -exp - 1;  // 14..24
+  const uint32_t q = sig >> shift;
+  const uint32_t rem = sig & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1);
+  const uint32_t up = (rem > half || (rem == half && (q & 1u))) ? 1u : 0u;
+  return sign | uint16_t(q + up);
+}
+
+// |x| as ordered integer bits: integer max == float max, and any NaN wins.
+NVFP4_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+
+// Turns a max of magnitude_bits into the amax float, NaN made canonical.
+NVFP4_HD float amax_from_bits(uint32_t m) {
+  return bits_float(m > 0x7F800000u ? kCanonicalNaN : m);
+}
+
+// ---- E4M3 (float8_e4m3fn) ----
+
+NVFP4_HD float e4m3_to_float(uint8_t c) {
+  const uint32_t sign = uint32_t(c & 0x80u) << 24;
+  const uint32_t exp = (c >> 3) & 0xFu;
+  const uint32_t mant = c & 0x7u;
+  if (exp == 0xF && mant == 0x7) return bits_float(sign | kCanonicalNaN);
+  if (exp == 0) return (c & 0x80u ? -1.0f : 1.0f) * float(mant) * (1.0f / 512.0f);
+  return bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
+// Round to nearest even E4M3. The caller clamps to [-448, 448] first; NaN -> 0xFF.
+NVFP4_HD uint8_t float_to_e4m3(float v) {
+  const uint32_t u = float_bits(v);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return kE4M3NaN;
+  const int exp = int(mag >> 23) - 127;
+  if (exp >= -6) {  // normal E4M3: keep 3 mantissa bits
+    const uint32_t r = (mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20;
+    return sign | uint8_t(r - (120u << 3));
+  }
+  if (exp < -11) return sign;  // below half of 2^-9 (and float32 subnormals)
+  // E4M3 subnormal: code = round(v * 2^9); v = sig * 2^(exp-23).
+  const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u;
+  const int shift = 14 - exp;  // 21..25
+  const uint32_t q = sig >> shift;
+  const uint32_t rem = sig & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1);
+  const uint32_t up = (rem > half || (rem == half && (q & 1u))) ? 1u : 0u;
+  return sign | uint8_t(q + up);
+}
+
+// ---- E2M1 ----
+
+NVFP4_HD float e2m1_to_float(uint8_t code) {
+  constexpr float kValues[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float v = kValues[code & 7u];
+  return (code & 8u) ? -v : v;
+}
+
+// E2M1 code of a value already scaled into the E2M1 range: clamp to +-6, round
+// to nearest even. -0.0 gives code 0, negative values that round to 0 give 8,
+// NaN gives 0 (the reference's choices).
+NVFP4_HD uint8_t float_to_e2m1(float v) {
+  if (v != v) return 0;
+  const float a = v < 0.0f ? -v : v;
+  uint8_t m;
+  if (a <= 0.25f) {
+    m = 0;
+  } else if (a < 0.75f) {
+    m = 1;
+  } else if (a <= 1.25f) {
+    m = 2;
+  } else if (a < 1.75f) {
+    m = 3;
+  } else if (a <= 2.5f) {
+    m = 4;
+  } else if (a < 3.5f) {
+    m = 5;
+  } else if (a <= 5.0f) {
+    m = 6;
+  } else {
+    m = 7;  // includes the clamp of everything above 6 and inf
+  }
+  return v < 0.0f ? uint8_t(m | 8u) : m;
+}
+
+// ---- scales ----
+
+// Per-tensor scales derived from the global amax.
+struct GlobalScales {
+  float encode;        // ges = min(6 * 448 / amax, FLT_MAX), 0 replaced by 1
+  float encode_div6;   // ges * fp32(1/6): the block-scale multiplier
+  float decode;        // gds = 1 / ges
+};
+
+NVFP4_HD GlobalScales global_scales(float amax) {
+  float ges = (kE2M1Max * kE4M3Max) / amax;
+  if (ges > kFloatMax) ges = kFloatMax;  // NaN stays NaN
+  if (ges == 0.0f) ges = 1.0f;           // only when amax is inf
+  const float one_sixth = 1.0f / 6.0f;
+  return GlobalScales{ges, ges * one_sixth, 1.0f / ges};
+}
+
+// E4M3 decode scale of a block with max magnitude `block_amax`.
+NVFP4_HD uint8_t block_scale(float block_amax, const GlobalScales& g) {
+  float s = block_amax * g.encode_div6;
+  if (s > kFloatMax) s = kFloatMax;
+  if (s > kE4M3Max) s = kE4M3Max;
+  if (s < -kE4M3Max) s = -kE4M3Max;
+  return float_to_e4m3(s);
+}
+
+// Element encode scale of a block: min(1 / (s * gds), FLT_MAX).
+NVFP4_HD float block_encode_scale(uint8_t scale, const GlobalScales& g) {
+  const float enc = 1.0f / (e4m3_to_float(scale) * g.decode);
+  return enc > kFloatMax ? kFloatMax : enc;
+}
+
+NVFP4_HD uint8_t quantize_value(float x, float encode_scale) {
+  return float_to_e2m1(x * encode_scale);
+}
+
+// Dequantized value in float32: fp32(e2m1 * s) * gds. Any NaN (a NaN scale or
+// global scale) comes out as the canonical quiet NaN, so the bytes are defined.
+NVFP4_HD float dequantize_value(uint8_t code, uint8_t scale, float global_decode) {
+  const float r = (e2m1_to_float(code) * e4m3_to_float(scale)) * global_decode;
+  return r != r ? bits_float(kCanonicalNaN) : r;
+}
+
+}  // namespace nvfp4

@@ -1,0 +1,170 @@
+"""Exact IEEE float32 arithmetic on bit patterns (uint32), in pure JAX.
+
+XLA on CPU runs with denormals-are-zero and flush-to-zero, so plain float32 ops
+turn subnormal inputs and results into zeros (and comparisons see them as zero).
+The NVFP4 spec needs the exact IEEE results there (e.g. a bf16-subnormal input
+scaled by a huge encode scale, a tiny negative product whose sign picks code 8).
+These helpers compute round-to-nearest-even results with integer ops only, so
+the reference gives the same bits on every backend as the C++/CUDA kernels,
+which run with subnormals preserved.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+U32 = jnp.uint32
+# numpy scalars: a Python int >= 2^31 would overflow JAX's weak int32 typing.
+SIGN = np.uint32(0x80000000)
+MAG = np.uint32(0x7FFFFFFF)
+INF = np.uint32(0x7F800000)
+NAN = np.uint32(0x7FC00000)
+FLT_MAX = np.uint32(0x7F7FFFFF)
+
+
+def u32(v) -> jnp.ndarray:
+    return jnp.asarray(v, dtype=U32)
+
+
+def to_bits(x: jnp.ndarray) -> jnp.ndarray:
+    """Float32 bits of a bf16/f16/f32 array (exact)."""
+    if x.dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(x, jnp.uint16).astype(U32) << 16
+    if x.dtype == jnp.float16:
+        # f16 subnormals are f32 normals, so the hardware convert is exact.
+        return lax.bitcast_convert_type(x.astype(jnp.float32), U32)
+    return lax.bitcast_convert_type(x.astype(jnp.float32), U32)
+
+
+def from_bits(u: jnp.ndarray) -> jnp.ndarray:
+    return lax.bitcast_convert_type(u, jnp.float32)
+
+
+def is_nan(u: jnp.ndarray) -> jnp.ndarray:
+    return (u & MAG) > INF
+
+
+def magnitude(u: jnp.ndarray) -> jnp.ndarray:
+    """|x| bits: for non-NaN values integer order equals float order."""
+    return u & MAG
+
+
+def canonical_nan(u: jnp.ndarray) -> jnp.ndarray:
+    return jnp.where(is_nan(u), u32(NAN), u)
+
+
+def min_magnitude(u: jnp.ndarray, limit: int) -> jnp.ndarray:
+    """min(x, limit) for x >= 0 or NaN (NaN passes through, as torch.min does)."""
+    return jnp.where(~is_nan(u) & (magnitude(u) > limit), u32(limit) | (u & SIGN), u)
+
+
+def _unpack(u: jnp.ndarray):
+    """(sign, exponent, significand) with value = sig * 2**(exp - 23), sig in [2^23, 2^24)."""
+    sign = u & SIGN
+    field = (u >> 23) & 0xFF
+    mant = u & 0x7FFFFF
+    # Subnormals: shift the leading one up to bit 23.
+    shift = jnp.where(field == 0, lax.clz(mant | 1) - 8, 0).astype(U32)
+    sig = jnp.where(field == 0, mant << shift, mant | 0x800000)
+    exp = jnp.where(field == 0, 1 - 127 - shift.astype(jnp.int32), field.astype(jnp.int32) - 127)
+    return sign, exp, sig
+
+
+def _round_pack(sign, exp, sig26, sticky):
+    """Round value = sig26 * 2**(exp - 25) (bit 25 of sig26 set) to float32 bits, RNE."""
+    biased = exp + 127
+    # Bits to drop: 2 for a normal result, more for a subnormal one.
+    drop = jnp.clip(jnp.where(biased >= 1, 2, 3 - biased), 2, 31).astype(U32)
+    kept = sig26 >> drop
+    rem = sig26 & ((u32(1) << drop) - 1)
+    half = u32(1) << (drop - 1)
+    up = (rem > half) | ((rem == half) & (sticky | ((kept & 1) == 1)))
+    kept = kept + up.astype(U32)
+    # A normal result: kept has bit 23 set; rounding may carry into bit 24.
+    carry = kept >> 24
+    kept = kept >> carry
+    field = jnp.where(biased >= 1, biased + carry.astype(jnp.int32), 0)
+    normal = (field.astype(U32) << 23) | (kept & 0x7FFFFF)
+    # A subnormal result that rounded up to 2^-126 has kept == 2^23: exactly its bits.
+    packed = jnp.where(biased >= 1, normal, kept)
+    packed = jnp.where(field >= 255, u32(INF), packed)
+    return sign | packed
+
+
+def mul(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """Bits of fp32(a * b), round to nearest even, subnormals kept."""
+    a, b = jnp.broadcast_arrays(u32(a), u32(b))
+    sign = (a ^ b) & SIGN
+    sa, ea, ma = _unpack(a)
+    sb, eb, mb = _unpack(b)
+    # 24x24-bit product as 12-bit limbs: every partial product fits in 32 bits.
+    a1, a0 = ma >> 12, ma & 0xFFF
+    b1, b0 = mb >> 12, mb & 0xFFF
+    mid = a1 * b0 + a0 * b1
+    low = a0 * b0 + ((mid & 0xFFF) << 12)
+    lo = low & 0xFFFFFF
+    hi = a1 * b1 + (mid >> 12) + (low >> 24)  # product = hi * 2^24 + lo, in [2^46, 2^48)
+    top = (hi >> 23) == 1  # product >= 2^47
+    sig26 = jnp.where(top, (hi << 2) | (lo >> 22), (hi << 3) | (lo >> 21))
+    sticky = jnp.where(top, (lo & 0x3FFFFF) != 0, (lo & 0x1FFFFF) != 0)
+    exp = ea + eb + top.astype(jnp.int32)
+    out = _round_pack(sign, exp, sig26, sticky)
+    a_mag, b_mag = magnitude(a), magnitude(b)
+    zero = (a_mag == 0) | (b_mag == 0)
+    inf = (a_mag == INF) | (b_mag == INF)
+    out = jnp.where(zero, sign, out)
+    out = jnp.where(inf, sign | INF, out)
+    nan = is_nan(a) | is_nan(b) | (zero & inf)
+    return jnp.where(nan, u32(NAN), out)
+
+
+def div(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """Bits of fp32(a / b), round to nearest even, subnormals kept."""
+    a, b = jnp.broadcast_arrays(u32(a), u32(b))
+    sign = (a ^ b) & SIGN
+    _, ea, ma = _unpack(a)
+    _, eb, mb = _unpack(b)
+    # Long division: 26 quotient bits with the leading one at bit 25.
+    below = ma < mb
+    r = jnp.where(below, ma << 1, ma)
+    q = jnp.zeros_like(r)
+    for _ in range(26):
+        ge = r >= mb
+        q = (q << 1) | ge.astype(U32)
+        r = (r - jnp.where(ge, mb, 0)) << 1
+    exp = ea - eb - below.astype(jnp.int32)
+    out = _round_pack(sign, exp, q, r != 0)
+    a_mag, b_mag = magnitude(a), magnitude(b)
+    out = jnp.where((a_mag == 0) | (b_mag == INF), sign, out)
+    out = jnp.where((b_mag == 0) | (a_mag == INF), sign | INF, out)
+    nan = is_nan(a) | is_nan(b) | ((a_mag == 0) & (b_mag == 0)) | ((a_mag == INF) & (b_mag == INF))
+    return jnp.where(nan, u32(NAN), out)
+
+
+def f32_to_bf16(u: jnp.ndarray) -> jnp.ndarray:
+    """bfloat16 array from float32 bits, RNE; NaN -> canonical quiet NaN."""
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = jnp.where(is_nan(u), u32(0x7FC0), r)
+    return lax.bitcast_convert_type(r.astype(jnp.uint16), jnp.bfloat16)
+
+
+def f32_to_f16(u: jnp.ndarray) -> jnp.ndarray:
+    """float16 array from float32 bits, RNE with subnormals; NaN -> canonical NaN."""
+    sign = (u >> 16) & 0x8000
+    mag = magnitude(u)
+    exp = (mag >> 23).astype(jnp.int32) - 127
+    r = mag - ((127 - 15) << 23)
+    normal = (r + 0xFFF + ((r >> 13) & 1)) >> 13
+    sig = (mag & 0x7FFFFF) | 0x800000
+    shift = jnp.clip(-exp - 1, 14, 31).astype(U32)
+    q = sig >> shift
+    rem = sig & ((u32(1) << shift) - 1)
+    half = u32(1) << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(U32)
+    out = jnp.where(exp >= -14, normal, jnp.where(exp < -25, 0, sub))
+    out = jnp.where(mag >= 0x477FF000, u32(0x7C00), out)
+    out = sign | out
+    out = jnp.where(is_nan(u), u32(0x7E00), out)
+    return lax.bitcast_convert_type(out.astype(jnp.uint16), jnp.float16)

@@ -1,0 +1,145 @@
+"""Public quantize / dequantize / amax, built once over a backend.
+
+A backend (the FFI kernels or the pure-JAX reference) implements three core
+ops on canonical [B, M, N] arrays with a float32 amax per batch entry [B].
+This module owns input validation and the reshapes between a user's [..., N]
+array and that canonical form, so both backends share one public contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_nvfp4.formats import INPUT_DTYPES, num_blocks, packed_size
+from jax_nvfp4.tensor import NVFP4Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    amax: Callable  # x [B, M, N] -> float32 [B]
+    quantize: Callable  # (x, amax[B], *, rowwise, columnwise, block_2d) -> tuple of arrays
+    dequantize: Callable  # (data, scale, amax[B], *, cols, dtype) -> [B, M, cols]
+
+
+def _check_input(x) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"NVFP4 quantization needs rank >= 2 (leading axes are rows), got shape {x.shape}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"NVFP4 quantization takes bfloat16, float16 or float32, got {x.dtype}")
+    if x.size == 0:
+        raise ValueError(f"cannot quantize an empty array of shape {x.shape}")
+    return x
+
+
+def _check_out_dtype(dtype) -> np.dtype:
+    dtype = jnp.dtype(dtype)
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(f"dequantize produces bfloat16, float16 or float32, not {dtype}")
+    return dtype
+
+
+def _as_matrix(x: jax.Array) -> jax.Array:
+    return x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def amax_fn(backend: Backend) -> Callable:
+    def amax(x: jax.Array) -> jax.Array:
+        """max |x| over the whole tensor as float32; NaN anywhere gives NaN."""
+        return backend.amax(_as_matrix(_check_input(x)))[0]
+
+    return amax
+
+
+def quantize_fn(backend: Backend) -> Callable:
+    def quantize(
+        x: jax.Array,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        block_2d: bool = False,
+        amax: jax.Array | float | None = None,
+    ) -> NVFP4Tensor:
+        """Quantize ``x`` [..., N] (rank >= 2) to NVFP4.
+
+        Args:
+          x: bfloat16, float16 or float32; leading axes are flattened into M rows.
+          rowwise: produce ``data``/``scale`` (blocks along the last axis).
+          columnwise: produce ``data_t``/``scale_t``, the quantization of the
+            [N, M] transpose (blocks along the rows), stored transposed.
+          block_2d: 16x16 blocks (for weights) instead of 1x16.
+          amax: a global amax computed elsewhere (e.g. reduced across a mesh),
+            a float32 scalar; by default ``max|x|``.
+
+        Dimensions that are not multiples of 16 are zero-padded to the block,
+        as the reference does; every element is kept (an odd N gives
+        ceil(N/2) bytes whose last high nibble is 0).
+        """
+        x = _check_input(x)
+        if not (rowwise or columnwise):
+            raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+        x3 = _as_matrix(x)
+        if amax is None:
+            global_amax = backend.amax(x3)
+        else:
+            global_amax = jnp.asarray(amax, jnp.float32)
+            if global_amax.shape != ():
+                raise ValueError(f"amax must be a scalar, got shape {global_amax.shape}")
+            global_amax = global_amax.reshape(1)
+        outs = list(backend.quantize(x3, global_amax, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d))
+        lead, n, m = x.shape[:-1], x.shape[-1], x3.shape[1]
+        data = scale = data_t = scale_t = None
+        if rowwise:
+            data = outs.pop(0).reshape(*lead, packed_size(n))
+            scale = outs.pop(0).reshape(*lead, num_blocks(n))
+        if columnwise:
+            data_t = outs.pop(0).reshape(n, packed_size(m))
+            scale_t = outs.pop(0).reshape(n, num_blocks(m))
+        amax_scalar = global_amax[0]
+        return NVFP4Tensor(
+            data=data,
+            scale=scale,
+            amax=amax_scalar,
+            data_t=data_t,
+            scale_t=scale_t,
+            amax_t=amax_scalar if columnwise else None,
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            block_2d=block_2d,
+        )
+
+    return quantize
+
+
+def dequantize_fn(backend: Backend) -> Callable:
+    def dequantize(t: NVFP4Tensor, dtype=jnp.float32, columnwise: bool = False) -> jax.Array:
+        """Dequantize to ``dtype``: value = fp32(E2M1 * scale) * global decode scale.
+
+        The global decode scale is the quantizer's own, 1 / min(2688 / amax,
+        FLT_MAX) (1 when amax is inf). ``columnwise=True`` dequantizes the
+        columnwise copy and transposes it back, so both give ``t.shape``.
+        A NaN scale (NaN input) gives NaN for its whole block.
+        """
+        dtype = _check_out_dtype(dtype)
+        m, n = t.rows, t.cols
+        if columnwise:
+            if t.data_t is None:
+                raise ValueError("this NVFP4Tensor has no columnwise copy (quantize with columnwise=True)")
+            out = backend.dequantize(
+                t.data_t[None], t.scale_t[None], t.amax_t.reshape(1), cols=m, dtype=dtype
+            )
+            return out[0].T.reshape(t.shape)
+        if t.data is None:
+            raise ValueError("this NVFP4Tensor has no rowwise copy (quantize with rowwise=True)")
+        out = backend.dequantize(
+            t.data.reshape(1, m, -1), t.scale.reshape(1, m, -1), t.amax.reshape(1), cols=n, dtype=dtype
+        )
+        return out.reshape(t.shape)
+
+    return dequantize

@@ -1,0 +1,198 @@
+"""The pure-JAX NVFP4 reference: the executable spec.
+
+Same public signatures as ``jax_nvfp4.quantize`` / ``dequantize`` / ``amax``;
+the C++ and CUDA kernels must give the same bytes. It follows
+``tests/golden/README.md`` (TransformerEngine's reference quantizer) step by
+step, in exact float32 arithmetic on bit patterns (see ``_bits``), so it does
+not depend on how a backend treats subnormals.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_nvfp4 import _bits as b
+from jax_nvfp4 import _frontend
+from jax_nvfp4.formats import BLOCK
+
+# float32 bit patterns of the constants the spec uses.
+_F32_2688 = 0x45280000  # 6 * 448
+_F32_ONE_SIXTH = int(np.float32(1.0 / 6.0).view(np.uint32))
+_F32_ONE = 0x3F800000
+_F32_448 = 0x43E00000
+# E2M1 decision thresholds (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5); `True` where a
+# value equal to the threshold rounds up (ties to even).
+_E2M1_STEPS = (
+    (0x3E800000, False),
+    (0x3F400000, True),
+    (0x3FA00000, False),
+    (0x3FE00000, True),
+    (0x40200000, False),
+    (0x40600000, True),
+    (0x40A00000, False),
+)
+_E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def e2m1_encode(u: jnp.ndarray) -> jnp.ndarray:
+    """E2M1 code (uint8) of float32 bits: clamp to +-6, round to nearest even.
+
+    -0.0 gives 0, negative values that round to zero give 8, NaN gives 0.
+    """
+    mag = b.magnitude(u)
+    code = jnp.zeros(u.shape, jnp.uint8)
+    for threshold, inclusive in _E2M1_STEPS:
+        code = code + (mag >= threshold if inclusive else mag > threshold).astype(jnp.uint8)
+    negative = ((u >> 31) == 1) & (mag != 0)
+    code = jnp.where(negative, code | 8, code)
+    return jnp.where(b.is_nan(u), jnp.uint8(0), code)
+
+
+def e2m1_decode(code: jnp.ndarray) -> jnp.ndarray:
+    """float32 bits of an E2M1 code."""
+    return b.u32(_E2M1_VALUES.view(np.uint32))[code.astype(jnp.int32)]
+
+
+def e4m3_encode(u: jnp.ndarray) -> jnp.ndarray:
+    """E4M3 code of float32 bits already clamped to +-448, RNE; NaN -> 0xFF."""
+    sign = ((u >> 24) & 0x80).astype(jnp.uint8)
+    mag = b.magnitude(u)
+    exp = (mag >> 23).astype(jnp.int32) - 127
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    sig = (mag & 0x7FFFFF) | 0x800000
+    shift = jnp.clip(14 - exp, 21, 31).astype(jnp.uint32)
+    q = sig >> shift
+    rem = sig & ((b.u32(1) << shift) - 1)
+    half = b.u32(1) << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.uint32)
+    code = jnp.where(exp >= -6, normal, jnp.where(exp < -11, 0, sub))
+    code = sign | code.astype(jnp.uint8)
+    return jnp.where(b.is_nan(u), jnp.uint8(0xFF), code)
+
+
+def e4m3_decode(code: jnp.ndarray) -> jnp.ndarray:
+    """float32 bits of E4M3 codes (uint8)."""
+    c = code.astype(jnp.uint32)
+    sign = (c & 0x80) << 24
+    exp = (c >> 3) & 0xF
+    mant = c & 0x7
+    normal = ((exp + 120) << 23) | (mant << 20)
+    # Subnormal: mant * 2^-9 is a float32 normal with the leading one of mant on top.
+    lead = jnp.where(mant >= 4, 2, jnp.where(mant >= 2, 1, 0)).astype(jnp.uint32)
+    sub = ((lead + 118) << 23) | (((mant << (3 - lead)) & 0x7) << 20)
+    out = jnp.where(exp == 0, jnp.where(mant == 0, 0, sub), normal)
+    out = sign | out
+    return jnp.where((c & 0x7F) == 0x7F, b.u32(b.NAN) | sign, out)
+
+
+class GlobalScales:
+    """Per-tensor scales from the global amax (float32 bits, shape [B])."""
+
+    def __init__(self, amax_bits: jnp.ndarray):
+        ges = b.min_magnitude(b.div(_F32_2688, amax_bits), b.FLT_MAX)
+        self.encode = jnp.where(ges == 0, b.u32(_F32_ONE), ges)  # only when amax is inf
+        self.encode_div6 = b.mul(self.encode, _F32_ONE_SIXTH)
+        self.decode = b.div(_F32_ONE, self.encode)
+
+
+def block_scale(block_amax: jnp.ndarray, g_encode_div6: jnp.ndarray) -> jnp.ndarray:
+    """E4M3 decode scale of blocks from their max magnitude (bits)."""
+    s = b.min_magnitude(b.mul(block_amax, g_encode_div6), b.FLT_MAX)
+    return e4m3_encode(b.min_magnitude(s, _F32_448))
+
+
+def block_encode_scale(scale: jnp.ndarray, g_decode: jnp.ndarray) -> jnp.ndarray:
+    """min(1 / (s * gds), FLT_MAX) as bits."""
+    enc = b.div(_F32_ONE, b.mul(e4m3_decode(scale), g_decode))
+    return b.min_magnitude(enc, b.FLT_MAX)
+
+
+def _pad_to(u: jnp.ndarray, axis: int, multiple: int) -> jnp.ndarray:
+    extra = -u.shape[axis] % multiple
+    if extra == 0:
+        return u
+    widths = [(0, 0)] * u.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(u, widths)
+
+
+def _pack(codes: jnp.ndarray, cols: int) -> jnp.ndarray:
+    """Pack codes [..., >=cols] into bytes, element 2i in the low nibble."""
+    codes = _pad_to(codes[..., :cols], -1, 2)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _as_e4m3(codes: jnp.ndarray) -> jnp.ndarray:
+    return lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+
+
+def _amax_bits(u: jnp.ndarray, axes) -> jnp.ndarray:
+    return b.canonical_nan(jnp.max(b.magnitude(u), axis=axes))
+
+
+def _quantize_1d(u: jnp.ndarray, g: GlobalScales):
+    """Rowwise 1x16 quantization of bits [B, R, C] -> (data, scale)."""
+    bsz, rows, cols = u.shape
+    blocks = _pad_to(u, 2, BLOCK).reshape(bsz, rows, -1, BLOCK)
+    scale = block_scale(_amax_bits(blocks, -1), g.encode_div6[:, None, None])
+    enc = block_encode_scale(scale, g.decode[:, None, None])
+    codes = e2m1_encode(b.mul(blocks, enc[..., None])).reshape(bsz, rows, -1)
+    return _pack(codes, cols), scale
+
+
+def _quantize_2d(u: jnp.ndarray, g: GlobalScales):
+    """16x16 quantization of bits [B, R, C] -> (data, scale, data_t, scale_t)."""
+    bsz, rows, cols = u.shape
+    padded = _pad_to(_pad_to(u, 1, BLOCK), 2, BLOCK)
+    tiles = padded.reshape(bsz, padded.shape[1] // BLOCK, BLOCK, -1, BLOCK)
+    scale = block_scale(_amax_bits(tiles, (2, 4)), g.encode_div6[:, None, None])
+    enc = block_encode_scale(scale, g.decode[:, None, None])
+    codes = e2m1_encode(b.mul(tiles, enc[:, :, None, :, None])).reshape(padded.shape)
+    row_scale = jnp.repeat(scale, BLOCK, axis=1)[:, :rows]
+    col_scale = jnp.repeat(jnp.swapaxes(scale, 1, 2), BLOCK, axis=1)[:, :cols]
+    data = _pack(codes[:, :rows], cols)
+    data_t = _pack(jnp.swapaxes(codes, 1, 2)[:, :cols], rows)
+    return data, row_scale, data_t, col_scale
+
+
+# ---- the three core ops on canonical [B, R, C] arrays (the kernels' contract) ----
+
+
+def amax_core(x: jnp.ndarray) -> jnp.ndarray:
+    """Global amax per batch entry: [B, R, C] -> float32 [B]; NaN canonical."""
+    return b.from_bits(_amax_bits(b.to_bits(x), (1, 2)))
+
+
+def quantize_core(x, amax, *, rowwise: bool, columnwise: bool, block_2d: bool):
+    """[B, R, C] input, [B] amax -> (data, scale) if rowwise + (data_t, scale_t) if columnwise."""
+    u = b.to_bits(x)
+    g = GlobalScales(b.to_bits(amax.astype(jnp.float32)))
+    if block_2d:
+        data, scale, data_t, scale_t = _quantize_2d(u, g)
+    else:
+        data, scale = _quantize_1d(u, g) if rowwise else (None, None)
+        data_t, scale_t = _quantize_1d(jnp.swapaxes(u, 1, 2), g) if columnwise else (None, None)
+    outs = ((data, _as_e4m3(scale)) if rowwise else ()) + ((data_t, _as_e4m3(scale_t)) if columnwise else ())
+    return outs
+
+
+def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
+    """Packed [B, R, ceil(C/2)] codes and [B, R, ceil(C/16)] scales -> [B, R, C] values."""
+    codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:2], -1)[..., :cols]
+    scales = jnp.repeat(lax.bitcast_convert_type(scale, jnp.uint8), BLOCK, axis=-1)[..., :cols]
+    g = GlobalScales(b.to_bits(amax.astype(jnp.float32)))
+    value = b.mul(b.mul(e2m1_decode(codes), e4m3_decode(scales)), g.decode[:, None, None])
+    value = b.canonical_nan(value)
+    if dtype == jnp.bfloat16:
+        return b.f32_to_bf16(value)
+    if dtype == jnp.float16:
+        return b.f32_to_f16(value)
+    return b.from_bits(value)
+
+
+_BACKEND = _frontend.Backend(amax=amax_core, quantize=quantize_core, dequantize=dequantize_core)
+amax = _frontend.amax_fn(_BACKEND)
+quantize = _frontend.quantize_fn(_BACKEND)
+dequantize = _frontend.dequantize_fn(_BACKEND)
