@@ -1,0 +1,19 @@
+"""jax_nvfp4: NVFP4 (4-bit E2M1 + E4M3 block scales) quantization for JAX.
+
+Public API:
+  quantize(x, *, rowwise=True, columnwise=False, block_2d=False, amax=None) -> NVFP4Tensor
+  dequantize(t, dtype=jnp.float32, columnwise=False) -> jax.Array
+  amax(x) -> float32 scalar
+  NVFP4Tensor, and ``reference``: the pure-JAX spec with the same signatures.
+"""
+
+from jax_nvfp4 import _frontend, reference
+from jax_nvfp4.primitives import KERNELS
+from jax_nvfp4.tensor import NVFP4Tensor
+
+quantize = _frontend.quantize_fn(KERNELS)
+dequantize = _frontend.dequantize_fn(KERNELS)
+amax = _frontend.amax_fn(KERNELS)
+
+__all__ = ["NVFP4Tensor", "amax", "dequantize", "quantize", "reference"]
+__version__ = "0.1.0"

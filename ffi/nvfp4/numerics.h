@@ -146,30 +146,15 @@ NVFP4_HD float e2m1_to_float(uint8_t code) {
 }
 
 // E2M1 code of a value already scaled into the E2M1 range: clamp to +-6, round
-// to nearest even. -0.0 gives code 0, negative values that round to 0 give 8,
-// NaN gives 0 (the reference's choices).
+// to nearest even (ties: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4,
+// 5->4). -0.0 gives code 0, negative values that round to 0 give 8, NaN gives 0
+// (every comparison is false): the reference's choices. Branch-free so that
+// the CPU loop vectorizes.
 NVFP4_HD uint8_t float_to_e2m1(float v) {
-  if (v != v) return 0;
   const float a = v < 0.0f ? -v : v;
-  uint8_t m;
-  if (a <= 0.25f) {
-    m = 0;
-  } else if (a < 0.75f) {
-    m = 1;
-  } else if (a <= 1.25f) {
-    m = 2;
-  } else if (a < 1.75f) {
-    m = 3;
-  } else if (a <= 2.5f) {
-    m = 4;
-  } else if (a < 3.5f) {
-    m = 5;
-  } else if (a <= 5.0f) {
-    m = 6;
-  } else {
-    m = 7;  // includes the clamp of everything above 6 and inf
-  }
-  return v < 0.0f ? uint8_t(m | 8u) : m;
+  const int m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                (a >= 3.5f) + (a > 5.0f);
+  return uint8_t(m | (v < 0.0f ? 8 : 0));
 }
 
 // ---- scales ----

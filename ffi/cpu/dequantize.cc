@@ -1,0 +1,95 @@
+// NVFP4 dequantization: value = fp32(E2M1 * E4M3 scale) * global decode scale,
+// written as float32, bfloat16 or float16.
+#include "cpu/common.h"
+#include "cpu/handlers.h"
+
+namespace nvfp4::cpu {
+namespace {
+
+struct StoreF32 {
+  using T = float;
+  static T store(float v) { return v; }
+};
+struct StoreBF16 {
+  using T = uint16_t;
+  static T store(float v) { return float_to_bf16(v); }
+};
+struct StoreF16 {
+  using T = uint16_t;
+  static T store(float v) { return float_to_f16(v); }
+};
+
+template <typename S>
+void dequantize_rows(const uint8_t* data, const uint8_t* scale, float amax, int64_t cols,
+                     int64_t row_begin, int64_t row_end, typename S::T* out) {
+  const float gds = global_scales(amax).decode;
+  const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint8_t* d = data + r * data_cols;
+    const uint8_t* s = scale + r * scale_cols;
+    typename S::T* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t code = (d[c / 2] >> ((c & 1) * 4)) & 0xF;
+      o[c] = S::store(dequantize_value(code, s[c / kBlock], gds));
+    }
+  }
+}
+
+template <typename Fn>
+bool dispatch_output(ffi::DataType dtype, Fn&& fn) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      fn(StoreF32{});
+      return true;
+    case ffi::DataType::BF16:
+      fn(StoreBF16{});
+      return true;
+    case ffi::DataType::F16:
+      fn(StoreF16{});
+      return true;
+    default:
+      return false;
+  }
+}
+
+ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
+                           ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out) {
+  int64_t batch, rows, cols;
+  if (!dims3(*out, batch, rows, cols)) return invalid("dequantize output must be [B, M, N]");
+  if (scale.element_type() != ffi::DataType::F8E4M3FN)
+    return invalid("dequantize scales must be float8_e4m3fn");
+  if (int64_t(data.element_count()) != batch * rows * packed_size(cols) ||
+      int64_t(scale.element_count()) != batch * rows * num_blocks(cols) ||
+      int64_t(amax.element_count()) != batch)
+    return invalid("dequantize operand sizes do not match the output shape");
+  const uint8_t* d = data.typed_data();
+  const auto* s = static_cast<const uint8_t*>(scale.untyped_data());
+  const float* a = amax.typed_data();
+  const bool ok = dispatch_output(out->element_type(), [&](auto storer) {
+    using S = decltype(storer);
+    auto* o = static_cast<typename S::T*>(out->untyped_data());
+    parallel_for(batch * rows, batch * rows * cols * int64_t(sizeof(typename S::T)),
+                 [&](int64_t lo, int64_t hi) {
+                   // Row index i spans batches; split it per batch entry.
+                   for (int64_t i = lo; i < hi;) {
+                     const int64_t b = i / rows, r = i % rows;
+                     const int64_t end = std::min(hi - i + r, rows);
+                     dequantize_rows<S>(d + b * rows * packed_size(cols),
+                                        s + b * rows * num_blocks(cols), a[b], cols, r, end,
+                                        o + b * rows * cols);
+                     i += end - r;
+                   }
+                 });
+  });
+  return ok ? ffi::Error::Success() : invalid("dequantize output must be float32, bfloat16 or float16");
+}
+
+}  // namespace
+}  // namespace nvfp4::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4DequantizeCpu, nvfp4::cpu::dequantize_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::AnyBuffer>());

@@ -1,0 +1,42 @@
+// nanobind module exposing one `registrations()` dict per platform: FFI target
+// name -> handler capsule. Built twice: _nvfp4_cpu always, _nvfp4_cuda (with
+// NVFP4_CUDA_MODULE defined) when the CUDA toolkit is available.
+#include <nanobind/nanobind.h>
+
+#if defined(NVFP4_CUDA_MODULE)
+#include "cuda/handlers.h"
+#define NVFP4_MODULE_NAME _nvfp4_cuda
+#else
+#include "cpu/handlers.h"
+#define NVFP4_MODULE_NAME _nvfp4_cpu
+#endif
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "not an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict registrations() {
+  nb::dict d;
+#if defined(NVFP4_CUDA_MODULE)
+  for (const auto& [name, fn] : nvfp4::cuda::handlers()) d[name] = capsule(fn);
+#else
+  d["nvfp4_amax"] = capsule(Nvfp4AmaxCpu);
+  d["nvfp4_quantize"] = capsule(Nvfp4QuantizeCpu);
+  d["nvfp4_dequantize"] = capsule(Nvfp4DequantizeCpu);
+#endif
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(NVFP4_MODULE_NAME, m) {
+  m.doc() = "NVFP4 XLA FFI handlers";
+  m.def("registrations", &registrations);
+}

@@ -1,0 +1,63 @@
+"""The NVFP4 primitives (amax, quantize, dequantize) and the kernel backend.
+
+Operands and results carry a leading batch axis (see ``_primitive``):
+  nvfp4_amax:       x [B, M, N]                  -> amax float32 [B]
+  nvfp4_quantize:   x [B, M, N], amax [B]        -> data [B, M, ceil(N/2)] uint8,
+                    scale [B, M, ceil(N/16)] e4m3 (rowwise), then data_t [B, N, ceil(M/2)],
+                    scale_t [B, N, ceil(M/16)] (columnwise)
+  nvfp4_dequantize: data, scale, amax [B]        -> [B, M, cols] of `dtype`
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_nvfp4 import _frontend, _primitive, reference
+from jax_nvfp4._primitive import shaped
+from jax_nvfp4.formats import num_blocks, packed_size
+
+SCALE_DTYPE = jnp.float8_e4m3fn
+
+
+def _amax_abstract(x):
+    return (shaped(x.shape[:1], jnp.float32),)
+
+
+def _quantize_abstract(x, amax, *, rowwise, columnwise, block_2d):
+    del amax, block_2d
+    b, m, n = x.shape
+    outs = ()
+    if rowwise:
+        outs += (shaped((b, m, packed_size(n)), jnp.uint8), shaped((b, m, num_blocks(n)), SCALE_DTYPE))
+    if columnwise:
+        outs += (shaped((b, n, packed_size(m)), jnp.uint8), shaped((b, n, num_blocks(m)), SCALE_DTYPE))
+    return outs
+
+
+def _dequantize_abstract(data, scale, amax, *, cols, dtype):
+    del scale, amax
+    return (shaped((*data.shape[:2], cols), dtype),)
+
+
+amax_p = _primitive.define(
+    "nvfp4_amax",
+    abstract_eval=_amax_abstract,
+    reference=lambda x: (reference.amax_core(x),),
+)
+quantize_p = _primitive.define(
+    "nvfp4_quantize",
+    abstract_eval=_quantize_abstract,
+    reference=reference.quantize_core,
+    ffi_attrs=("rowwise", "columnwise", "block_2d"),
+)
+dequantize_p = _primitive.define(
+    "nvfp4_dequantize",
+    abstract_eval=_dequantize_abstract,
+    reference=lambda *a, **p: (reference.dequantize_core(*a, **p),),
+)
+
+KERNELS = _frontend.Backend(
+    amax=lambda x: amax_p.bind(x)[0],
+    quantize=lambda x, amax, **p: tuple(quantize_p.bind(x, amax, **p)),
+    dequantize=lambda data, scale, amax, **p: dequantize_p.bind(data, scale, amax, **p)[0],
+)
