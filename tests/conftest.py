@@ -1,0 +1,39 @@
+"""Shared test fixtures: hypothesis profiles and input generators."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+
+# Every reference call compiles a fresh XLA program per shape, so examples are
+# few but each one is a whole random tensor; CI uses the same profile.
+settings.register_profile(
+    "default",
+    max_examples=int(os.environ.get("NVFP4_HYPOTHESIS_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("default")
+
+SPECIAL_VALUES = {
+    "zero": [0.0, -0.0],
+    "inf": [np.inf, -np.inf],
+    "nan": [np.nan],
+    # float32/bfloat16 subnormals, and values whose scaled products underflow.
+    "subnormal": [1e-39, -1e-39, 3e-45, -5.9e-39, 1e-40],
+    "outlier": [1e30, -3e38, 6.5e4, -1e20],
+    "tiny": [1e-30, -1e-30, -1e-6, 2.0**-126],
+}
+
+
+def random_tensor(rng: np.random.Generator, shape, dtype, *, spread: float, specials: tuple[str, ...], frac: float):
+    """Normal values times 10**U(-spread, spread), with a fraction of special values."""
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-spread, spread, size=shape)
+    pool = [v for name in specials for v in SPECIAL_VALUES[name]]
+    if pool:
+        mask = rng.random(shape) < frac
+        x = np.where(mask, rng.choice(pool, size=shape), x)
+    with np.errstate(over="ignore"):
+        return x.astype(np.float32).astype(dtype)
