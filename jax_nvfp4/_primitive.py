@@ -59,7 +59,7 @@ def define(
         mlir.register_lowering(prim, kernel_lowering, platform=platform)
 
     def batch_rule(args, dims, **params):
-        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not batching.not_mapped)
+        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
         merged = []
         for a, d in zip(args, dims, strict=True):
             a = batching.bdim_at_front(a, d, size)  # [size, B, ...]

@@ -9,6 +9,7 @@ not depend on how a backend treats subnormals.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -192,7 +193,12 @@ def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
     return b.from_bits(value)
 
 
-_BACKEND = _frontend.Backend(amax=amax_core, quantize=quantize_core, dequantize=dequantize_core)
+# Jitted so that eager calls run as one compiled program, not op by op.
+_BACKEND = _frontend.Backend(
+    amax=jax.jit(amax_core),
+    quantize=jax.jit(quantize_core, static_argnames=("rowwise", "columnwise", "block_2d")),
+    dequantize=jax.jit(dequantize_core, static_argnames=("cols", "dtype")),
+)
 amax = _frontend.amax_fn(_BACKEND)
 quantize = _frontend.quantize_fn(_BACKEND)
 dequantize = _frontend.dequantize_fn(_BACKEND)
