@@ -15,91 +15,113 @@ struct Outputs {
   uint8_t* scale_t;
 };
 
-struct Tile {
-  float value[kBlock][kBlock];
-  uint32_t mag[kBlock][kBlock];
-  uint8_t code[kBlock][kBlock];    // rowwise codes, [row][col]
-  uint8_t code_t[kBlock][kBlock];  // columnwise codes, [col][row]
+// Per-thread scratch for one 16-row stripe, reused across stripes.
+struct Stripe {
+  std::vector<float> value;    // [16][width]: the stripe as float32, zero-padded
+  std::vector<uint8_t> code;   // [16][width]: codes with per-column encode scales
+  std::vector<uint32_t> mag;   // [width]: column max magnitude (bits)
+  std::vector<float> enc;      // [width]: encode scale of each column's block
+  std::vector<uint8_t> scale;  // [width]: E4M3 scale of each column's block
 };
 
-// Packs 16 codes into at most 8 bytes (fewer at the padded end of a row).
-inline void pack(const uint8_t* codes, uint8_t* dst, int64_t nbytes) {
-  for (int64_t k = 0; k < nbytes; ++k) dst[k] = uint8_t(codes[2 * k] | (codes[2 * k + 1] << 4));
-}
-
-inline void encode_run(const float* v, float enc, uint8_t* codes, int64_t stride = 1) {
-  for (int k = 0; k < kBlock; ++k) codes[k] = quantize_value(v[k * stride], enc);
+// Encodes n values with one encode scale per value (vectorizes over n).
+inline void encode(const float* v, const float* enc, uint8_t* codes, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) codes[k] = quantize_value(v[k], enc[k]);
 }
 
 template <typename L>
-void load_tile(const typename L::T* x, int64_t cols, int64_t nrows, int64_t ncols, Tile& t) {
-  for (int r = 0; r < kBlock; ++r) {
-    for (int c = 0; c < kBlock; ++c) {
-      // Zero padding past the matrix edge, as the reference pads.
-      const float v = (r < nrows && c < ncols) ? L::load(x[r * cols + c]) : 0.0f;
-      t.value[r][c] = v;
-      t.mag[r][c] = magnitude_bits(v);
+void load_stripe(const typename L::T* x, int64_t cols, int64_t nrows, int64_t width, float* out) {
+  for (int64_t r = 0; r < kBlock; ++r) {
+    float* o = out + r * width;
+    if (r < nrows) {
+      const typename L::T* xr = x + r * cols;
+      for (int64_t c = 0; c < cols; ++c) o[c] = L::load(xr[c]);
+      std::fill(o + cols, o + width, 0.0f);  // zero padding, as the reference pads
+    } else {
+      std::fill(o, o + width, 0.0f);
+    }
+  }
+}
+
+// Rowwise 1x16: each row's blocks get their own scale.
+void rowwise_1d(const Stripe& st, int64_t nrows, int64_t cols, int64_t width, int64_t m0,
+                const GlobalScales& g, const Outputs& o) {
+  const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
+  uint8_t codes[kBlock];
+  for (int64_t r = 0; r < nrows; ++r) {
+    const float* v = st.value.data() + r * width;
+    uint8_t* data = o.data + (m0 + r) * data_cols;
+    uint8_t* scale = o.scale + (m0 + r) * scale_cols;
+    for (int64_t n0 = 0; n0 < cols; n0 += kBlock) {
+      uint32_t m = 0;
+      for (int k = 0; k < kBlock; ++k) m = std::max(m, magnitude_bits(v[n0 + k]));
+      const uint8_t s = block_scale(amax_from_bits(m), g);
+      const float enc = block_encode_scale(s, g);
+      for (int k = 0; k < kBlock; ++k) codes[k] = quantize_value(v[n0 + k], enc);
+      const int64_t nbytes = std::min<int64_t>(kBlock / 2, data_cols - n0 / 2);
+      for (int64_t k = 0; k < nbytes; ++k)
+        data[n0 / 2 + k] = uint8_t(codes[2 * k] | (codes[2 * k + 1] << 4));
+      scale[n0 / kBlock] = s;
     }
   }
 }
 
 // Quantizes the 16-row stripe starting at row m0 of one [rows, cols] matrix.
+// Columnwise 1x16 blocks (16 rows of one column) and 16x16 blocks both take
+// one encode scale per column of the stripe, so they share one vector loop.
 template <typename L>
 void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t m0,
-                     const GlobalScales& g, bool block_2d, const Outputs& o) {
+                     const GlobalScales& g, bool block_2d, const Outputs& o, Stripe& st) {
   const int64_t nrows = std::min<int64_t>(kBlock, rows - m0);
-  const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
-  const int64_t data_t_cols = packed_size(rows), scale_t_cols = num_blocks(rows);
+  const int64_t width = num_blocks(cols) * kBlock;
+  st.value.resize(kBlock * width);
+  load_stripe<L>(x + m0 * cols, cols, nrows, width, st.value.data());
+  if (o.data && !block_2d) rowwise_1d(st, nrows, cols, width, m0, g, o);
+  if (!block_2d && !o.data_t) return;
+
+  st.code.resize(kBlock * width);
+  st.mag.assign(width, 0);
+  st.enc.resize(width);
+  st.scale.resize(width);
+  for (int64_t r = 0; r < kBlock; ++r) {
+    const float* v = st.value.data() + r * width;
+    for (int64_t c = 0; c < width; ++c) st.mag[c] = std::max(st.mag[c], magnitude_bits(v[c]));
+  }
+  for (int64_t c = 0; c < width; c += block_2d ? kBlock : 1) {
+    uint32_t m = st.mag[c];
+    if (block_2d)
+      for (int k = 1; k < kBlock; ++k) m = std::max(m, st.mag[c + k]);
+    const uint8_t s = block_scale(amax_from_bits(m), g);
+    const float enc = block_encode_scale(s, g);
+    for (int k = 0; k < (block_2d ? kBlock : 1); ++k) {
+      st.scale[c + k] = s;
+      st.enc[c + k] = enc;
+    }
+  }
+  for (int64_t r = 0; r < kBlock; ++r)
+    encode(st.value.data() + r * width, st.enc.data(), st.code.data() + r * width, width);
+
   const int64_t mb = m0 / kBlock;
-  Tile t;
-  for (int64_t n0 = 0; n0 < cols; n0 += kBlock) {
-    const int64_t ncols = std::min<int64_t>(kBlock, cols - n0), nb = n0 / kBlock;
-    const int64_t row_bytes = std::min<int64_t>(kBlock / 2, data_cols - n0 / 2);
-    const int64_t col_bytes = std::min<int64_t>(kBlock / 2, data_t_cols - m0 / 2);
-    load_tile<L>(x + m0 * cols + n0, cols, nrows, ncols, t);
-    if (block_2d) {
-      uint32_t m = 0;
-      for (int r = 0; r < kBlock; ++r)
-        for (int c = 0; c < kBlock; ++c) m = std::max(m, t.mag[r][c]);
-      const uint8_t s = block_scale(amax_from_bits(m), g);
-      const float enc = block_encode_scale(s, g);
-      for (int r = 0; r < kBlock; ++r) encode_run(t.value[r], enc, t.code[r]);
-      for (int r = 0; r < kBlock; ++r)
-        for (int c = 0; c < kBlock; ++c) t.code_t[c][r] = t.code[r][c];
-      if (o.data) {
-        for (int64_t r = 0; r < nrows; ++r) {
-          pack(t.code[r], o.data + (m0 + r) * data_cols + n0 / 2, row_bytes);
-          o.scale[(m0 + r) * scale_cols + nb] = s;
-        }
-      }
-      if (o.data_t) {
-        for (int64_t c = 0; c < ncols; ++c) {
-          pack(t.code_t[c], o.data_t + (n0 + c) * data_t_cols + m0 / 2, col_bytes);
-          o.scale_t[(n0 + c) * scale_t_cols + mb] = s;
-        }
-      }
-      continue;
+  if (o.data && block_2d) {
+    const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
+    for (int64_t r = 0; r < nrows; ++r) {
+      const uint8_t* code = st.code.data() + r * width;
+      uint8_t* data = o.data + (m0 + r) * data_cols;
+      for (int64_t k = 0; k < data_cols; ++k)
+        data[k] = uint8_t(code[2 * k] | (code[2 * k + 1] << 4));
+      for (int64_t b = 0; b < scale_cols; ++b)
+        o.scale[(m0 + r) * scale_cols + b] = st.scale[b * kBlock];
     }
-    if (o.data) {
-      for (int64_t r = 0; r < nrows; ++r) {
-        uint32_t m = 0;
-        for (int c = 0; c < kBlock; ++c) m = std::max(m, t.mag[r][c]);
-        const uint8_t s = block_scale(amax_from_bits(m), g);
-        encode_run(t.value[r], block_encode_scale(s, g), t.code[r]);
-        pack(t.code[r], o.data + (m0 + r) * data_cols + n0 / 2, row_bytes);
-        o.scale[(m0 + r) * scale_cols + nb] = s;
-      }
-    }
-    if (o.data_t) {
-      uint32_t m[kBlock] = {};
-      for (int r = 0; r < kBlock; ++r)
-        for (int c = 0; c < kBlock; ++c) m[c] = std::max(m[c], t.mag[r][c]);
-      for (int64_t c = 0; c < ncols; ++c) {
-        const uint8_t s = block_scale(amax_from_bits(m[c]), g);
-        encode_run(&t.value[0][c], block_encode_scale(s, g), t.code_t[c], kBlock);
-        pack(t.code_t[c], o.data_t + (n0 + c) * data_t_cols + m0 / 2, col_bytes);
-        o.scale_t[(n0 + c) * scale_t_cols + mb] = s;
-      }
+  }
+  if (o.data_t) {
+    const int64_t data_t_cols = packed_size(rows), scale_t_cols = num_blocks(rows);
+    const int64_t nbytes = std::min<int64_t>(kBlock / 2, data_t_cols - m0 / 2);
+    const uint8_t* code = st.code.data();
+    for (int64_t c = 0; c < cols; ++c) {
+      uint8_t* data_t = o.data_t + c * data_t_cols + m0 / 2;
+      for (int64_t k = 0; k < nbytes; ++k)
+        data_t[k] = uint8_t(code[2 * k * width + c] | (code[(2 * k + 1) * width + c] << 4));
+      o.scale_t[c * scale_t_cols + mb] = st.scale[c];
     }
   }
 }
@@ -147,6 +169,7 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Rema
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     const int64_t cost = batch * rows * cols * int64_t(sizeof(typename L::T));
     parallel_for(batch * stripes, cost, [&](int64_t lo, int64_t hi) {
+      Stripe st;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t b = i / stripes, stripe = i % stripes;
         const Outputs ob{
@@ -156,7 +179,7 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Rema
             o.scale_t ? o.scale_t + b * cols * num_blocks(rows) : nullptr,
         };
         quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock,
-                           global_scales(amax_data[b]), block_2d, ob);
+                           global_scales(amax_data[b]), block_2d, ob, st);
       }
     });
   });

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 #if defined(__CUDACC__)
@@ -151,7 +152,7 @@ NVFP4_HD float e2m1_to_float(uint8_t code) {
 // (every comparison is false): the reference's choices. Branch-free so that
 // the CPU loop vectorizes.
 NVFP4_HD uint8_t float_to_e2m1(float v) {
-  const float a = v < 0.0f ? -v : v;
+  const float a = fabsf(v);
   const int m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
                 (a >= 3.5f) + (a > 5.0f);
   return uint8_t(m | (v < 0.0f ? 8 : 0));
