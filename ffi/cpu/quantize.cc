@@ -1,8 +1,12 @@
 // NVFP4 quantization: one pass over the input in 16x16 tiles produces the
 // rowwise copy and/or the columnwise copy (quantization of x^T, stored
 // transposed), with 1x16 or 16x16 blocks.
+#include <cstring>
+
 #include "cpu/common.h"
 #include "cpu/handlers.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "columnwise packing writes little-endian words");
 
 namespace nvfp4::cpu {
 namespace {
@@ -22,10 +26,17 @@ struct Stripe {
   std::vector<uint32_t> mag;   // [width]: column max magnitude (bits)
   std::vector<float> enc;      // [width]: encode scale of each column's block
   std::vector<uint8_t> scale;  // [width]: E4M3 scale of each column's block
+  std::vector<uint64_t> word;  // [width]: a column's 8 packed bytes of the columnwise copy
 };
 
+// Packs codes into bytes, element 2i in the low nibble.
+inline void pack(const uint8_t* __restrict codes, uint8_t* __restrict dst, int64_t nbytes) {
+  for (int64_t k = 0; k < nbytes; ++k) dst[k] = uint8_t(codes[2 * k] | (codes[2 * k + 1] << 4));
+}
+
 // Encodes n values with one encode scale per value (vectorizes over n).
-inline void encode(const float* v, const float* enc, uint8_t* codes, int64_t n) {
+inline void encode(const float* __restrict v, const float* __restrict enc,
+                   uint8_t* __restrict codes, int64_t n) {
   for (int64_t k = 0; k < n; ++k) codes[k] = quantize_value(v[k], enc[k]);
 }
 
@@ -43,26 +54,46 @@ void load_stripe(const typename L::T* x, int64_t cols, int64_t nrows, int64_t wi
   }
 }
 
+// Scales and encode scales of blocks from their max magnitudes (vectorizes).
+inline void block_scales(const uint32_t* __restrict mag, int64_t n, const GlobalScales& g,
+                         uint8_t* __restrict scale, float* __restrict enc) {
+  for (int64_t i = 0; i < n; ++i) {
+    scale[i] = block_scale(amax_from_bits(mag[i]), g);
+    enc[i] = block_encode_scale(scale[i], g);
+  }
+}
+
+// Max magnitude (bits) of each run of 16 values.
+inline void block_max(const float* __restrict v, uint32_t* __restrict mag, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint32_t m = 0;
+    for (int k = 0; k < kBlock; ++k) m = std::max(m, magnitude_bits(v[b * kBlock + k]));
+    mag[b] = m;
+  }
+}
+
+// Encodes runs of 16 values, each run with its own encode scale.
+inline void encode_blocks(const float* __restrict v, const float* __restrict enc,
+                          uint8_t* __restrict codes, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float e = enc[b];
+    for (int k = 0; k < kBlock; ++k) codes[b * kBlock + k] = quantize_value(v[b * kBlock + k], e);
+  }
+}
+
 // Rowwise 1x16: each row's blocks get their own scale.
-void rowwise_1d(const Stripe& st, int64_t nrows, int64_t cols, int64_t width, int64_t m0,
+void rowwise_1d(Stripe& st, int64_t nrows, int64_t cols, int64_t width, int64_t m0,
                 const GlobalScales& g, const Outputs& o) {
-  const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
-  uint8_t codes[kBlock];
+  const int64_t data_cols = packed_size(cols), nb = num_blocks(cols);
+  st.code.resize(width);
+  st.mag.resize(nb);
+  st.enc.resize(nb);
   for (int64_t r = 0; r < nrows; ++r) {
     const float* v = st.value.data() + r * width;
-    uint8_t* data = o.data + (m0 + r) * data_cols;
-    uint8_t* scale = o.scale + (m0 + r) * scale_cols;
-    for (int64_t n0 = 0; n0 < cols; n0 += kBlock) {
-      uint32_t m = 0;
-      for (int k = 0; k < kBlock; ++k) m = std::max(m, magnitude_bits(v[n0 + k]));
-      const uint8_t s = block_scale(amax_from_bits(m), g);
-      const float enc = block_encode_scale(s, g);
-      for (int k = 0; k < kBlock; ++k) codes[k] = quantize_value(v[n0 + k], enc);
-      const int64_t nbytes = std::min<int64_t>(kBlock / 2, data_cols - n0 / 2);
-      for (int64_t k = 0; k < nbytes; ++k)
-        data[n0 / 2 + k] = uint8_t(codes[2 * k] | (codes[2 * k + 1] << 4));
-      scale[n0 / kBlock] = s;
-    }
+    block_max(v, st.mag.data(), nb);
+    block_scales(st.mag.data(), nb, g, o.scale + (m0 + r) * nb, st.enc.data());
+    encode_blocks(v, st.enc.data(), st.code.data(), nb);
+    pack(st.code.data(), o.data + (m0 + r) * data_cols, data_cols);
   }
 }
 
@@ -79,6 +110,7 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
   if (o.data && !block_2d) rowwise_1d(st, nrows, cols, width, m0, g, o);
   if (!block_2d && !o.data_t) return;
 
+  // Columnwise 1x16 or 16x16: one encode scale per column of the stripe.
   st.code.resize(kBlock * width);
   st.mag.assign(width, 0);
   st.enc.resize(width);
@@ -87,16 +119,21 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
     const float* v = st.value.data() + r * width;
     for (int64_t c = 0; c < width; ++c) st.mag[c] = std::max(st.mag[c], magnitude_bits(v[c]));
   }
-  for (int64_t c = 0; c < width; c += block_2d ? kBlock : 1) {
-    uint32_t m = st.mag[c];
-    if (block_2d)
-      for (int k = 1; k < kBlock; ++k) m = std::max(m, st.mag[c + k]);
-    const uint8_t s = block_scale(amax_from_bits(m), g);
-    const float enc = block_encode_scale(s, g);
-    for (int k = 0; k < (block_2d ? kBlock : 1); ++k) {
-      st.scale[c + k] = s;
-      st.enc[c + k] = enc;
+  if (block_2d) {
+    // One block per 16 columns: fold the column maxima, then spread the scales.
+    const int64_t nb = width / kBlock;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint32_t m = 0;
+      for (int k = 0; k < kBlock; ++k) m = std::max(m, st.mag[b * kBlock + k]);
+      st.mag[b] = m;
     }
+    block_scales(st.mag.data(), nb, g, st.scale.data(), st.enc.data());
+    for (int64_t c = width - 1; c >= 0; --c) {
+      st.scale[c] = st.scale[c / kBlock];
+      st.enc[c] = st.enc[c / kBlock];
+    }
+  } else {
+    block_scales(st.mag.data(), width, g, st.scale.data(), st.enc.data());
   }
   for (int64_t r = 0; r < kBlock; ++r)
     encode(st.value.data() + r * width, st.enc.data(), st.code.data() + r * width, width);
@@ -107,8 +144,7 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
     for (int64_t r = 0; r < nrows; ++r) {
       const uint8_t* code = st.code.data() + r * width;
       uint8_t* data = o.data + (m0 + r) * data_cols;
-      for (int64_t k = 0; k < data_cols; ++k)
-        data[k] = uint8_t(code[2 * k] | (code[2 * k + 1] << 4));
+      pack(code, data, data_cols);
       for (int64_t b = 0; b < scale_cols; ++b)
         o.scale[(m0 + r) * scale_cols + b] = st.scale[b * kBlock];
     }
@@ -116,11 +152,17 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
   if (o.data_t) {
     const int64_t data_t_cols = packed_size(rows), scale_t_cols = num_blocks(rows);
     const int64_t nbytes = std::min<int64_t>(kBlock / 2, data_t_cols - m0 / 2);
-    const uint8_t* code = st.code.data();
+    // Byte k of column c packs the codes of rows 2k and 2k+1: build each
+    // column's 8 bytes as one little-endian word, row pair by row pair.
+    st.word.assign(width, 0);
+    uint64_t* __restrict word = st.word.data();
+    for (int64_t k = 0; k < kBlock / 2; ++k) {
+      const uint8_t* __restrict lo = st.code.data() + 2 * k * width;
+      const uint8_t* __restrict hi = lo + width;
+      for (int64_t c = 0; c < width; ++c) word[c] |= uint64_t(lo[c] | (hi[c] << 4)) << (8 * k);
+    }
     for (int64_t c = 0; c < cols; ++c) {
-      uint8_t* data_t = o.data_t + c * data_t_cols + m0 / 2;
-      for (int64_t k = 0; k < nbytes; ++k)
-        data_t[k] = uint8_t(code[2 * k * width + c] | (code[(2 * k + 1) * width + c] << 4));
+      std::memcpy(o.data_t + c * data_t_cols + m0 / 2, &word[c], size_t(nbytes));
       o.scale_t[c * scale_t_cols + mb] = st.scale[c];
     }
   }

@@ -107,35 +107,36 @@ NVFP4_HD float amax_from_bits(uint32_t m) {
 
 // ---- E4M3 (float8_e4m3fn) ----
 
+// Branch-free (selects only) so that the CPU loops over blocks vectorize.
 NVFP4_HD float e4m3_to_float(uint8_t c) {
   const uint32_t sign = uint32_t(c & 0x80u) << 24;
   const uint32_t exp = (c >> 3) & 0xFu;
   const uint32_t mant = c & 0x7u;
-  if (exp == 0xF && mant == 0x7) return bits_float(sign | kCanonicalNaN);
-  if (exp == 0) return (c & 0x80u ? -1.0f : 1.0f) * float(mant) * (1.0f / 512.0f);
-  return bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
+  const uint32_t normal = ((exp + 120u) << 23) | (mant << 20);
+  const uint32_t subnormal = float_bits(float(mant) * (1.0f / 512.0f));  // exact
+  const uint32_t mag = exp == 0 ? subnormal : normal;
+  return bits_float(sign | ((c & 0x7Fu) == 0x7Fu ? kCanonicalNaN : mag));
+}
+
+NVFP4_HD float round_to_integer(float v) {  // round to nearest even
+#if defined(__CUDA_ARCH__)
+  return rintf(v);
+#else
+  return std::rint(v);
+#endif
 }
 
 // Round to nearest even E4M3. The caller clamps to [-448, 448] first; NaN -> 0xFF.
 NVFP4_HD uint8_t float_to_e4m3(float v) {
   const uint32_t u = float_bits(v);
-  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t mag = u & 0x7FFFFFFFu;
-  if (mag > 0x7F800000u) return kE4M3NaN;
-  const int exp = int(mag >> 23) - 127;
-  if (exp >= -6) {  // normal E4M3: keep 3 mantissa bits
-    const uint32_t r = (mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20;
-    return sign | uint8_t(r - (120u << 3));
-  }
-  if (exp < -11) return sign;  // below half of 2^-9 (and float32 subnormals)
-  // E4M3 subnormal: code = round(v * 2^9); v = sig * 2^(exp-23).
-  const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u;
-  const int shift = 14 - exp;  // 21..25
-  const uint32_t q = sig >> shift;
-  const uint32_t rem = sig & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1);
-  const uint32_t up = (rem > half || (rem == half && (q & 1u))) ? 1u : 0u;
-  return sign | uint8_t(q + up);
+  // Normal E4M3 (|v| >= 2^-6): keep 3 mantissa bits, rebias the exponent.
+  const uint32_t normal = ((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - (120u << 3);
+  // Subnormal E4M3: code = round(|v| * 2^9), the multiply being exact.
+  const uint32_t subnormal = uint32_t(round_to_integer(bits_float(mag) * 512.0f));
+  const uint32_t code = sign | (mag >= 0x3C800000u ? normal : subnormal);
+  return uint8_t(mag > 0x7F800000u ? kE4M3NaN : code);
 }
 
 // ---- E2M1 ----
