@@ -142,9 +142,11 @@ NVFP4_HD uint8_t float_to_e4m3(float v) {
 // ---- E2M1 ----
 
 NVFP4_HD float e2m1_to_float(uint8_t code) {
-  constexpr float kValues[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  const float v = kValues[code & 7u];
-  return (code & 8u) ? -v : v;
+  // Bits built arithmetically (no table) so that the loops vectorize.
+  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  const uint32_t normal = ((e + 126u) << 23) | (m << 22);  // (1 + m/2) * 2^(e-1)
+  const uint32_t small = m ? 0x3F000000u : 0u;              // 0.5 or 0
+  return bits_float((uint32_t(code & 8u) << 28) | (e ? normal : small));
 }
 
 // E2M1 code of a value already scaled into the E2M1 range: clamp to +-6, round
