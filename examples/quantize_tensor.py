@@ -24,9 +24,9 @@ import numpy as np
 import jax_nvfp4
 
 matplotlib.use("Agg")
-import matplotlib.cbook as cbook  # noqa: E402
-import matplotlib.image as mpimg  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.cbook as cbook
+import matplotlib.image as mpimg
+import matplotlib.pyplot as plt
 
 
 def photograph() -> np.ndarray:

@@ -61,15 +61,14 @@ def min_magnitude(u: jnp.ndarray, limit: int) -> jnp.ndarray:
 
 
 def _unpack(u: jnp.ndarray):
-    """(sign, exponent, significand) with value = sig * 2**(exp - 23), sig in [2^23, 2^24)."""
-    sign = u & SIGN
+    """(exponent, significand) of |u| with value = sig * 2**(exp - 23), sig in [2^23, 2^24)."""
     field = (u >> 23) & 0xFF
     mant = u & 0x7FFFFF
     # Subnormals: shift the leading one up to bit 23.
     shift = jnp.where(field == 0, lax.clz(mant | 1) - 8, 0).astype(U32)
     sig = jnp.where(field == 0, mant << shift, mant | 0x800000)
     exp = jnp.where(field == 0, 1 - 127 - shift.astype(jnp.int32), field.astype(jnp.int32) - 127)
-    return sign, exp, sig
+    return exp, sig
 
 
 def _round_pack(sign, exp, sig26, sticky):
@@ -97,8 +96,8 @@ def mul(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     """Bits of fp32(a * b), round to nearest even, subnormals kept."""
     a, b = jnp.broadcast_arrays(u32(a), u32(b))
     sign = (a ^ b) & SIGN
-    sa, ea, ma = _unpack(a)
-    sb, eb, mb = _unpack(b)
+    ea, ma = _unpack(a)
+    eb, mb = _unpack(b)
     # 24x24-bit product as 12-bit limbs: every partial product fits in 32 bits.
     a1, a0 = ma >> 12, ma & 0xFFF
     b1, b0 = mb >> 12, mb & 0xFFF
@@ -124,8 +123,8 @@ def div(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     """Bits of fp32(a / b), round to nearest even, subnormals kept."""
     a, b = jnp.broadcast_arrays(u32(a), u32(b))
     sign = (a ^ b) & SIGN
-    _, ea, ma = _unpack(a)
-    _, eb, mb = _unpack(b)
+    ea, ma = _unpack(a)
+    eb, mb = _unpack(b)
     # Long division: 26 quotient bits with the leading one at bit 25.
     below = ma < mb
     r = jnp.where(below, ma << 1, ma)

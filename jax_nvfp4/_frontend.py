@@ -131,9 +131,7 @@ def dequantize_fn(backend: Backend) -> Callable:
         if columnwise:
             if t.data_t is None:
                 raise ValueError("this NVFP4Tensor has no columnwise copy (quantize with columnwise=True)")
-            out = backend.dequantize(
-                t.data_t[None], t.scale_t[None], t.amax_t.reshape(1), cols=m, dtype=dtype
-            )
+            out = backend.dequantize(t.data_t[None], t.scale_t[None], t.amax_t.reshape(1), cols=m, dtype=dtype)
             return out[0].T.reshape(t.shape)
         if t.data is None:
             raise ValueError("this NVFP4Tensor has no rowwise copy (quantize with rowwise=True)")

@@ -26,9 +26,9 @@ def _random_bits(seed: int, n: int = 4096) -> np.ndarray:
     """Bit patterns with every exponent range well represented, subnormals included."""
     rng = np.random.default_rng(seed)
     sign = rng.integers(0, 2, n, dtype=np.uint32) << 31
-    exponent = rng.choice(
-        np.concatenate([np.arange(0, 8), np.arange(100, 160), np.arange(240, 256)]), n
-    ).astype(np.uint32)
+    exponent = rng.choice(np.concatenate([np.arange(0, 8), np.arange(100, 160), np.arange(240, 256)]), n).astype(
+        np.uint32
+    )
     mantissa = rng.integers(0, 1 << 23, n, dtype=np.uint32)
     mantissa = np.where(rng.random(n) < 0.2, mantissa & 0x7F0000, mantissa)  # short mantissas: exact cases, ties
     return np.concatenate([sign | (exponent << 23) | mantissa, EDGE_BITS])

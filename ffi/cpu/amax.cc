@@ -29,13 +29,14 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
       constexpr int64_t kChunks = 64;
       uint32_t partial[kChunks] = {};
       const int64_t chunk = (per_batch + kChunks - 1) / kChunks;
-      parallel_for(kChunks, per_batch * int64_t(sizeof(typename L::T)), [&](int64_t lo, int64_t hi) {
-        for (int64_t c = lo; c < hi; ++c) {
-          const int64_t begin = std::min(per_batch, c * chunk);
-          const int64_t end = std::min(per_batch, begin + chunk);
-          partial[c] = max_magnitude_bits<L>(xb + begin, end - begin);
-        }
-      });
+      parallel_for(kChunks, per_batch * int64_t(sizeof(typename L::T)),
+                   [&](int64_t lo, int64_t hi) {
+                     for (int64_t c = lo; c < hi; ++c) {
+                       const int64_t begin = std::min(per_batch, c * chunk);
+                       const int64_t end = std::min(per_batch, begin + chunk);
+                       partial[c] = max_magnitude_bits<L>(xb + begin, end - begin);
+                     }
+                   });
       uint32_t m = 0;
       for (uint32_t p : partial) m = std::max(m, p);
       out->typed_data()[b] = amax_from_bits(m);
@@ -47,7 +48,6 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
 }  // namespace
 }  // namespace nvfp4::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4AmaxCpu, nvfp4::cpu::amax_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    Nvfp4AmaxCpu, nvfp4::cpu::amax_impl,
+    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::Buffer<xla::ffi::F32>>());

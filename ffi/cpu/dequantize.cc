@@ -89,7 +89,8 @@ ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
                    }
                  });
   });
-  return ok ? ffi::Error::Success() : invalid("dequantize output must be float32, bfloat16 or float16");
+  return ok ? ffi::Error::Success()
+            : invalid("dequantize output must be float32, bfloat16 or float16");
 }
 
 }  // namespace

@@ -6,7 +6,8 @@
 #include "cpu/common.h"
 #include "cpu/handlers.h"
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "columnwise packing writes little-endian words");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "columnwise packing writes little-endian words");
 
 namespace nvfp4::cpu {
 namespace {
@@ -184,25 +185,16 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Rema
   int64_t batch, rows, cols;
   if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
   if (int64_t(amax.element_count()) != batch) return invalid("quantize amax must be [B]");
-  Outputs o{nullptr, nullptr, nullptr, nullptr};
+  // Per batch entry: data, scale (rowwise), data_t, scale_t (columnwise).
+  const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
+                            cols * packed_size(rows), cols * num_blocks(rows)};
+  const bool wanted[4] = {rowwise, rowwise, columnwise, columnwise};
+  uint8_t* ptrs[4] = {nullptr, nullptr, nullptr, nullptr};
   size_t next = 0;
-  if (rowwise) {
-    if (auto e = output(outs, next++, ffi::DataType::U8, batch * rows * packed_size(cols), o.data);
-        e.failure())
-      return e;
-    if (auto e = output(outs, next++, ffi::DataType::F8E4M3FN, batch * rows * num_blocks(cols),
-                        o.scale);
-        e.failure())
-      return e;
-  }
-  if (columnwise) {
-    if (auto e = output(outs, next++, ffi::DataType::U8, batch * cols * packed_size(rows), o.data_t);
-        e.failure())
-      return e;
-    if (auto e = output(outs, next++, ffi::DataType::F8E4M3FN, batch * cols * num_blocks(rows),
-                        o.scale_t);
-        e.failure())
-      return e;
+  for (int i = 0; i < 4; ++i) {
+    if (!wanted[i]) continue;
+    const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
+    if (auto e = output(outs, next++, dtype, batch * sizes[i], ptrs[i]); e.failure()) return e;
   }
   const float* amax_data = amax.typed_data();
   const int64_t stripes = num_blocks(rows);
@@ -214,18 +206,16 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Rema
       Stripe st;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t b = i / stripes, stripe = i % stripes;
-        const Outputs ob{
-            o.data ? o.data + b * rows * packed_size(cols) : nullptr,
-            o.scale ? o.scale + b * rows * num_blocks(cols) : nullptr,
-            o.data_t ? o.data_t + b * cols * packed_size(rows) : nullptr,
-            o.scale_t ? o.scale_t + b * cols * num_blocks(rows) : nullptr,
-        };
+        uint8_t* p[4];
+        for (int k = 0; k < 4; ++k) p[k] = ptrs[k] ? ptrs[k] + b * sizes[k] : nullptr;
+        const Outputs ob{p[0], p[1], p[2], p[3]};
         quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock,
                            global_scales(amax_data[b]), block_2d, ob, st);
       }
     });
   });
-  return ok ? ffi::Error::Success() : invalid("quantize input must be bfloat16, float16 or float32");
+  return ok ? ffi::Error::Success()
+            : invalid("quantize input must be bfloat16, float16 or float32");
 }
 
 }  // namespace

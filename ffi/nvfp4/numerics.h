@@ -6,8 +6,8 @@
 // subnormals preserved (no flush-to-zero, no fast-math, no FMA contraction).
 #pragma once
 
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #if defined(__CUDACC__)
@@ -18,12 +18,12 @@
 
 namespace nvfp4 {
 
-constexpr int kBlock = 16;           // values per block (1x16) or block side (16x16)
-constexpr float kE2M1Max = 6.0f;     // largest E2M1 magnitude
-constexpr float kE4M3Max = 448.0f;   // largest E4M3 magnitude
+constexpr int kBlock = 16;          // values per block (1x16) or block side (16x16)
+constexpr float kE2M1Max = 6.0f;    // largest E2M1 magnitude
+constexpr float kE4M3Max = 448.0f;  // largest E4M3 magnitude
 constexpr float kFloatMax = 3.40282346638528859812e+38f;
 constexpr uint32_t kCanonicalNaN = 0x7FC00000u;
-constexpr uint8_t kE4M3NaN = 0xFF;   // what the reference writes for a NaN scale
+constexpr uint8_t kE4M3NaN = 0xFF;  // what the reference writes for a NaN scale
 
 NVFP4_HD uint32_t float_bits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -145,7 +145,7 @@ NVFP4_HD float e2m1_to_float(uint8_t code) {
   // Bits built arithmetically (no table) so that the loops vectorize.
   const uint32_t e = (code >> 1) & 3u, m = code & 1u;
   const uint32_t normal = ((e + 126u) << 23) | (m << 22);  // (1 + m/2) * 2^(e-1)
-  const uint32_t small = m ? 0x3F000000u : 0u;              // 0.5 or 0
+  const uint32_t small = m ? 0x3F000000u : 0u;             // 0.5 or 0
   return bits_float((uint32_t(code & 8u) << 28) | (e ? normal : small));
 }
 
@@ -156,8 +156,8 @@ NVFP4_HD float e2m1_to_float(uint8_t code) {
 // the CPU loop vectorizes.
 NVFP4_HD uint8_t float_to_e2m1(float v) {
   const float a = fabsf(v);
-  const int m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-                (a >= 3.5f) + (a > 5.0f);
+  const int m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                (a > 5.0f);
   return uint8_t(m | (v < 0.0f ? 8 : 0));
 }
 
@@ -165,9 +165,9 @@ NVFP4_HD uint8_t float_to_e2m1(float v) {
 
 // Per-tensor scales derived from the global amax.
 struct GlobalScales {
-  float encode;        // ges = min(6 * 448 / amax, FLT_MAX), 0 replaced by 1
-  float encode_div6;   // ges * fp32(1/6): the block-scale multiplier
-  float decode;        // gds = 1 / ges
+  float encode;       // ges = min(6 * 448 / amax, FLT_MAX), 0 replaced by 1
+  float encode_div6;  // ges * fp32(1/6): the block-scale multiplier
+  float decode;       // gds = 1 / ges
 };
 
 NVFP4_HD GlobalScales global_scales(float amax) {
