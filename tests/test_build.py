@@ -18,3 +18,27 @@ def test_cpu_kernels_are_registered():
 def test_cuda_module_was_built():
     # CI sets NVFP4_CUDA=ON wherever nvcc exists: the CUDA sources must compile.
     assert _ffi.cuda_module_built()
+
+
+def test_platforms_without_a_kernel_lower_to_the_reference():
+    # Exported for CUDA on this CPU-only machine: where the CUDA module has no
+    # kernel for an op, the op must lower to the pure-JAX reference instead.
+    import jax
+    import jax.numpy as jnp
+
+    import jax_nvfp4
+
+    targets = ("nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize")
+
+    def f(x):
+        return jax_nvfp4.dequantize(jax_nvfp4.quantize(x, columnwise=True))
+
+    def exported(platform: str) -> str:
+        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+        exp = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)
+        return exp(jax.ShapeDtypeStruct((32, 48), jnp.bfloat16)).mlir_module()
+
+    cpu, cuda = exported("cpu"), exported("cuda")
+    for target in targets:
+        assert f"custom_call @{target}(" in cpu
+        assert (f"custom_call @{target}(" in cuda) == ("cuda" in _ffi.platforms_with(target)), target
