@@ -55,8 +55,13 @@ def canonical_nan(u: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(is_nan(u), u32(NAN), u)
 
 
-def min_magnitude(u: jnp.ndarray, limit: int) -> jnp.ndarray:
-    """min(x, limit) for x >= 0 or NaN (NaN passes through, as torch.min does)."""
+def minimum(u: jnp.ndarray, limit: int) -> jnp.ndarray:
+    """min(x, limit) for a positive limit; NaN passes through (as torch.min does)."""
+    return jnp.where((u > limit) & (u <= INF), u32(limit), u)  # positive, not NaN
+
+
+def clamp_magnitude(u: jnp.ndarray, limit: int) -> jnp.ndarray:
+    """clamp(x, -limit, limit); NaN passes through."""
     return jnp.where(~is_nan(u) & (magnitude(u) > limit), u32(limit) | (u & SIGN), u)
 
 

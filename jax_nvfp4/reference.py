@@ -92,7 +92,7 @@ class GlobalScales:
     """Per-tensor scales from the global amax (float32 bits, shape [B])."""
 
     def __init__(self, amax_bits: jnp.ndarray):
-        ges = b.min_magnitude(b.div(_F32_2688, amax_bits), b.FLT_MAX)
+        ges = b.minimum(b.div(_F32_2688, amax_bits), b.FLT_MAX)
         self.encode = jnp.where(ges == 0, b.u32(_F32_ONE), ges)  # only when amax is inf
         self.encode_div6 = b.mul(self.encode, _F32_ONE_SIXTH)
         self.decode = b.div(_F32_ONE, self.encode)
@@ -100,14 +100,14 @@ class GlobalScales:
 
 def block_scale(block_amax: jnp.ndarray, g_encode_div6: jnp.ndarray) -> jnp.ndarray:
     """E4M3 decode scale of blocks from their max magnitude (bits)."""
-    s = b.min_magnitude(b.mul(block_amax, g_encode_div6), b.FLT_MAX)
-    return e4m3_encode(b.min_magnitude(s, _F32_448))
+    s = b.minimum(b.mul(block_amax, g_encode_div6), b.FLT_MAX)
+    return e4m3_encode(b.clamp_magnitude(s, _F32_448))
 
 
 def block_encode_scale(scale: jnp.ndarray, g_decode: jnp.ndarray) -> jnp.ndarray:
     """min(1 / (s * gds), FLT_MAX) as bits."""
     enc = b.div(_F32_ONE, b.mul(e4m3_decode(scale), g_decode))
-    return b.min_magnitude(enc, b.FLT_MAX)
+    return b.minimum(enc, b.FLT_MAX)
 
 
 def _pad_to(u: jnp.ndarray, axis: int, multiple: int) -> jnp.ndarray:

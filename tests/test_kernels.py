@@ -66,9 +66,10 @@ def test_quantize_matches_reference(x, opts):
     assert_same_tensor(got, want)
 
 
-@given(tensors(max_dim=40), options, st.sampled_from([0.0, 1e-3, 3.0, 1e30, 1e-38, np.inf, np.nan]))
+@given(tensors(max_dim=40), options, st.sampled_from([0.0, 1e-3, 3.0, 1e30, 1e-38, np.inf, np.nan, -0.0, -2.0]))
 def test_quantize_with_given_amax_matches_reference(x, opts, amax):
-    # An external amax (e.g. reduced over a mesh) may be smaller or larger than max|x|.
+    # An external amax (e.g. reduced over a mesh) may be smaller or larger than max|x|;
+    # even a meaningless negative one gives the same bytes.
     got = jax.jit(lambda x: jax_nvfp4.quantize(x, amax=jnp.float32(amax), **opts))(x)
     want = jax.jit(lambda x: reference.quantize(x, amax=jnp.float32(amax), **opts))(x)
     assert_same_tensor(got, want)
