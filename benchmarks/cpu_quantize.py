@@ -1,14 +1,17 @@
-"""CPU quantize: the C++ FFI kernel against the jitted pure-JAX reference.
+"""CPU kernels against the jitted pure-JAX reference, in one process.
 
-bf16 4096x4096, 1x16 blocks, rowwise + columnwise copies, both run in this
-process on this machine; prints the median times and their ratio.
+The headline case is the issue's: quantize a bf16 4096x4096 tensor with 1x16
+blocks into the rowwise and columnwise copies (amax pass included). Also
+rowwise only, 16x16 blocks, and dequantize. Prints a markdown table of median
+times and the reference / kernel ratio; ``--out FILE`` also writes it there.
 
-    python benchmarks/cpu_quantize.py [--size 4096] [--repeats 5]
+    python benchmarks/cpu_quantize.py [--size 4096] [--repeats 7] [--out results.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 import statistics
@@ -21,37 +24,66 @@ import jax_nvfp4
 from jax_nvfp4 import reference
 
 
-def median_seconds(fn, x, repeats: int) -> float:
-    jax.block_until_ready(fn(x))  # compile and warm up
+def median_seconds(fn, arg, repeats: int) -> float:
+    jax.block_until_ready(fn(arg))  # compile and warm up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn(x))
+        jax.block_until_ready(fn(arg))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
 
     x = jax.random.normal(jax.random.key(0), (args.size, args.size), jnp.bfloat16)
-    opts = {"rowwise": True, "columnwise": True}
-    kernel = jax.jit(lambda x: jax_nvfp4.quantize(x, **opts))
-    ref = jax.jit(lambda x: reference.quantize(x, **opts))
-    same = jax.tree.map(lambda a, b: bool((a == b).all()), kernel(x), ref(x))
-    assert all(jax.tree.leaves(same)), "kernel and reference disagree"
-
-    print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}")
-    print(f"bf16 {args.size}x{args.size}, 1x16 blocks, rowwise+columnwise, median of {args.repeats}")
-    t_kernel = median_seconds(kernel, x, args.repeats)
-    t_ref = median_seconds(ref, x, args.repeats)
-    gbs = args.size * args.size * 3.125 / t_kernel / 1e9  # input read once + both copies written
-    print(f"  C++ kernel      {t_kernel * 1e3:9.1f} ms  ({gbs:.2f} GB/s of input+outputs)")
-    print(f"  JAX reference   {t_ref * 1e3:9.1f} ms")
-    print(f"  speed-up        {t_ref / t_kernel:9.1f}x")
+    t = jax_nvfp4.quantize(x, columnwise=True)
+    cases = {
+        "quantize 1x16, rowwise+columnwise": (lambda m, x: m.quantize(x, columnwise=True), x),
+        "quantize 1x16, rowwise": (lambda m, x: m.quantize(x), x),
+        "quantize 16x16, rowwise+columnwise": (lambda m, x: m.quantize(x, columnwise=True, block_2d=True), x),
+        "dequantize to bf16": (lambda m, t: m.dequantize(t, jnp.bfloat16), t),
+    }
+    lines = [
+        f"# CPU benchmark: {cpu_name()}",
+        "",
+        f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}, "
+        f"bf16 {args.size}x{args.size}, median of {args.repeats}; `python benchmarks/cpu_quantize.py`.",
+        "Both run in the same process; the reference is the jitted pure-JAX spec.",
+        "",
+        "| case | C++ kernel (ms) | JAX reference (ms) | speed-up |",
+        "|---|---:|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    for name, (op, arg) in cases.items():
+        kernel = jax.jit(lambda a, op=op: op(jax_nvfp4, a))
+        ref = jax.jit(lambda a, op=op: op(reference, a))
+        same = jax.tree.map(lambda a, b: bool((a == b).all()), kernel(arg), ref(arg))
+        assert all(jax.tree.leaves(same)), f"{name}: kernel and reference disagree"
+        t_kernel = median_seconds(kernel, arg, args.repeats)
+        t_ref = median_seconds(ref, arg, args.repeats)
+        line = f"| {name} | {t_kernel * 1e3:.1f} | {t_ref * 1e3:.1f} | {t_ref / t_kernel:.1f}x |"
+        print(line, flush=True)
+        lines.append(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -24,19 +24,19 @@ void dequantize_rows(const uint8_t* data, const uint8_t* scale, float amax, int6
                      int64_t row_begin, int64_t row_end, typename S::T* out) {
   const float gds = global_scales(amax).decode;
   const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
-  std::vector<float> row(scale_cols * kBlock);
+  std::vector<float> row(scale_cols * kBlock, 0.0f);
+  float* __restrict v = row.data();
   for (int64_t r = row_begin; r < row_end; ++r) {
     const uint8_t* __restrict d = data + r * data_cols;
     const uint8_t* __restrict s = scale + r * scale_cols;
-    float* __restrict v = row.data();
+    // Split into loops that vectorize: decode codes, scale by blocks, convert.
+    for (int64_t i = 0; i < data_cols; ++i) {
+      v[2 * i] = e2m1_to_float(d[i] & 0xF);
+      v[2 * i + 1] = e2m1_to_float(d[i] >> 4);
+    }
     for (int64_t b = 0; b < scale_cols; ++b) {
-      const uint8_t sb = s[b];
-      for (int k = 0; k < kBlock / 2; ++k) {
-        const int64_t i = b * (kBlock / 2) + k;
-        const uint8_t byte = i < data_cols ? d[i] : 0;
-        v[2 * i] = dequantize_value(byte & 0xF, sb, gds);
-        v[2 * i + 1] = dequantize_value(byte >> 4, sb, gds);
-      }
+      const float sb = e4m3_to_float(s[b]);
+      for (int k = 0; k < kBlock; ++k) v[b * kBlock + k] = scale_value(v[b * kBlock + k], sb, gds);
     }
     typename S::T* __restrict o = out + r * cols;
     for (int64_t c = 0; c < cols; ++c) o[c] = S::store(v[c]);

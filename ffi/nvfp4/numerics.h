@@ -199,9 +199,13 @@ NVFP4_HD uint8_t quantize_value(float x, float encode_scale) {
 
 // Dequantized value in float32: fp32(e2m1 * s) * gds. Any NaN (a NaN scale or
 // global scale) comes out as the canonical quiet NaN, so the bytes are defined.
-NVFP4_HD float dequantize_value(uint8_t code, uint8_t scale, float global_decode) {
-  const float r = (e2m1_to_float(code) * e4m3_to_float(scale)) * global_decode;
+NVFP4_HD float scale_value(float e2m1, float scale, float global_decode) {
+  const float r = (e2m1 * scale) * global_decode;
   return r != r ? bits_float(kCanonicalNaN) : r;
+}
+
+NVFP4_HD float dequantize_value(uint8_t code, uint8_t scale, float global_decode) {
+  return scale_value(e2m1_to_float(code), e4m3_to_float(scale), global_decode);
 }
 
 }  // namespace nvfp4
