@@ -6,7 +6,13 @@ import functools
 
 import jax
 
-from jax_nvfp4 import _nvfp4_cpu
+try:
+    from jax_nvfp4 import _nvfp4_cpu
+except ImportError as e:  # e.g. `python -m pytest` in a source checkout imports ./jax_nvfp4
+    raise ImportError(
+        "jax_nvfp4's compiled module _nvfp4_cpu is missing: install the package (pip install .) "
+        "and import it from outside the source tree"
+    ) from e
 
 try:  # built only where the CUDA toolkit was found
     from jax_nvfp4 import _nvfp4_cuda

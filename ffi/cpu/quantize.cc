@@ -1,6 +1,7 @@
-// NVFP4 quantization: one pass over the input in 16x16 tiles produces the
+// NVFP4 quantization: one pass over the input, 16 rows at a time, produces the
 // rowwise copy and/or the columnwise copy (quantization of x^T, stored
-// transposed), with 1x16 or 16x16 blocks.
+// transposed), with 1x16 or 16x16 blocks. Each 16-row stripe is converted to
+// float32 once and stays in cache for both copies.
 #include <cstring>
 
 #include "cpu/common.h"
