@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "nvfp4/numerics.h"
@@ -57,22 +58,28 @@ struct LoadF32 {
   static float load(T v) { return v; }
 };
 
-// Calls fn(LoaderType{}) for the buffer's dtype; false when it has none.
-template <typename Fn>
-bool dispatch_input(ffi::DataType dtype, Fn&& fn) {
+// Calls fn(F32{}), fn(BF16{}) or fn(F16{}) for a float dtype; false for any
+// other dtype. The tags are the loaders above or the dequantize storers.
+template <typename F32, typename BF16, typename F16, typename Fn>
+bool dispatch_float(ffi::DataType dtype, Fn&& fn) {
   switch (dtype) {
+    case ffi::DataType::F32:
+      fn(F32{});
+      return true;
     case ffi::DataType::BF16:
-      fn(LoadBF16{});
+      fn(BF16{});
       return true;
     case ffi::DataType::F16:
-      fn(LoadF16{});
-      return true;
-    case ffi::DataType::F32:
-      fn(LoadF32{});
+      fn(F16{});
       return true;
     default:
       return false;
   }
+}
+
+template <typename Fn>
+bool dispatch_input(ffi::DataType dtype, Fn&& fn) {
+  return dispatch_float<LoadF32, LoadBF16, LoadF16>(dtype, std::forward<Fn>(fn));
 }
 
 // Runs body(begin, end) over [0, n) split across hardware threads when the

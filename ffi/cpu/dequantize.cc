@@ -43,23 +43,6 @@ void dequantize_rows(const uint8_t* data, const uint8_t* scale, float amax, int6
   }
 }
 
-template <typename Fn>
-bool dispatch_output(ffi::DataType dtype, Fn&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32:
-      fn(StoreF32{});
-      return true;
-    case ffi::DataType::BF16:
-      fn(StoreBF16{});
-      return true;
-    case ffi::DataType::F16:
-      fn(StoreF16{});
-      return true;
-    default:
-      return false;
-  }
-}
-
 ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
                            ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out) {
   int64_t batch, rows, cols;
@@ -73,22 +56,23 @@ ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
   const uint8_t* d = data.typed_data();
   const auto* s = static_cast<const uint8_t*>(scale.untyped_data());
   const float* a = amax.typed_data();
-  const bool ok = dispatch_output(out->element_type(), [&](auto storer) {
-    using S = decltype(storer);
-    auto* o = static_cast<typename S::T*>(out->untyped_data());
-    parallel_for(batch * rows, batch * rows * cols * int64_t(sizeof(typename S::T)),
-                 [&](int64_t lo, int64_t hi) {
-                   // Row index i spans batches; split it per batch entry.
-                   for (int64_t i = lo; i < hi;) {
-                     const int64_t b = i / rows, r = i % rows;
-                     const int64_t end = std::min(hi - i + r, rows);
-                     dequantize_rows<S>(d + b * rows * packed_size(cols),
-                                        s + b * rows * num_blocks(cols), a[b], cols, r, end,
-                                        o + b * rows * cols);
-                     i += end - r;
-                   }
-                 });
-  });
+  const bool ok =
+      dispatch_float<StoreF32, StoreBF16, StoreF16>(out->element_type(), [&](auto storer) {
+        using S = decltype(storer);
+        auto* o = static_cast<typename S::T*>(out->untyped_data());
+        parallel_for(batch * rows, batch * rows * cols * int64_t(sizeof(typename S::T)),
+                     [&](int64_t lo, int64_t hi) {
+                       // Row index i spans batches; split it per batch entry.
+                       for (int64_t i = lo; i < hi;) {
+                         const int64_t b = i / rows, r = i % rows;
+                         const int64_t end = std::min(hi - i + r, rows);
+                         dequantize_rows<S>(d + b * rows * packed_size(cols),
+                                            s + b * rows * num_blocks(cols), a[b], cols, r, end,
+                                            o + b * rows * cols);
+                         i += end - r;
+                       }
+                     });
+      });
   return ok ? ffi::Error::Success()
             : invalid("dequantize output must be float32, bfloat16 or float16");
 }
