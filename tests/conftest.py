@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 # few but each one is a whole random tensor; CI uses the same profile.
 settings.register_profile(
     "default",
-    max_examples=int(os.environ.get("NVFP4_HYPOTHESIS_EXAMPLES", "25")),
+    max_examples=int(os.environ.get("NVFP4_HYPOTHESIS_EXAMPLES", "40")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
