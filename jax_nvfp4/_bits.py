@@ -32,9 +32,7 @@ def to_bits(x: jnp.ndarray) -> jnp.ndarray:
     """Float32 bits of a bf16/f16/f32 array (exact)."""
     if x.dtype == jnp.bfloat16:
         return lax.bitcast_convert_type(x, jnp.uint16).astype(U32) << 16
-    if x.dtype == jnp.float16:
-        # f16 subnormals are f32 normals, so the hardware convert is exact.
-        return lax.bitcast_convert_type(x.astype(jnp.float32), U32)
+    # f16 subnormals are f32 normals, so the hardware convert of f16 is exact.
     return lax.bitcast_convert_type(x.astype(jnp.float32), U32)
 
 

@@ -172,11 +172,12 @@ def quantize_core(x, amax, *, rowwise: bool, columnwise: bool, block_2d: bool):
     g = GlobalScales(b.to_bits(amax.astype(jnp.float32)))
     if block_2d:
         data, scale, data_t, scale_t = _quantize_2d(u, g)
+        copies = [(data, scale)] * rowwise + [(data_t, scale_t)] * columnwise
     else:
-        data, scale = _quantize_1d(u, g) if rowwise else (None, None)
-        data_t, scale_t = _quantize_1d(jnp.swapaxes(u, 1, 2), g) if columnwise else (None, None)
-    outs = ((data, _as_e4m3(scale)) if rowwise else ()) + ((data_t, _as_e4m3(scale_t)) if columnwise else ())
-    return outs
+        copies = ([_quantize_1d(u, g)] if rowwise else []) + (
+            [_quantize_1d(jnp.swapaxes(u, 1, 2), g)] if columnwise else []
+        )
+    return tuple(out for data, scale in copies for out in (data, _as_e4m3(scale)))
 
 
 def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
@@ -184,8 +185,8 @@ def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
     codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:2], -1)[..., :cols]
     scales = jnp.repeat(lax.bitcast_convert_type(scale, jnp.uint8), BLOCK, axis=-1)[..., :cols]
     g = GlobalScales(b.to_bits(amax.astype(jnp.float32)))
+    # b.mul makes any NaN canonical.
     value = b.mul(b.mul(e2m1_decode(codes), e4m3_decode(scales)), g.decode[:, None, None])
-    value = b.canonical_nan(value)
     if dtype == jnp.bfloat16:
         return b.f32_to_bf16(value)
     if dtype == jnp.float16:
