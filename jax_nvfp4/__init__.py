@@ -5,15 +5,22 @@ Public API:
   dequantize(t, dtype=jnp.float32, columnwise=False) -> jax.Array
   amax(x) -> float32 scalar
   NVFP4Tensor, and ``reference``: the pure-JAX spec with the same signatures.
+  gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
+  dot_general(lhs, rhs, dimension_numbers, ..., recipe=None): lax.dot_general in NVFP4
+  Recipe: the training recipe's options.
+Flax layers live in ``jax_nvfp4.flax`` (needs flax).
 """
 
 from jax_nvfp4 import _frontend, reference
+from jax_nvfp4.dot import dot_general
+from jax_nvfp4.gemm import gemm
 from jax_nvfp4.primitives import KERNELS
+from jax_nvfp4.recipe import Recipe
 from jax_nvfp4.tensor import NVFP4Tensor
 
 quantize = _frontend.quantize_fn(KERNELS)
 dequantize = _frontend.dequantize_fn(KERNELS)
 amax = _frontend.amax_fn(KERNELS)
 
-__all__ = ["NVFP4Tensor", "amax", "dequantize", "quantize", "reference"]
+__all__ = ["NVFP4Tensor", "Recipe", "amax", "dequantize", "dot_general", "gemm", "quantize", "reference"]
 __version__ = "0.1.0"

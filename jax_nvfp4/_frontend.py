@@ -119,10 +119,10 @@ def quantize_fn(backend: Backend) -> Callable:
 
 def dequantize_fn(backend: Backend) -> Callable:
     def dequantize(t: NVFP4Tensor, dtype=jnp.float32, columnwise: bool = False) -> jax.Array:
-        """Dequantize to ``dtype``: value = fp32(E2M1 * scale) * global decode scale.
+        """Dequantize to ``dtype``: value = fp32(E2M1 * scale) * (amax / 2688).
 
-        The global decode scale is the quantizer's own, 1 / min(2688 / amax,
-        FLT_MAX) (1 when amax is inf). ``columnwise=True`` dequantizes the
+        amax / (6 * 448) is the global decode scale the reference GEMM applies;
+        an infinite amax gives no finite value back. ``columnwise=True`` dequantizes the
         columnwise copy and transposes it back, so both give ``t.shape``.
         A NaN scale (NaN input) gives NaN for its whole block.
         """

@@ -98,6 +98,15 @@ class GlobalScales:
         self.decode = b.div(_F32_ONE, self.encode)
 
 
+def dequantize_scale(amax_bits: jnp.ndarray) -> jnp.ndarray:
+    """Global decode scale of dequantization and of the GEMM: amax / (6 * 448), as bits.
+
+    The reference GEMM's scale; unlike the quantizer's 1 / ges it stays inf for an
+    infinite amax, so a tensor that held inf never dequantizes to finite values.
+    """
+    return b.div(amax_bits, _F32_2688)
+
+
 def block_scale(block_amax: jnp.ndarray, g_encode_div6: jnp.ndarray) -> jnp.ndarray:
     """E4M3 decode scale of blocks from their max magnitude (bits)."""
     s = b.minimum(b.mul(block_amax, g_encode_div6), b.FLT_MAX)
@@ -184,9 +193,9 @@ def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
     """Packed [B, R, ceil(C/2)] codes and [B, R, ceil(C/16)] scales -> [B, R, C] values."""
     codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:2], -1)[..., :cols]
     scales = jnp.repeat(lax.bitcast_convert_type(scale, jnp.uint8), BLOCK, axis=-1)[..., :cols]
-    g = GlobalScales(b.to_bits(amax.astype(jnp.float32)))
+    gds = dequantize_scale(b.to_bits(amax.astype(jnp.float32)))
     # b.mul makes any NaN canonical.
-    value = b.mul(b.mul(e2m1_decode(codes), e4m3_decode(scales)), g.decode[:, None, None])
+    value = b.mul(b.mul(e2m1_decode(codes), e4m3_decode(scales)), gds[:, None, None])
     if dtype == jnp.bfloat16:
         return b.f32_to_bf16(value)
     if dtype == jnp.float16:

@@ -1,4 +1,4 @@
-// NVFP4 dequantization: value = fp32(E2M1 * E4M3 scale) * global decode scale,
+// NVFP4 dequantization: value = fp32(E2M1 * E4M3 scale) * amax / 2688,
 // written as float32, bfloat16 or float16.
 #include "cpu/common.h"
 #include "cpu/handlers.h"
@@ -22,7 +22,7 @@ struct StoreF16 {
 template <typename S>
 void dequantize_rows(const uint8_t* data, const uint8_t* scale, float amax, int64_t cols,
                      int64_t row_begin, int64_t row_end, typename S::T* out) {
-  const float gds = global_scales(amax).decode;
+  const float gds = dequantize_scale(amax);
   const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
   std::vector<float> row(scale_cols * kBlock, 0.0f);
   float* __restrict v = row.data();

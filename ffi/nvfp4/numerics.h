@@ -197,7 +197,12 @@ NVFP4_HD uint8_t quantize_value(float x, float encode_scale) {
   return float_to_e2m1(x * encode_scale);
 }
 
-// Dequantized value in float32: fp32(e2m1 * s) * gds. Any NaN (a NaN scale or
+// Global decode scale of dequantization and of the GEMM: amax / (6 * 448), as the
+// reference GEMM applies it. Unlike the quantizer's 1 / ges it stays inf for an
+// infinite amax, so a tensor that held inf never dequantizes to finite values.
+NVFP4_HD float dequantize_scale(float amax) { return amax / (kE2M1Max * kE4M3Max); }
+
+// Dequantized value in float32: fp32(e2m1 * s) * dequantize_scale(amax). Any NaN (a NaN scale or
 // global scale) comes out as the canonical quiet NaN, so the bytes are defined.
 NVFP4_HD float scale_value(float e2m1, float scale, float global_decode) {
   const float r = (e2m1 * scale) * global_decode;

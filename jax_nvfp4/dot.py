@@ -1,0 +1,145 @@
+"""``jax_nvfp4.dot_general``: a drop-in ``lax.dot_general`` whose GEMMs run in NVFP4.
+
+For y = x W (lhs = activations x, rhs = weights W) the custom VJP follows the
+NVFP4 training recipe on the canonical problem x [B, M, K], W^T [B, N, K]:
+
+  fprop  y  = x  . W^T    x in 1x16 blocks along K, W in 16x16 blocks
+  dgrad  dx = dy . W      dy in 1x16 blocks along N; W's columnwise copy, which
+                          for 16x16 blocks holds the same codes and scales transposed
+  wgrad  dW = dy^T . x    the columnwise 1x16 copies of dy and x (blocked along M)
+
+Each operand is quantized once, with one global amax per tensor; the residuals
+kept for the backward pass are the quantized columnwise copies of x and W.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_nvfp4.formats import INPUT_DTYPES
+from jax_nvfp4.gemm import Operand, emulated_gemm
+from jax_nvfp4.primitives import amax_p, quantize_p
+from jax_nvfp4.recipe import Recipe
+
+
+class _Config(NamedTuple):
+    recipe: Recipe
+    out_dtype: np.dtype
+    x_dtype: np.dtype
+    w_dtype: np.dtype
+
+
+def quantize_operand(x: jax.Array, *, columnwise: bool, block_2d: bool = False) -> tuple[Operand, Operand | None]:
+    """Quantize [B, R, L] with one amax over the whole tensor.
+
+    Returns the rowwise operand (blocked along L) and, if ``columnwise``, the
+    columnwise one ([B, L, R], blocked along R).
+    """
+    b, r, n = x.shape
+    amax = amax_p.bind(x.reshape(1, b * r, n))[0]
+    outs = quantize_p.bind(
+        x, jnp.broadcast_to(amax, (b,)), rowwise=True, columnwise=columnwise, block_2d=block_2d
+    )
+    rowwise = Operand(outs[0], outs[1], amax[0])
+    return rowwise, Operand(outs[2], outs[3], amax[0]) if columnwise else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, w: jax.Array, config: _Config) -> jax.Array:
+    """x [B, M, K], w [B, N, K] -> y [B, M, N]."""
+    qx, _ = quantize_operand(x, columnwise=False)
+    qw, _ = quantize_operand(w, columnwise=False, block_2d=config.recipe.weight_block_2d)
+    return emulated_gemm(qx, qw, x.shape[2], config.out_dtype)
+
+
+def _matmul_fwd(x, w, config: _Config):
+    qx, qx_t = quantize_operand(x, columnwise=True)
+    qw, qw_t = quantize_operand(w, columnwise=True, block_2d=config.recipe.weight_block_2d)
+    return emulated_gemm(qx, qw, x.shape[2], config.out_dtype), (qx_t, qw_t)
+
+
+def _matmul_bwd(config: _Config, residuals, dy):
+    qx_t, qw_t = residuals  # x^T [B, K, M] and W [B, K, N], both blocked along their last axis
+    _, m, n = dy.shape
+    qdy, qdy_t = quantize_operand(dy, columnwise=True)
+    dx = emulated_gemm(qdy, qw_t, n, config.x_dtype)  # [B, M, N] . [B, K, N] -> [B, M, K]
+    dw = emulated_gemm(qdy_t, qx_t, m, config.w_dtype)  # [B, N, M] . [B, K, M] -> [B, N, K]
+    return dx, dw
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _normalize(dims, ndim: int) -> tuple[int, ...]:
+    return tuple(int(d) % ndim if -ndim <= int(d) < ndim else int(d) for d in dims)
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    out_sharding=None,
+    recipe: Recipe | None = None,
+) -> jax.Array:
+    """``lax.dot_general`` with NVFP4 GEMMs in the forward and backward pass.
+
+    Same signature as ``lax.dot_general``, so it can be passed as
+    ``dot_general=`` to ``nn.Dense``, ``nn.DenseGeneral`` or ``nnx.Linear``.
+    ``lhs`` is treated as the activations and ``rhs`` as the weights (16x16
+    blocks with the default recipe). Any contracting and batch dimensions are
+    accepted; the result has ``lax.dot_general``'s shape and dtype.
+
+    Args:
+      lhs, rhs: bfloat16, float16 or float32 arrays.
+      dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+      precision: ignored; the GEMM is NVFP4 with float32 accumulation.
+      preferred_element_type: the output dtype (bfloat16, float16 or float32).
+      out_sharding: not supported yet (must be None).
+      recipe: the NVFP4 recipe options; ``Recipe()`` by default.
+
+    Gradients have the dtypes of ``lhs`` and ``rhs``. Forward-mode autodiff
+    (jvp) is not defined. Empty operands fall back to ``lax.dot_general``.
+    """
+    del precision
+    if out_sharding is not None:
+        raise NotImplementedError("jax_nvfp4.dot_general does not take out_sharding yet")
+    recipe = Recipe() if recipe is None else recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if a.dtype not in INPUT_DTYPES:
+            raise TypeError(f"NVFP4 dot_general takes bfloat16, float16 or float32 operands, {name} is {a.dtype}")
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, lb = _normalize(lc, lhs.ndim), _normalize(lb, lhs.ndim)
+    rc, rb = _normalize(rc, rhs.ndim), _normalize(rb, rhs.ndim)
+    dims = ((lc, rc), (lb, rb))
+    # lax's own shape rule validates the dimension numbers and gives the result type.
+    out = jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type),
+        lhs,
+        rhs,
+    )
+    if out.dtype not in INPUT_DTYPES:
+        raise TypeError(f"NVFP4 dot_general produces bfloat16, float16 or float32, not {out.dtype}")
+    if out.size == 0 or lhs.size == 0 or rhs.size == 0:
+        return lax.dot_general(lhs, rhs, dims, preferred_element_type=out.dtype)
+
+    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    batch = math.prod(lhs.shape[d] for d in lb)
+    k = math.prod(lhs.shape[d] for d in lc)
+    x = lhs.transpose(*lb, *lf, *lc).reshape(batch, -1, k)
+    w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)
+    y = _matmul(x, w, _Config(recipe, out.dtype, lhs.dtype, rhs.dtype))
+    return y.reshape(out.shape)

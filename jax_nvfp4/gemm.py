@@ -1,0 +1,86 @@
+"""The NVFP4 GEMM, emulated exactly with a bf16 dot (CPU, and GPUs without FP4 tensor cores).
+
+Every operand contracts over its last, packed axis: y[b, i, j] = sum_k a[b, i, k] * c[b, j, k].
+An E2M1 value times an E4M3 scale has at most 6 significant bits and lies in
+[2^-10, 2688], so ``code * block_scale`` is exact in bfloat16; the bf16 products
+are exact in float32, and only the float32 accumulation rounds, as on FP4 tensor
+cores. The two global decode scales ``amax / (6 * 448)`` multiply the float32
+result, as the reference GEMM applies them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_nvfp4 import _bits as b
+from jax_nvfp4 import reference
+from jax_nvfp4.formats import BLOCK
+from jax_nvfp4.tensor import NVFP4Tensor
+
+_E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+class Operand(NamedTuple):
+    """One quantized GEMM operand, [B, R, L] blocked along L (the contracting axis).
+
+    data  uint8 [B, R, ceil(L/2)], scale float8_e4m3fn [B, R, ceil(L/16)], amax float32 [].
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    amax: jax.Array
+
+
+def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
+    """``E2M1(code) * block_scale`` as bfloat16 [..., length]; exact (no global scale)."""
+    codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)[..., :length]
+    scale_bits = lax.bitcast_convert_type(scale, jnp.uint8)
+    scales = b.from_bits(reference.e4m3_decode(jnp.repeat(scale_bits, BLOCK, axis=-1)[..., :length]))
+    # Both factors and their product are normal float32 (or 0/NaN), so neither
+    # the multiply nor the bf16 cast can round or flush.
+    return (jnp.asarray(_E2M1_VALUES)[codes] * scales).astype(jnp.bfloat16)
+
+
+def decode_scale(amax: jax.Array) -> jax.Array:
+    """The global decode scale amax / (6 * 448), float32, computed exactly."""
+    return b.from_bits(reference.dequantize_scale(b.to_bits(jnp.asarray(amax, jnp.float32))))
+
+
+def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype) -> jax.Array:
+    """[B, M, L] x [B, N, L] -> [B, M, N] of ``out_dtype``, contracting the L axis."""
+    acc = lax.dot_general(
+        block_values(a.data, a.scale, length),
+        block_values(c.data, c.scale, length),
+        (((2,), (2,)), ((0,), (0,))),
+        preferred_element_type=jnp.float32,
+    )
+    return (acc * decode_scale(a.amax) * decode_scale(c.amax)).astype(out_dtype)
+
+
+def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32) -> jax.Array:
+    """NVFP4 GEMM of two rowwise-quantized tensors: ``a @ c.T`` over their last axis.
+
+    Args:
+      a: quantized [..., K] (rows M = prod of its leading axes).
+      c: quantized [..., K] (rows N), e.g. a weight stored [N, K].
+      out_dtype: result dtype; the sum is accumulated in float32.
+
+    Returns:
+      [*a.shape[:-1], *c.shape[:-1]]: sum_k a[..., k] * c[..., k] of the
+      dequantized values, exact up to the float32 accumulation.
+    """
+    if a.data is None or c.data is None:
+        raise ValueError("gemm needs the rowwise copy of both operands (quantize with rowwise=True)")
+    if a.cols != c.cols:
+        raise ValueError(f"contracting sizes differ: a has {a.cols}, c has {c.cols}")
+
+    def matrix(t: NVFP4Tensor) -> Operand:
+        return Operand(t.data.reshape(1, t.rows, -1), t.scale.reshape(1, t.rows, -1), t.amax)
+
+    y = emulated_gemm(matrix(a), matrix(c), a.cols, out_dtype)
+    return y.reshape(*a.shape[:-1], *c.shape[:-1])
