@@ -130,11 +130,12 @@ class Progress:
         now = time.perf_counter()
         if now - self.last < 0.25 and step < self.total:
             return  # redrawing reads the loss back, which waits for the device
-        self.last = now
+        loss = float(loss)  # waits for this step, so the rate below counts finished steps only
+        self.last = now = time.perf_counter()
         rate = (step - self.step0) / max(now - self.t0, 1e-9)
-        eta = (self.total - step) / rate if rate > 0 else float("nan")
+        eta = f"{(self.total - step) / rate:.0f}s" if rate > 0 else "?"
         bar = "#" * (24 * step // self.total)
-        line = f"{self.label} [{bar:<24}] {step}/{self.total} loss {float(loss):.3f} {rate:.2f} step/s ETA {eta:.0f}s"
+        line = f"{self.label} [{bar:<24}] {step}/{self.total} loss {loss:.3f} {rate:.2f} step/s ETA {eta}"
         sys.stderr.write("\r" + line.ljust(100))
         sys.stderr.flush()
 

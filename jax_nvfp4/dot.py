@@ -77,8 +77,8 @@ def _matmul_bwd(config: _Config, residuals, dy):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def _normalize(dims, ndim: int) -> tuple[int, ...]:
-    return tuple(int(d) % ndim if -ndim <= int(d) < ndim else int(d) for d in dims)
+# Jitted so that eager calls run as one compiled program, not op by op.
+_jitted_matmul = jax.jit(_matmul, static_argnums=2)
 
 
 def dot_general(
@@ -120,9 +120,7 @@ def dot_general(
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if a.dtype not in INPUT_DTYPES:
             raise TypeError(f"NVFP4 dot_general takes bfloat16, float16 or float32 operands, {name} is {a.dtype}")
-    (lc, rc), (lb, rb) = dimension_numbers
-    lc, lb = _normalize(lc, lhs.ndim), _normalize(lb, lhs.ndim)
-    rc, rb = _normalize(rc, rhs.ndim), _normalize(rb, rhs.ndim)
+    (lc, rc), (lb, rb) = ((tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
     dims = ((lc, rc), (lb, rb))
     # lax's own shape rule validates the dimension numbers and gives the result type.
     out = jax.eval_shape(
@@ -141,5 +139,5 @@ def dot_general(
     k = math.prod(lhs.shape[d] for d in lc)
     x = lhs.transpose(*lb, *lf, *lc).reshape(batch, -1, k)
     w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)
-    y = _matmul(x, w, _Config(recipe, out.dtype, lhs.dtype, rhs.dtype))
+    y = _jitted_matmul(x, w, _Config(recipe, out.dtype, lhs.dtype, rhs.dtype))
     return y.reshape(out.shape)

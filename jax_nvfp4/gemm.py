@@ -4,12 +4,13 @@ Every operand contracts over its last, packed axis: y[b, i, j] = sum_k a[b, i, k
 An E2M1 value times an E4M3 scale has at most 6 significant bits and lies in
 [2^-10, 2688], so ``code * block_scale`` is exact in bfloat16; the bf16 products
 are exact in float32, and only the float32 accumulation rounds, as on FP4 tensor
-cores. The two global decode scales ``amax / (6 * 448)`` multiply the float32
-result, as the reference GEMM applies them.
+cores. The product of the two global decode scales ``amax / (6 * 448)``
+multiplies the float32 result, as in the reference GEMM.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -46,11 +47,13 @@ def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
     return (jnp.asarray(_E2M1_VALUES)[codes] * scales).astype(jnp.bfloat16)
 
 
-def decode_scale(amax: jax.Array) -> jax.Array:
-    """The global decode scale amax / (6 * 448), float32, computed exactly."""
-    return b.from_bits(reference.dequantize_scale(b.to_bits(jnp.asarray(amax, jnp.float32))))
+def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
+    """fp32(amax_a / 2688) * fp32(amax_c / 2688), rounded exactly and symmetric in a and c."""
+    a, c = (reference.dequantize_scale(b.to_bits(jnp.asarray(x, jnp.float32))) for x in (amax_a, amax_c))
+    return b.from_bits(b.mul(a, c))
 
 
+@functools.partial(jax.jit, static_argnames=("length", "out_dtype"))
 def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype) -> jax.Array:
     """[B, M, L] x [B, N, L] -> [B, M, N] of ``out_dtype``, contracting the L axis."""
     acc = lax.dot_general(
@@ -59,7 +62,8 @@ def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype) -> jax.Array:
         (((2,), (2,)), ((0,), (0,))),
         preferred_element_type=jnp.float32,
     )
-    return (acc * decode_scale(a.amax) * decode_scale(c.amax)).astype(out_dtype)
+    # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit.
+    return (acc * global_decode_scale(a.amax, c.amax)).astype(out_dtype)
 
 
 def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32) -> jax.Array:

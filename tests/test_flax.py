@@ -1,0 +1,122 @@
+"""Flax layers: same parameters as Flax's, NVFP4 GEMMs inside, and they train."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_kernels import assert_same_bytes
+
+import jax_nvfp4
+from jax_nvfp4 import Recipe
+from jax_nvfp4.flax import NVFP4Dense, NVFP4DenseGeneral, NVFP4DotGeneral
+
+X = jax.random.normal(jax.random.key(0), (2, 24, 64), jnp.bfloat16)
+
+
+def _same_params(ours: nn.Module, flax_module: nn.Module, x=X):
+    params = ours.init(jax.random.key(1), x)
+    want = flax_module.init(jax.random.key(1), x)
+    assert jax.tree.structure(params) == jax.tree.structure(want)
+    jax.tree.map(assert_same_bytes, params, want)
+    return params
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"use_bias": False}, {"param_dtype": jnp.bfloat16, "dtype": jnp.bfloat16}, {"kernel_init": nn.initializers.ones}],
+)
+def test_dense_has_the_parameters_of_nn_dense(kwargs):
+    params = _same_params(NVFP4Dense(48, **kwargs), nn.Dense(48, **kwargs))
+    # A checkpoint of nn.Dense runs unchanged, and the layer is jax_nvfp4.dot_general.
+    y = NVFP4Dense(48, **kwargs).apply(params, X)
+    x, kernel = nn.dtypes.promote_dtype(X, params["params"]["kernel"], dtype=kwargs.get("dtype"))
+    want = jax_nvfp4.dot_general(x, kernel, (((2,), (0,)), ((), ())))
+    if kwargs.get("use_bias", True):
+        want = want + params["params"]["bias"].astype(want.dtype)
+    assert_same_bytes(y, want)
+    assert not np.array_equal(np.asarray(y), np.asarray(nn.Dense(48, **kwargs).apply(params, X)))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"features": (4, 16), "axis": -1},
+        {"features": 32, "axis": (-2, -1)},
+        {"features": (3, 16), "axis": -1, "batch_dims": (0,)},
+    ],
+)
+def test_dense_general_has_the_parameters_of_nn_dense_general(kwargs):
+    params = _same_params(NVFP4DenseGeneral(**kwargs), nn.DenseGeneral(**kwargs))
+    y = NVFP4DenseGeneral(**kwargs).apply(params, X)
+    want = nn.DenseGeneral(**kwargs).apply(params, X)
+    assert y.shape == want.shape and y.dtype == want.dtype
+    rel = np.linalg.norm(np.asarray(y - want, np.float64)) / np.linalg.norm(np.asarray(want, np.float64))
+    assert 0 < rel < 0.2
+
+
+def test_dot_general_cls_in_flax_modules():
+    """NVFP4DotGeneral plugs into nn.Dense and nn.MultiHeadDotProductAttention unchanged."""
+    recipe = Recipe(weight_block_2d=False)
+    dense = nn.Dense(48, dot_general_cls=functools.partial(NVFP4DotGeneral, recipe=recipe))
+    params = _same_params(dense, nn.Dense(48))
+    assert_same_bytes(dense.apply(params, X), NVFP4Dense(48, recipe=recipe).apply(params, X))
+    assert not np.array_equal(np.asarray(dense.apply(params, X)), np.asarray(NVFP4Dense(48).apply(params, X)))
+
+    attention = nn.MultiHeadDotProductAttention(
+        num_heads=4, qkv_dot_general_cls=NVFP4DotGeneral, out_dot_general_cls=NVFP4DotGeneral
+    )
+    params = _same_params(attention, nn.MultiHeadDotProductAttention(num_heads=4))
+    y = attention.apply(params, X)
+    want = nn.MultiHeadDotProductAttention(num_heads=4).apply(params, X)
+    rel = np.linalg.norm(np.asarray(y - want, np.float64)) / np.linalg.norm(np.asarray(want, np.float64))
+    assert 0 < rel < 0.3
+
+
+def test_passing_another_dot_general_is_an_error():
+    with pytest.raises(ValueError, match="computes its GEMM in NVFP4"):
+        NVFP4Dense(8, dot_general=jax.lax.dot_general).init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="computes its GEMM in NVFP4"):
+        NVFP4DenseGeneral(8, dot_general_cls=NVFP4DotGeneral).init(jax.random.key(0), X)
+
+
+def test_nnx_linear_takes_the_dot_general():
+    layer = nnx.Linear(64, 32, dot_general=jax_nvfp4.dot_general, rngs=nnx.Rngs(0))
+    kernel, bias = layer.kernel[...], layer.bias[...]
+    x = X.astype(jnp.float32)
+    assert_same_bytes(layer(x), jax_nvfp4.dot_general(x, kernel, (((2,), (0,)), ((), ()))) + bias)
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(NVFP4Dense(64)(x))
+        return NVFP4Dense(1)(x)
+
+
+def test_a_small_model_trains():
+    """Regression on a smooth target: jitted SGD with momentum brings the loss down 10x."""
+    x = jax.random.normal(jax.random.key(2), (256, 32), jnp.float32)
+    target = jnp.sin(x[:, :1] * 2) + 0.5 * x[:, 1:2] * x[:, 2:3]
+    model = _MLP()
+    params = model.init(jax.random.key(3), x)
+
+    def loss_fn(p):
+        return jnp.mean((model.apply(p, x) - target) ** 2)
+
+    @jax.jit
+    def step(p, m):
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        m = jax.tree.map(lambda m, g: 0.9 * m + g, m, g)
+        return jax.tree.map(lambda p, m: p - 0.05 * m, p, m), m, loss
+
+    momentum = jax.tree.map(jnp.zeros_like, params)
+    first = loss_fn(params)
+    for _ in range(300):
+        params, momentum, loss = step(params, momentum)
+    assert np.isfinite(loss) and loss < first / 10
