@@ -115,9 +115,7 @@ def test_dimension_numbers(lhs_shape, rhs_shape, dims):
     assert _rel_err(dl, el) < 0.2 and _rel_err(dr, er) < 0.2
     if lb:  # a batched GEMM is the stack of per-slice GEMMs, bit for bit
         slices = [
-            jax_nvfp4.dot_general(
-                jnp.take(lhs, i, lb[0]), jnp.take(rhs, i, rb[0]), _drop_batch(dims)
-            )
+            jax_nvfp4.dot_general(jnp.take(lhs, i, lb[0]), jnp.take(rhs, i, rb[0]), _drop_batch(dims))
             for i in range(lhs.shape[lb[0]])
         ]
         assert_same_bytes(got, jnp.stack(slices))

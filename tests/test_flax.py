@@ -29,7 +29,12 @@ def _same_params(ours: nn.Module, flax_module: nn.Module, x=X):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"use_bias": False}, {"param_dtype": jnp.bfloat16, "dtype": jnp.bfloat16}, {"kernel_init": nn.initializers.ones}],
+    [
+        {},
+        {"use_bias": False},
+        {"param_dtype": jnp.bfloat16, "dtype": jnp.bfloat16},
+        {"kernel_init": nn.initializers.ones},
+    ],
 )
 def test_dense_has_the_parameters_of_nn_dense(kwargs):
     params = _same_params(NVFP4Dense(48, **kwargs), nn.Dense(48, **kwargs))
