@@ -42,3 +42,20 @@ def test_platforms_without_a_kernel_lower_to_the_reference():
     for target in targets:
         assert f"custom_call @{target}(" in cpu
         assert (f"custom_call @{target}(" in cuda) == ("cuda" in _ffi.platforms_with(target)), target
+
+
+def test_a_training_step_exports_for_cuda():
+    # The whole NVFP4 forward and backward lowers for a GPU (kernels or reference).
+    import jax
+    import jax.numpy as jnp
+
+    import jax_nvfp4
+
+    def loss(x, w):
+        return jnp.sum(jax_nvfp4.dot_general(x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32) ** 2)
+
+    args = (jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32, 48), jnp.float32))
+    exp = jax.export.export(jax.jit(jax.grad(loss, (0, 1))), platforms=["cuda"])(*args)
+    assert [a.shape for a in exp.out_avals] == [(64, 32), (32, 48)]
+    has_kernel = "cuda" in _ffi.platforms_with("nvfp4_quantize")
+    assert ("custom_call @nvfp4_quantize(" in exp.mlir_module()) == has_kernel

@@ -38,8 +38,8 @@ def _tensor(codes: np.ndarray, scale_codes: np.ndarray, amax: float) -> jax_nvfp
 def test_every_block_product_is_exact_in_bfloat16():
     """All 16 E2M1 values times every finite E4M3 scale: bf16 holds the product exactly."""
     codes = np.arange(16, dtype=np.uint8)
-    data = np.tile(codes[0::2] | (codes[1::2] << 4), (E4M3_FINITE.size, 2))  # each row: codes 0..15 twice
-    scale = jnp.asarray(E4M3_FINITE.view(ml_dtypes.float8_e4m3fn)[:, None].repeat(2, axis=1))
+    data = np.tile(codes[0::2] | (codes[1::2] << 4), (1, E4M3_FINITE.size, 2))  # each row: codes 0..15 twice
+    scale = jnp.asarray(E4M3_FINITE.view(ml_dtypes.float8_e4m3fn)[None, :, None].repeat(2, axis=2))
     got = np.asarray(jax.jit(block_values, static_argnums=2)(jnp.asarray(data), scale, 32))
     want = _values64(data, scale, 32)
     np.testing.assert_array_equal(got.astype(np.float64), want)
