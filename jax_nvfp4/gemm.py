@@ -4,8 +4,9 @@ Every operand contracts over its last, packed axis: y[b, i, j] = sum_k a[b, i, k
 An E2M1 value times an E4M3 scale has at most 6 significant bits and lies in
 [2^-10, 2688], so ``code * block_scale`` is exact in bfloat16; the bf16 products
 are exact in float32, and only the float32 accumulation rounds, as on FP4 tensor
-cores. The product of the two global decode scales ``amax / (6 * 448)``
-multiplies the float32 result, as in the reference GEMM.
+cores. The float32 result is multiplied by the product of the two global decode
+scales ``amax / (6 * 448)``: the reference GEMM's alpha, amax_a * amax_c / 2688^2,
+rounded in an order that cannot overflow or underflow for ordinary amaxes.
 """
 
 from __future__ import annotations
