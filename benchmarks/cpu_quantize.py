@@ -13,36 +13,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from timing import device_name, median_seconds
 
 import jax_nvfp4
 from jax_nvfp4 import reference
-
-
-def median_seconds(fn, arg, repeats: int) -> float:
-    jax.block_until_ready(fn(arg))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(arg))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -61,7 +38,7 @@ def main() -> None:
         "dequantize to bf16": (lambda m, t: m.dequantize(t, jnp.bfloat16), t),
     }
     lines = [
-        f"# CPU benchmark: {cpu_name()}",
+        f"# CPU benchmark: {device_name()}",
         "",
         f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}, "
         f"bf16 {args.size}x{args.size}, median of {args.repeats}; `python benchmarks/cpu_quantize.py`.",
@@ -76,8 +53,8 @@ def main() -> None:
         ref = jax.jit(lambda a, op=op: op(reference, a))
         same = jax.tree.map(lambda a, b: bool((a == b).all()), kernel(arg), ref(arg))
         assert all(jax.tree.leaves(same)), f"{name}: kernel and reference disagree"
-        t_kernel = median_seconds(kernel, arg, args.repeats)
-        t_ref = median_seconds(ref, arg, args.repeats)
+        t_kernel = median_seconds(kernel, arg, repeats=args.repeats)
+        t_ref = median_seconds(ref, arg, repeats=args.repeats)
         line = f"| {name} | {t_kernel * 1e3:.1f} | {t_ref * 1e3:.1f} | {t_ref / t_kernel:.1f}x |"
         print(line, flush=True)
         lines.append(line)

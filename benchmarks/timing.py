@@ -1,0 +1,35 @@
+"""Shared helpers of the benchmark scripts: median wall time and the machine's name."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import jax
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    """Median wall time of ``fn(*args)`` after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def device_name() -> str:
+    """The accelerator's name, or the CPU model on a CPU backend."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return device.device_kind
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
