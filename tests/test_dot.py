@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -198,3 +199,42 @@ def test_errors_and_fallbacks():
     empty = jax_nvfp4.dot_general(jnp.ones((0, 64)), w, DENSE)
     assert empty.shape == (0, 32)
     assert jax_nvfp4.dot_general(x, w, DENSE, preferred_element_type=jnp.float32).dtype == jnp.float32
+
+
+@st.composite
+def _dimension_numbers(draw):
+    """Random shapes and dimension numbers: 0-1 batch, 1-2 contracting, 0-2 free axes, in any order."""
+    sizes = st.integers(1, 20)
+    batch = draw(st.lists(sizes, max_size=1))
+    contract = draw(st.lists(sizes, min_size=1, max_size=2))
+
+    def operand(free):
+        axes = [("b", i, n) for i, n in enumerate(batch)] + [("c", i, n) for i, n in enumerate(contract)]
+        axes = draw(st.permutations(axes + [("f", i, n) for i, n in enumerate(free)]))
+        position = {(role, i): p for p, (role, i, _) in enumerate(axes)}
+        contracting = tuple(position["c", i] for i in range(len(contract)))
+        return tuple(n for _, _, n in axes), contracting, tuple(position["b", i] for i in range(len(batch)))
+
+    lhs_shape, lc, lb = operand(draw(st.lists(sizes, max_size=2)))
+    rhs_shape, rc, rb = operand(draw(st.lists(sizes, max_size=2)))
+    return lhs_shape, rhs_shape, ((lc, rc), (lb, rb))
+
+
+@settings(max_examples=10)
+@given(problem=_dimension_numbers(), seed=st.integers(0, 2**32 - 1))
+def test_any_dimension_numbers_match_the_canonical_matmul(problem, seed):
+    lhs_shape, rhs_shape, dims = problem
+    lhs, rhs = _normal(lhs_shape, seed % 1000), _normal(rhs_shape, seed % 1000 + 1)
+    got = jax_nvfp4.dot_general(lhs, rhs, dims)
+    want = lax.dot_general(lhs, rhs, dims)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    (lc, rc), (lb, _) = dims
+    if not lb:  # without batch axes: bit for bit the [M, K] . [K, N] product of the permuted operands
+        lf = [d for d in range(lhs.ndim) if d not in lc]
+        rf = [d for d in range(rhs.ndim) if d not in rc]
+        k = math.prod(lhs.shape[d] for d in lc)
+        x = lhs.transpose(*lf, *lc).reshape(-1, k)
+        w = rhs.transpose(*rc, *rf).reshape(k, -1)
+        assert_same_bytes(got, jax_nvfp4.dot_general(x, w, DENSE).reshape(got.shape))
+    grads = jax.grad(lambda a, b: jnp.sum(jax_nvfp4.dot_general(a, b, dims).astype(jnp.float32)), (0, 1))(lhs, rhs)
+    assert grads[0].shape == lhs.shape and grads[1].shape == rhs.shape

@@ -28,6 +28,7 @@ class NVFP4DotGeneral(nn.Module):
     recipe: Recipe = Recipe()
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+        """``jax_nvfp4.dot_general`` with this module's recipe."""
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
 
 
