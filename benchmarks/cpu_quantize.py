@@ -16,7 +16,7 @@ import os
 
 import jax
 import jax.numpy as jnp
-from timing import device_name, median_seconds
+from timing import Report, device_name, median_seconds
 
 import jax_nvfp4
 from jax_nvfp4 import reference
@@ -37,17 +37,19 @@ def main() -> None:
         "quantize 16x16, rowwise+columnwise": (lambda m, x: m.quantize(x, columnwise=True, block_2d=True), x),
         "dequantize to bf16": (lambda m, t: m.dequantize(t, jnp.bfloat16), t),
     }
-    lines = [
-        f"# CPU benchmark: {device_name()}",
-        "",
-        f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}, "
-        f"bf16 {args.size}x{args.size}, median of {args.repeats}; `python benchmarks/cpu_quantize.py`.",
-        "Both run in the same process; the reference is the jitted pure-JAX spec.",
-        "",
-        "| case | C++ kernel (ms) | JAX reference (ms) | speed-up |",
-        "|---|---:|---:|---:|",
-    ]
-    print("\n".join(lines), flush=True)
+    report = Report(
+        args.out,
+        [
+            f"# CPU benchmark: {device_name()}",
+            "",
+            f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}, "
+            f"bf16 {args.size}x{args.size}, median of {args.repeats}; `python benchmarks/cpu_quantize.py`.",
+            "Both run in the same process; the reference is the jitted pure-JAX spec.",
+            "",
+            "| case | C++ kernel (ms) | JAX reference (ms) | speed-up |",
+            "|---|---:|---:|---:|",
+        ],
+    )
     for name, (op, arg) in cases.items():
         kernel = jax.jit(lambda a, op=op: op(jax_nvfp4, a))
         ref = jax.jit(lambda a, op=op: op(reference, a))
@@ -56,11 +58,8 @@ def main() -> None:
         t_kernel = median_seconds(kernel, arg, repeats=args.repeats)
         t_ref = median_seconds(ref, arg, repeats=args.repeats)
         line = f"| {name} | {t_kernel * 1e3:.1f} | {t_ref * 1e3:.1f} | {t_ref / t_kernel:.1f}x |"
-        print(line, flush=True)
-        lines.append(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        report.add(line)
+    report.save()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import os
 import jax
 import jax.numpy as jnp
 from jax import lax
-from timing import device_name, median_seconds
+from timing import Report, device_name, median_seconds
 
 import jax_nvfp4
 
@@ -43,17 +43,19 @@ def main() -> None:
     parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
 
-    lines = [
-        f"# dot_general benchmark: {device_name()} ({jax.default_backend()})",
-        "",
-        f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}, {args.tokens} tokens, bf16 "
-        f"operands, median of {args.repeats}; `python benchmarks/dot_general.py`.",
-        "Both run in the same process. Training step = jax.grad of sum(y * dy) w.r.t. x and W.",
-        "",
-        "| d_in x d_out | pass | bf16 (ms) | bf16, f32 out (ms) | NVFP4 (ms) | NVFP4 / fastest bf16 |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    print("\n".join(lines), flush=True)
+    report = Report(
+        args.out,
+        [
+            f"# dot_general benchmark: {device_name()} ({jax.default_backend()})",
+            "",
+            f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}, {args.tokens} tokens, bf16 "
+            f"operands, median of {args.repeats}; `python benchmarks/dot_general.py`.",
+            "Both run in the same process. Training step = jax.grad of sum(y * dy) w.r.t. x and W.",
+            "",
+            "| d_in x d_out | pass | bf16 (ms) | bf16, f32 out (ms) | NVFP4 (ms) | NVFP4 / fastest bf16 |",
+            "|---|---|---:|---:|---:|---:|",
+        ],
+    )
     for shape in args.shapes.split(","):
         d_in, d_out = map(int, shape.split("x"))
         x = jax.random.normal(jax.random.key(0), (args.tokens, d_in), jnp.bfloat16)
@@ -70,11 +72,8 @@ def main() -> None:
             fastest = min(times["bf16"], times["bf16, f32 out"])
             ms = " | ".join(f"{t * 1e3:.1f}" for t in times.values())
             line = f"| {d_in}x{d_out} | {pass_name} | {ms} | {times['NVFP4'] / fastest:.2f}x |"
-            print(line, flush=True)
-            lines.append(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            report.add(line)
+    report.save()
 
 
 if __name__ == "__main__":

@@ -33,3 +33,21 @@ def device_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+class Report:
+    """Markdown lines printed as they come, and written to ``path`` (if given) at the end."""
+
+    def __init__(self, path: str | None, header: list[str]) -> None:
+        self.path, self.lines = path, []
+        for line in header:
+            self.add(line)
+
+    def add(self, line: str) -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def save(self) -> None:
+        if self.path:
+            with open(self.path, "w") as f:
+                f.write("\n".join(self.lines) + "\n")
