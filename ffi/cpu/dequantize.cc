@@ -6,19 +6,6 @@
 namespace nvfp4::cpu {
 namespace {
 
-struct StoreF32 {
-  using T = float;
-  static T store(float v) { return v; }
-};
-struct StoreBF16 {
-  using T = uint16_t;
-  static T store(float v) { return float_to_bf16(v); }
-};
-struct StoreF16 {
-  using T = uint16_t;
-  static T store(float v) { return float_to_f16(v); }
-};
-
 template <typename S>
 void dequantize_rows(const uint8_t* data, const uint8_t* scale, float amax, int64_t cols,
                      int64_t row_begin, int64_t row_end, typename S::T* out) {

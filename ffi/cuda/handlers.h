@@ -1,20 +1,24 @@
 // The CUDA FFI handlers registered by ffi/module.cc.
-//
-// The CUDA kernels arrive with the CUDA backend issue; until then the module
-// registers no target (the Python side lowers the ops on GPUs through the
-// pure-JAX reference) and only proves that the shared numerics compile for
-// every target architecture (numerics_check.cu).
 #pragma once
 
 #include <utility>
 #include <vector>
 
-#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4AmaxCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4QuantizeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4DequantizeCuda);
 
 namespace nvfp4::cuda {
 
 using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
 
-std::vector<std::pair<const char*, Handler*>> handlers();
+// FFI target name -> handler, for every op with a CUDA kernel.
+inline std::vector<std::pair<const char*, Handler*>> handlers() {
+  return {{"nvfp4_amax", Nvfp4AmaxCuda},
+          {"nvfp4_quantize", Nvfp4QuantizeCuda},
+          {"nvfp4_dequantize", Nvfp4DequantizeCuda}};
+}
 
 }  // namespace nvfp4::cuda

@@ -1,0 +1,69 @@
+// Global amax on the GPU: max |x| per batch entry, as an integer max over
+// magnitude bits (exact, and any NaN wins and comes out canonical), like the
+// CPU kernel.
+#include "cuda/common.cuh"
+#include "cuda/handlers.h"
+
+namespace nvfp4::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kValuesPerBlock = int64_t(kThreads) * 16;
+
+// Block (b, chunk) reduces a strided share of batch entry b into bits[b].
+template <typename L>
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const typename L::T* x, int64_t per_batch, int64_t chunks, uint32_t* bits) {
+  const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+  const typename L::T* xb = x + b * per_batch;
+  uint32_t m = 0;
+  for (int64_t i = chunk * kThreads + threadIdx.x; i < per_batch; i += chunks * kThreads)
+    m = max(m, magnitude_bits(L::load(xb[i])));
+  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(~0u, m, offset));
+  __shared__ uint32_t warp_max[kThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
+    atomicMax(bits + b, m);
+  }
+}
+
+// Turns the max magnitude bits into the amax float in place.
+__global__ void amax_finish(uint32_t* bits, int64_t batch) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < batch) reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
+}
+
+ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x,
+                     ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  int64_t batch, rows, cols;
+  if (!dims3(x, batch, rows, cols)) return invalid("amax expects a [B, M, N] input");
+  if (out->element_count() != size_t(batch)) return invalid("amax output must be [B]");
+  if (batch == 0) return ffi::Error::Success();
+  auto* bits = reinterpret_cast<uint32_t*>(out->typed_data());
+  cudaMemsetAsync(bits, 0, batch * sizeof(uint32_t), stream);
+  const int64_t per_batch = rows * cols;
+  // Enough blocks per entry to fill the GPU, each reading at least kValuesPerBlock.
+  const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(1024, INT32_MAX / batch));
+  const int64_t chunks =
+      std::clamp<int64_t>((per_batch + kValuesPerBlock - 1) / kValuesPerBlock, 1, max_chunks);
+  const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
+    using L = decltype(loader);
+    if (per_batch > 0)
+      amax_kernel<L><<<unsigned(batch * chunks), kThreads, 0, stream>>>(
+          static_cast<const typename L::T*>(x.untyped_data()), per_batch, chunks, bits);
+  });
+  if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
+  amax_finish<<<unsigned((batch + 255) / 256), 256, 0, stream>>>(bits, batch);
+  return launch_status("amax");
+}
+
+}  // namespace
+}  // namespace nvfp4::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4AmaxCuda, nvfp4::cuda::amax_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

@@ -1,0 +1,60 @@
+// NVFP4 dequantization on the GPU: value = fp32(E2M1 * E4M3 scale) * amax / 2688,
+// written as float32, bfloat16 or float16; bit-identical to the CPU kernel.
+#include "cuda/common.cuh"
+#include "cuda/handlers.h"
+
+namespace nvfp4::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One packed byte (two values) per iteration of a grid-stride loop.
+template <typename S>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint8_t* data, const uint8_t* scale, const float* amax, int64_t rows,
+                      int64_t cols, int64_t bytes, typename S::T* out) {
+  const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < bytes;
+       i += int64_t(gridDim.x) * kThreads) {
+    const int64_t row = i / data_cols, c = 2 * (i % data_cols);  // row spans the batch
+    const float gds = dequantize_scale(amax[row / rows]);
+    const uint8_t s = scale[row * scale_cols + c / kBlock];  // c and c + 1 share a block
+    out[row * cols + c] = S::store(dequantize_value(data[i] & 0xF, s, gds));
+    if (c + 1 < cols) out[row * cols + c + 1] = S::store(dequantize_value(data[i] >> 4, s, gds));
+  }
+}
+
+ffi::Error dequantize_impl(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
+                           ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out) {
+  int64_t batch, rows, cols;
+  if (!dims3(*out, batch, rows, cols)) return invalid("dequantize output must be [B, M, N]");
+  if (scale.element_type() != ffi::DataType::F8E4M3FN)
+    return invalid("dequantize scales must be float8_e4m3fn");
+  if (int64_t(data.element_count()) != batch * rows * packed_size(cols) ||
+      int64_t(scale.element_count()) != batch * rows * num_blocks(cols) ||
+      int64_t(amax.element_count()) != batch)
+    return invalid("dequantize operand sizes do not match the output shape");
+  const int64_t bytes = batch * rows * packed_size(cols);
+  const bool ok =
+      dispatch_float<StoreF32, StoreBF16, StoreF16>(out->element_type(), [&](auto storer) {
+        using S = decltype(storer);
+        if (bytes > 0)
+          dequantize_kernel<S><<<grid_stride_blocks(bytes, kThreads), kThreads, 0, stream>>>(
+              data.typed_data(), static_cast<const uint8_t*>(scale.untyped_data()),
+              amax.typed_data(), rows, cols, bytes,
+              static_cast<typename S::T*>(out->untyped_data()));
+      });
+  if (!ok) return invalid("dequantize output must be float32, bfloat16 or float16");
+  return launch_status("dequantize");
+}
+
+}  // namespace
+}  // namespace nvfp4::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4DequantizeCuda, nvfp4::cuda::dequantize_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::AnyBuffer>());

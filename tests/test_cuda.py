@@ -1,0 +1,97 @@
+"""CUDA kernels: the bytes of the CPU kernels, on every shape (runs only where JAX sees a GPU).
+
+The rest of the suite also runs on a GPU backend (kernel == reference == golden
+files there); these tests compare GPU and CPU results directly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import random_tensor
+from hypothesis import given
+from hypothesis import strategies as st
+from test_kernels import DTYPES, assert_same_bytes, assert_same_tensor, options, tensors
+
+import jax_nvfp4
+from jax_nvfp4 import _ffi
+
+
+def _devices(platform: str) -> list:
+    try:
+        return jax.devices(platform)
+    except RuntimeError:
+        return []
+
+
+GPUS, CPU = _devices("gpu"), jax.devices("cpu")[0]
+pytestmark = pytest.mark.skipif(not GPUS, reason="needs a GPU")
+
+
+def on(device, fn, *args):
+    """fn(*args) jitted and run on `device`, results fetched to the host."""
+    args = jax.device_put(args, device)
+    with jax.default_device(device):
+        return jax.device_get(jax.jit(fn)(*args))
+
+
+def test_the_cuda_kernels_are_registered():
+    for op in ("amax", "quantize", "dequantize"):
+        assert "cuda" in _ffi.platforms_with(f"nvfp4_{op}")
+
+
+@given(x=tensors(), opts=options)
+def test_quantize_gpu_equals_cpu(x, opts):
+    def quantize(x):
+        return jax_nvfp4.quantize(x, **opts)
+
+    assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
+
+
+@given(x=tensors(), amax=st.sampled_from([0.0, 1e-30, 3.0, 1e30, np.inf, np.nan]), block_2d=st.booleans())
+def test_quantize_with_given_amax_gpu_equals_cpu(x, amax, block_2d):
+    def quantize(x):
+        return jax_nvfp4.quantize(x, columnwise=True, block_2d=block_2d, amax=np.float32(amax))
+
+    assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
+
+
+@given(x=tensors(), out_dtype=st.sampled_from(DTYPES), block_2d=st.booleans())
+def test_dequantize_and_amax_gpu_equal_cpu(x, out_dtype, block_2d):
+    t = on(CPU, lambda x: jax_nvfp4.quantize(x, columnwise=True, block_2d=block_2d), x)
+
+    def dequantize(t):
+        return jax_nvfp4.dequantize(t, out_dtype), jax_nvfp4.dequantize(t, out_dtype, columnwise=True)
+
+    for got, want in zip(on(GPUS[0], dequantize, t), on(CPU, dequantize, t), strict=True):
+        assert_same_bytes(got, want)
+    assert_same_bytes(on(GPUS[0], jax_nvfp4.amax, x), on(CPU, jax_nvfp4.amax, x))
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4100), (3, 17, 33), (16, 1), (1, 16), (2049, 7)])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+def test_large_and_ragged_shapes(shape, dtype):
+    x = random_tensor(np.random.default_rng(0), shape, dtype, spread=2.0, specials=("zero",), frac=0.01)
+    for block_2d in (False, True):
+
+        def quantize(x, block_2d=block_2d):
+            return jax_nvfp4.quantize(x, columnwise=True, block_2d=block_2d)
+
+        assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
+
+
+def test_the_training_step_runs_on_the_gpu():
+    x = jnp.asarray(
+        random_tensor(np.random.default_rng(1), (256, 128), ml_dtypes.bfloat16, spread=1, specials=(), frac=0)
+    )
+    w = jnp.asarray(random_tensor(np.random.default_rng(2), (128, 64), np.float32, spread=1, specials=(), frac=0))
+
+    def grads(x, w):
+        return jax.grad(lambda x, w: jnp.sum(jax_nvfp4.dot_general(x, w, (((1,), (0,)), ((), ())))), (0, 1))(x, w)
+
+    for got, want in zip(on(GPUS[0], grads, x, w), on(CPU, grads, x, w), strict=True):
+        # Quantized operands are identical; only the float32 accumulation order may differ.
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-3)
