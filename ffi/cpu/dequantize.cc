@@ -33,13 +33,7 @@ void dequantize_rows(const uint8_t* data, const uint8_t* scale, float amax, int6
 ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
                            ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out) {
   int64_t batch, rows, cols;
-  if (!dims3(*out, batch, rows, cols)) return invalid("dequantize output must be [B, M, N]");
-  if (scale.element_type() != ffi::DataType::F8E4M3FN)
-    return invalid("dequantize scales must be float8_e4m3fn");
-  if (int64_t(data.element_count()) != batch * rows * packed_size(cols) ||
-      int64_t(scale.element_count()) != batch * rows * num_blocks(cols) ||
-      int64_t(amax.element_count()) != batch)
-    return invalid("dequantize operand sizes do not match the output shape");
+  if (auto e = check_dequantize(data, scale, amax, *out, batch, rows, cols); e.failure()) return e;
   const uint8_t* d = data.typed_data();
   const auto* s = static_cast<const uint8_t*>(scale.untyped_data());
   const float* a = amax.typed_data();

@@ -13,14 +13,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 namespace nvfp4::cpu {
 namespace {
 
-// Output pointers for one batch entry; null where a copy was not requested.
-struct Outputs {
-  uint8_t* data;
-  uint8_t* scale;
-  uint8_t* data_t;
-  uint8_t* scale_t;
-};
-
 // Per-thread scratch for one 16-row stripe, reused across stripes.
 struct Stripe {
   std::vector<float> value;    // [16][width]: the stripe as float32, zero-padded
@@ -85,7 +77,7 @@ inline void encode_blocks(const float* __restrict v, const float* __restrict enc
 
 // Rowwise 1x16: each row's blocks get their own scale.
 void rowwise_1d(Stripe& st, int64_t nrows, int64_t cols, int64_t width, int64_t m0,
-                const GlobalScales& g, const Outputs& o) {
+                const GlobalScales& g, const QuantizeOutputs& o) {
   const int64_t data_cols = packed_size(cols), nb = num_blocks(cols);
   st.code.resize(width);
   st.mag.resize(nb);
@@ -104,7 +96,7 @@ void rowwise_1d(Stripe& st, int64_t nrows, int64_t cols, int64_t width, int64_t 
 // one encode scale per column of the stripe, so they share one vector loop.
 template <typename L>
 void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t m0,
-                     const GlobalScales& g, bool block_2d, const Outputs& o, Stripe& st) {
+                     const GlobalScales& g, bool block_2d, const QuantizeOutputs& o, Stripe& st) {
   const int64_t nrows = std::min<int64_t>(kBlock, rows - m0);
   const int64_t width = num_blocks(cols) * kBlock;
   st.value.resize(kBlock * width);
@@ -170,33 +162,18 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
   }
 }
 
-// Fetches output `index` of the remaining results, checking dtype and size.
-ffi::Error output(ffi::RemainingRets& outs, size_t index, ffi::DataType dtype, int64_t count,
-                  uint8_t*& ptr) {
-  auto buf = outs.get<ffi::AnyBuffer>(index);
-  if (!buf.has_value()) return invalid("quantize is missing an output");
-  if ((*buf)->element_type() != dtype || int64_t((*buf)->element_count()) != count)
-    return invalid("quantize output has the wrong dtype or size");
-  ptr = static_cast<uint8_t*>((*buf)->untyped_data());
-  return ffi::Error::Success();
-}
-
 ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::RemainingRets outs,
                          bool rowwise, bool columnwise, bool block_2d) {
   int64_t batch, rows, cols;
   if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
   if (int64_t(amax.element_count()) != batch) return invalid("quantize amax must be [B]");
+  QuantizeOutputs all;
+  if (auto e = quantize_outputs(outs, batch, rows, cols, rowwise, columnwise, all); e.failure())
+    return e;
   // Per batch entry: data, scale (rowwise), data_t, scale_t (columnwise).
+  uint8_t* ptrs[4] = {all.data, all.scale, all.data_t, all.scale_t};
   const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
                             cols * packed_size(rows), cols * num_blocks(rows)};
-  const bool wanted[4] = {rowwise, rowwise, columnwise, columnwise};
-  uint8_t* ptrs[4] = {nullptr, nullptr, nullptr, nullptr};
-  size_t next = 0;
-  for (int i = 0; i < 4; ++i) {
-    if (!wanted[i]) continue;
-    const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
-    if (auto e = output(outs, next++, dtype, batch * sizes[i], ptrs[i]); e.failure()) return e;
-  }
   const float* amax_data = amax.typed_data();
   const int64_t stripes = num_blocks(rows);
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
@@ -209,7 +186,7 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Rema
         const int64_t b = i / stripes, stripe = i % stripes;
         uint8_t* p[4];
         for (int k = 0; k < 4; ++k) p[k] = ptrs[k] ? ptrs[k] + b * sizes[k] : nullptr;
-        const Outputs ob{p[0], p[1], p[2], p[3]};
+        const QuantizeOutputs ob{p[0], p[1], p[2], p[3]};
         quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock,
                            global_scales(amax_data[b]), block_2d, ob, st);
       }

@@ -27,13 +27,7 @@ __global__ void __launch_bounds__(kThreads)
 ffi::Error dequantize_impl(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
                            ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out) {
   int64_t batch, rows, cols;
-  if (!dims3(*out, batch, rows, cols)) return invalid("dequantize output must be [B, M, N]");
-  if (scale.element_type() != ffi::DataType::F8E4M3FN)
-    return invalid("dequantize scales must be float8_e4m3fn");
-  if (int64_t(data.element_count()) != batch * rows * packed_size(cols) ||
-      int64_t(scale.element_count()) != batch * rows * num_blocks(cols) ||
-      int64_t(amax.element_count()) != batch)
-    return invalid("dequantize operand sizes do not match the output shape");
+  if (auto e = check_dequantize(data, scale, amax, *out, batch, rows, cols); e.failure()) return e;
   const int64_t bytes = batch * rows * packed_size(cols);
   const bool ok =
       dispatch_float<StoreF32, StoreBF16, StoreF16>(out->element_type(), [&](auto storer) {

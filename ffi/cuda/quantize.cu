@@ -12,14 +12,6 @@ namespace {
 
 constexpr int kTile = 128;  // columns per CUDA block (4 warps)
 
-// Output pointers for the whole batch; null where a copy was not requested.
-struct Outputs {
-  uint8_t* data;
-  uint8_t* scale;
-  uint8_t* data_t;
-  uint8_t* scale_t;
-};
-
 // Max over the 16 lanes of a block (xor offsets < 16 stay inside the group).
 __device__ __forceinline__ uint32_t group16_max(uint32_t m) {
   for (int offset = 8; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(~0u, m, offset));
@@ -29,7 +21,7 @@ __device__ __forceinline__ uint32_t group16_max(uint32_t m) {
 // Writes row r of the rowwise copy: even lanes pack their code with the odd
 // neighbour's; the first lane of each 16 writes the block scale.
 __device__ __forceinline__ void store_row(uint8_t code, uint8_t scale, int64_t row, int64_t c,
-                                          int64_t cols, bool valid_row, const Outputs& o) {
+                                          int64_t cols, bool valid_row, const QuantizeOutputs& o) {
   const uint8_t high = uint8_t(__shfl_down_sync(~0u, unsigned(code), 1));
   if (!valid_row || c >= cols) return;
   if (c % 2 == 0) o.data[row * packed_size(cols) + c / 2] = uint8_t(code | (high << 4));
@@ -39,7 +31,7 @@ __device__ __forceinline__ void store_row(uint8_t code, uint8_t scale, int64_t r
 // Writes column c's 16 codes (rows m0..m0+15) and scale to the columnwise copy.
 __device__ __forceinline__ void store_column(const uint8_t (&code)[kBlock], uint8_t scale,
                                              int64_t b, int64_t m0, int64_t c, int64_t rows,
-                                             int64_t cols, const Outputs& o) {
+                                             int64_t cols, const QuantizeOutputs& o) {
   if (c >= cols) return;
   const int64_t data_t_cols = packed_size(rows);
   uint8_t* dst = o.data_t + (b * cols + c) * data_t_cols + m0 / 2;
@@ -51,7 +43,7 @@ __device__ __forceinline__ void store_column(const uint8_t (&code)[kBlock], uint
 template <typename L>
 __global__ void __launch_bounds__(kTile)
     quantize_kernel(const typename L::T* x, const float* amax, int64_t rows, int64_t cols,
-                    int64_t stripes, int64_t tiles, bool block_2d, Outputs o) {
+                    int64_t stripes, int64_t tiles, bool block_2d, QuantizeOutputs o) {
   const int64_t tile = blockIdx.x % tiles, stripe = (blockIdx.x / tiles) % stripes;
   const int64_t b = blockIdx.x / (tiles * stripes);
   const int64_t c = tile * kTile + threadIdx.x, m0 = stripe * kBlock;
@@ -101,36 +93,17 @@ __global__ void __launch_bounds__(kTile)
   }
 }
 
-// Fetches output `index` of the remaining results, checking dtype and size.
-ffi::Error output(ffi::RemainingRets& outs, size_t index, ffi::DataType dtype, int64_t count,
-                  uint8_t*& ptr) {
-  auto buf = outs.get<ffi::AnyBuffer>(index);
-  if (!buf.has_value()) return invalid("quantize is missing an output");
-  if ((*buf)->element_type() != dtype || int64_t((*buf)->element_count()) != count)
-    return invalid("quantize output has the wrong dtype or size");
-  ptr = static_cast<uint8_t*>((*buf)->untyped_data());
-  return ffi::Error::Success();
-}
-
 ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
                          ffi::RemainingRets outs, bool rowwise, bool columnwise, bool block_2d) {
   int64_t batch, rows, cols;
   if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
   if (int64_t(amax.element_count()) != batch) return invalid("quantize amax must be [B]");
-  const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
-                            cols * packed_size(rows), cols * num_blocks(rows)};
-  const bool wanted[4] = {rowwise, rowwise, columnwise, columnwise};
-  uint8_t* ptrs[4] = {nullptr, nullptr, nullptr, nullptr};
-  size_t next = 0;
-  for (int i = 0; i < 4; ++i) {
-    if (!wanted[i]) continue;
-    const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
-    if (auto e = output(outs, next++, dtype, batch * sizes[i], ptrs[i]); e.failure()) return e;
-  }
+  QuantizeOutputs o;
+  if (auto e = quantize_outputs(outs, batch, rows, cols, rowwise, columnwise, o); e.failure())
+    return e;
   const int64_t stripes = num_blocks(rows), tiles = (cols + kTile - 1) / kTile;
   const int64_t blocks = batch * stripes * tiles;
   if (blocks > INT32_MAX) return invalid("quantize input is too large for one launch");
-  const Outputs o{ptrs[0], ptrs[1], ptrs[2], ptrs[3]};
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     if (blocks > 0)

@@ -82,4 +82,50 @@ inline bool dims3(const ffi::AnyBuffer& buf, int64_t& b, int64_t& rows, int64_t&
 NVFP4_HD int64_t packed_size(int64_t n) { return (n + 1) / 2; }
 NVFP4_HD int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
+// Quantize output pointers (of the whole batch, or of one batch entry); null
+// where a copy was not requested.
+struct QuantizeOutputs {
+  uint8_t* data;     // [B, M, ceil(N/2)]
+  uint8_t* scale;    // [B, M, ceil(N/16)]
+  uint8_t* data_t;   // [B, N, ceil(M/2)]
+  uint8_t* scale_t;  // [B, N, ceil(M/16)]
+};
+
+// Checks the dtype and size of each requested quantize output (in the order
+// data, scale, data_t, scale_t) and fills `o`.
+inline ffi::Error quantize_outputs(ffi::RemainingRets& outs, int64_t batch, int64_t rows,
+                                   int64_t cols, bool rowwise, bool columnwise,
+                                   QuantizeOutputs& o) {
+  uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
+  const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
+                            cols * packed_size(rows), cols * num_blocks(rows)};
+  const bool wanted[4] = {rowwise, rowwise, columnwise, columnwise};
+  size_t next = 0;
+  for (int i = 0; i < 4; ++i) {
+    *ptrs[i] = nullptr;
+    if (!wanted[i]) continue;
+    auto buf = outs.get<ffi::AnyBuffer>(next++);
+    if (!buf.has_value()) return invalid("quantize is missing an output");
+    const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
+    if ((*buf)->element_type() != dtype || int64_t((*buf)->element_count()) != batch * sizes[i])
+      return invalid("quantize output has the wrong dtype or size");
+    *ptrs[i] = static_cast<uint8_t*>((*buf)->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+// Checks dequantize's operands against its [B, M, N] output and unpacks the dims.
+inline ffi::Error check_dequantize(const ffi::Buffer<ffi::U8>& data, const ffi::AnyBuffer& scale,
+                                   const ffi::Buffer<ffi::F32>& amax, const ffi::AnyBuffer& out,
+                                   int64_t& batch, int64_t& rows, int64_t& cols) {
+  if (!dims3(out, batch, rows, cols)) return invalid("dequantize output must be [B, M, N]");
+  if (scale.element_type() != ffi::DataType::F8E4M3FN)
+    return invalid("dequantize scales must be float8_e4m3fn");
+  if (int64_t(data.element_count()) != batch * rows * packed_size(cols) ||
+      int64_t(scale.element_count()) != batch * rows * num_blocks(cols) ||
+      int64_t(amax.element_count()) != batch)
+    return invalid("dequantize operand sizes do not match the output shape");
+  return ffi::Error::Success();
+}
+
 }  // namespace nvfp4
