@@ -165,15 +165,10 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
 ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::RemainingRets outs,
                          bool rowwise, bool columnwise, bool block_2d) {
   int64_t batch, rows, cols;
-  if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
-  if (int64_t(amax.element_count()) != batch) return invalid("quantize amax must be [B]");
   QuantizeOutputs all;
-  if (auto e = quantize_outputs(outs, batch, rows, cols, rowwise, columnwise, all); e.failure())
+  if (auto e = check_quantize(x, amax, outs, rowwise, columnwise, batch, rows, cols, all);
+      e.failure())
     return e;
-  // Per batch entry: data, scale (rowwise), data_t, scale_t (columnwise).
-  uint8_t* ptrs[4] = {all.data, all.scale, all.data_t, all.scale_t};
-  const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
-                            cols * packed_size(rows), cols * num_blocks(rows)};
   const float* amax_data = amax.typed_data();
   const int64_t stripes = num_blocks(rows);
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
@@ -184,11 +179,8 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Rema
       Stripe st;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t b = i / stripes, stripe = i % stripes;
-        uint8_t* p[4];
-        for (int k = 0; k < 4; ++k) p[k] = ptrs[k] ? ptrs[k] + b * sizes[k] : nullptr;
-        const QuantizeOutputs ob{p[0], p[1], p[2], p[3]};
         quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock,
-                           global_scales(amax_data[b]), block_2d, ob, st);
+                           global_scales(amax_data[b]), block_2d, all.entry(b, rows, cols), st);
       }
     });
   });

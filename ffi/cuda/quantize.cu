@@ -96,10 +96,9 @@ __global__ void __launch_bounds__(kTile)
 ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
                          ffi::RemainingRets outs, bool rowwise, bool columnwise, bool block_2d) {
   int64_t batch, rows, cols;
-  if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
-  if (int64_t(amax.element_count()) != batch) return invalid("quantize amax must be [B]");
   QuantizeOutputs o;
-  if (auto e = quantize_outputs(outs, batch, rows, cols, rowwise, columnwise, o); e.failure())
+  if (auto e = check_quantize(x, amax, outs, rowwise, columnwise, batch, rows, cols, o);
+      e.failure())
     return e;
   const int64_t stripes = num_blocks(rows), tiles = (cols + kTile - 1) / kTile;
   const int64_t blocks = batch * stripes * tiles;

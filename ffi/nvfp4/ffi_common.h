@@ -89,13 +89,23 @@ struct QuantizeOutputs {
   uint8_t* scale;    // [B, M, ceil(N/16)]
   uint8_t* data_t;   // [B, N, ceil(M/2)]
   uint8_t* scale_t;  // [B, N, ceil(M/16)]
+
+  // The outputs of batch entry b of a [B, rows, cols] input.
+  NVFP4_HD QuantizeOutputs entry(int64_t b, int64_t rows, int64_t cols) const {
+    auto at = [b](uint8_t* p, int64_t size) { return p ? p + b * size : p; };
+    return {at(data, rows * packed_size(cols)), at(scale, rows * num_blocks(cols)),
+            at(data_t, cols * packed_size(rows)), at(scale_t, cols * num_blocks(rows))};
+  }
 };
 
-// Checks the dtype and size of each requested quantize output (in the order
-// data, scale, data_t, scale_t) and fills `o`.
-inline ffi::Error quantize_outputs(ffi::RemainingRets& outs, int64_t batch, int64_t rows,
-                                   int64_t cols, bool rowwise, bool columnwise,
-                                   QuantizeOutputs& o) {
+// Checks quantize's [B, M, N] input, its amax [B] and the dtype and size of
+// each requested output (in the order data, scale, data_t, scale_t); unpacks
+// the dims and fills `o`.
+inline ffi::Error check_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax,
+                                 ffi::RemainingRets& outs, bool rowwise, bool columnwise,
+                                 int64_t& batch, int64_t& rows, int64_t& cols, QuantizeOutputs& o) {
+  if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
+  if (int64_t(amax.element_count()) != batch) return invalid("quantize amax must be [B]");
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
   const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
                             cols * packed_size(rows), cols * num_blocks(rows)};
