@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from jax_nvfp4.tensor import NVFP4Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    amax: Callable  # x [B, M, N] -> float32 [B]
+    amax: Callable  # (x [B, M, N], mesh_axes) -> float32 [B]
     quantize: Callable  # (x, amax[B], *, rowwise, columnwise, block_2d) -> tuple of arrays
     dequantize: Callable  # (data, scale, amax[B], *, cols, dtype) -> [B, M, cols]
 
@@ -45,14 +45,36 @@ def _check_out_dtype(dtype) -> np.dtype:
     return dtype
 
 
+def _check_mesh_axes(mesh_axes) -> tuple[str, ...] | None:
+    if mesh_axes is None:
+        return None
+    if isinstance(mesh_axes, str):
+        mesh_axes = (mesh_axes,)
+    mesh_axes = tuple(mesh_axes)
+    if not all(isinstance(a, str) for a in mesh_axes):
+        raise TypeError(f"mesh axes must be mesh axis names (str), got {mesh_axes!r}")
+    return mesh_axes
+
+
 def _as_matrix(x: jax.Array) -> jax.Array:
     return x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def amax_fn(backend: Backend) -> Callable:
-    def amax(x: jax.Array) -> jax.Array:
-        """max |x| over the whole tensor as float32; NaN anywhere gives NaN."""
-        return backend.amax(_as_matrix(_check_input(x)))[0]
+    def amax(x: jax.Array, *, mesh_axes: Sequence[str] | None = None) -> jax.Array:
+        """max |x| over the whole tensor as float32; NaN anywhere gives NaN.
+
+        Under ``jit`` with a sharded ``x``, the local maxima are reduced over
+        the mesh axes ``x`` is sharded on, so the amax (and a quantization
+        using it) is that of the unsharded tensor. ``mesh_axes`` narrows the
+        reduction to those mesh axes (e.g. the ones the tensor will be
+        all-gathered over, as TransformerEngine scopes FSDP and sequence
+        parallel amaxes): along the other axes each shard keeps its own amax,
+        which local quantization and dequantization use consistently, while
+        the global view of the result shows one shard's value. The pure-JAX
+        reference ignores ``mesh_axes`` (always the global amax).
+        """
+        return backend.amax(_as_matrix(_check_input(x)), _check_mesh_axes(mesh_axes))[0]
 
     return amax
 
@@ -65,6 +87,7 @@ def quantize_fn(backend: Backend) -> Callable:
         columnwise: bool = False,
         block_2d: bool = False,
         amax: jax.Array | float | None = None,
+        amax_mesh_axes: Sequence[str] | None = None,
     ) -> NVFP4Tensor:
         """Quantize ``x`` [..., N] (rank >= 2) to NVFP4.
 
@@ -76,6 +99,9 @@ def quantize_fn(backend: Backend) -> Callable:
           block_2d: 16x16 blocks (for weights) instead of 1x16.
           amax: a global amax computed elsewhere (e.g. reduced across a mesh),
             a float32 scalar; by default ``max|x|``.
+          amax_mesh_axes: where ``amax`` is None, the mesh axes the amax is
+            reduced over when ``x`` is sharded (None: all the axes ``x`` is
+            sharded on); see ``amax``.
 
         Dimensions that are not multiples of 16 are zero-padded to the block,
         as the reference does; every element is kept (an odd N gives
@@ -85,9 +111,12 @@ def quantize_fn(backend: Backend) -> Callable:
         if not (rowwise or columnwise):
             raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
         x3 = _as_matrix(x)
+        mesh_axes = _check_mesh_axes(amax_mesh_axes)
         if amax is None:
-            global_amax = backend.amax(x3)
+            global_amax = backend.amax(x3, mesh_axes)
         else:
+            if mesh_axes is not None:
+                raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
             global_amax = jnp.asarray(amax, jnp.float32)
             if global_amax.shape != ():
                 raise ValueError(f"amax must be a scalar, got shape {global_amax.shape}")

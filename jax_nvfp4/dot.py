@@ -43,7 +43,7 @@ def quantize_operand(x: jax.Array, *, columnwise: bool, block_2d: bool = False) 
     columnwise one ([B, L, R], blocked along R).
     """
     b, r, n = x.shape
-    amax = amax_p.bind(x.reshape(1, b * r, n))[0]
+    amax = amax_p.bind(x.reshape(1, b * r, n), mesh_axes=None)[0]
     outs = quantize_p.bind(x, jnp.broadcast_to(amax, (b,)), rowwise=True, columnwise=columnwise, block_2d=block_2d)
     rowwise = Operand(outs[0], outs[1], amax[0])
     return rowwise, Operand(outs[2], outs[3], amax[0]) if columnwise else None

@@ -7,6 +7,10 @@ are exact in float32, and only the float32 accumulation rounds, as on FP4 tensor
 cores. The float32 result is multiplied by the product of the two global decode
 scales ``amax / (6 * 448)``: the reference GEMM's alpha, amax_a * amax_c / 2688^2,
 rounded in an order that cannot overflow or underflow for ordinary amaxes.
+
+The GEMM is one primitive (``nvfp4_gemm``) so that it partitions as a whole:
+under ``jit`` on a mesh, whatever collective brings the operands to the layout
+of the output moves their packed codes and scales, never dequantized values.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_nvfp4 import _bits as b
-from jax_nvfp4 import reference
+from jax_nvfp4 import _partition, _primitive, reference
 from jax_nvfp4.formats import E2M1_MAX, E4M3_MAX
 from jax_nvfp4.primitives import dequantize_p
 from jax_nvfp4.tensor import NVFP4Tensor
@@ -51,17 +55,46 @@ def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
     return b.from_bits(b.mul(a, c))
 
 
-@functools.partial(jax.jit, static_argnames=("length", "out_dtype"))
-def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype) -> jax.Array:
-    """[B, M, L] x [B, N, L] -> [B, M, N] of ``out_dtype``, contracting the L axis."""
+def _gemm_reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, length, out_dtype):
+    a_scale, c_scale = (lax.bitcast_convert_type(s, jnp.float8_e4m3fn) for s in (a_scale, c_scale))
     acc = lax.dot_general(
-        block_values(a.data, a.scale, length),
-        block_values(c.data, c.scale, length),
+        block_values(a_data, a_scale, length),
+        block_values(c_data, c_scale, length),
         (((2,), (2,)), ((0,), (0,))),
         preferred_element_type=jnp.float32,
     )
     # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit.
-    return (acc * global_decode_scale(a.amax, c.amax)).astype(out_dtype)
+    return ((acc * global_decode_scale(a_amax, c_amax)[:, None, None]).astype(out_dtype),)
+
+
+def _gemm_abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, length, out_dtype):
+    return (_primitive.shaped((a_data.shape[0], a_data.shape[1], c_data.shape[1]), out_dtype),)
+
+
+gemm_p = _primitive.define(
+    "nvfp4_gemm",
+    abstract_eval=_gemm_abstract,
+    reference=_gemm_reference,
+    partitioning=_partition.GEMM,
+)
+
+
+@functools.partial(jax.jit, static_argnames=("length", "out_dtype"))
+def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype) -> jax.Array:
+    """[B, M, L] x [B, N, L] -> [B, M, N] of ``out_dtype``, contracting the L axis."""
+    batch = (a.data.shape[0],)
+    # Scales travel as their E4M3 bytes: XLA on CPU widens float8 collectives to f16.
+    (y,) = gemm_p.bind(
+        a.data,
+        lax.bitcast_convert_type(a.scale, jnp.uint8),
+        jnp.broadcast_to(a.amax, batch),
+        c.data,
+        lax.bitcast_convert_type(c.scale, jnp.uint8),
+        jnp.broadcast_to(c.amax, batch),
+        length=length,
+        out_dtype=jnp.dtype(out_dtype),
+    )
+    return y
 
 
 def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32) -> jax.Array:

@@ -1,7 +1,8 @@
 """The NVFP4 primitives (amax, quantize, dequantize) and the kernel backend.
 
 Operands and results carry a leading batch axis (see ``_primitive``):
-  nvfp4_amax:       x [B, M, N]                  -> amax float32 [B]
+  nvfp4_amax:       x [B, M, N]                  -> amax float32 [B]; sharded, it is
+                    reduced (max) over the mesh axes ``mesh_axes`` (None: all)
   nvfp4_quantize:   x [B, M, N], amax [B]        -> data [B, M, ceil(N/2)] uint8,
                     scale [B, M, ceil(N/16)] e4m3 (rowwise), then data_t [B, N, ceil(M/2)],
                     scale_t [B, N, ceil(M/16)] (columnwise)
@@ -12,14 +13,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_nvfp4 import _frontend, _primitive, reference
+from jax_nvfp4 import _frontend, _partition, _primitive, reference
 from jax_nvfp4._primitive import shaped
 from jax_nvfp4.formats import num_blocks, packed_size
 
 SCALE_DTYPE = jnp.float8_e4m3fn
 
 
-def _amax_abstract(x):
+def _amax_abstract(x, *, mesh_axes):
+    del mesh_axes
     return (shaped(x.shape[:1], jnp.float32),)
 
 
@@ -42,22 +44,25 @@ def _dequantize_abstract(data, scale, amax, *, cols, dtype):
 amax_p = _primitive.define(
     "nvfp4_amax",
     abstract_eval=_amax_abstract,
-    reference=lambda x: (reference.amax_core(x),),
+    reference=lambda x, *, mesh_axes: (reference.amax_core(x),),
+    partitioning=_partition.AMAX,
 )
 quantize_p = _primitive.define(
     "nvfp4_quantize",
     abstract_eval=_quantize_abstract,
     reference=reference.quantize_core,
+    partitioning=_partition.QUANTIZE,
     ffi_attrs=("rowwise", "columnwise", "block_2d"),
 )
 dequantize_p = _primitive.define(
     "nvfp4_dequantize",
     abstract_eval=_dequantize_abstract,
     reference=lambda *a, **p: (reference.dequantize_core(*a, **p),),
+    partitioning=_partition.DEQUANTIZE,
 )
 
 KERNELS = _frontend.Backend(
-    amax=lambda x: amax_p.bind(x)[0],
+    amax=lambda x, mesh_axes=None: amax_p.bind(x, mesh_axes=mesh_axes)[0],
     quantize=lambda x, amax, **p: tuple(quantize_p.bind(x, amax, **p)),
     dequantize=lambda data, scale, amax, **p: dequantize_p.bind(data, scale, amax, **p)[0],
 )
