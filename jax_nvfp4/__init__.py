@@ -8,6 +8,9 @@ Public API:
   gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
   dot_general(lhs, rhs, dimension_numbers, ..., recipe=None): lax.dot_general in NVFP4
   Recipe: the training recipe's options.
+  all_gather(t, axis_name, *, axis=0, tiled=True): gather a quantized tensor in shard_map
+Under jit on a mesh the primitives shard themselves (amax reduced over the mesh,
+GEMM operands gathered quantized).
 Flax layers live in ``jax_nvfp4.flax`` (needs flax).
 """
 
@@ -16,11 +19,12 @@ from jax_nvfp4.dot import dot_general
 from jax_nvfp4.gemm import gemm
 from jax_nvfp4.primitives import KERNELS
 from jax_nvfp4.recipe import Recipe
+from jax_nvfp4.sharding import all_gather
 from jax_nvfp4.tensor import NVFP4Tensor
 
 quantize = _frontend.quantize_fn(KERNELS)
 dequantize = _frontend.dequantize_fn(KERNELS)
 amax = _frontend.amax_fn(KERNELS)
 
-__all__ = ["NVFP4Tensor", "Recipe", "amax", "dequantize", "dot_general", "gemm", "quantize", "reference"]
+__all__ = ["NVFP4Tensor", "Recipe", "all_gather", "amax", "dequantize", "dot_general", "gemm", "quantize", "reference"]
 __version__ = "0.1.0"

@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4.formats import INPUT_DTYPES, num_blocks, packed_size
+from jax_nvfp4.formats import BLOCK, INPUT_DTYPES, num_blocks, packed_size
 from jax_nvfp4.tensor import NVFP4Tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    amax: Callable  # (x [B, M, N], mesh_axes) -> float32 [B]
-    quantize: Callable  # (x, amax[B], *, rowwise, columnwise, block_2d) -> tuple of arrays
+    amax: Callable  # (x [B, *R, N], mesh_axes) -> float32 [B]
+    quantize: Callable  # (x [B, *R, N], amax[B], *, rowwise, columnwise, block_2d) -> tuple of arrays
     dequantize: Callable  # (data, scale, amax[B], *, cols, dtype) -> [B, M, cols]
 
 
@@ -58,6 +58,31 @@ def _check_mesh_axes(mesh_axes) -> tuple[str, ...] | None:
 
 def _as_matrix(x: jax.Array) -> jax.Array:
     return x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def on_rows(quantize3: Callable) -> Callable:
+    """A [B, M, N] quantize as one on [B, *R, N]: the rows of several axes are flattened.
+
+    Rowwise results keep R; columnwise ones are [B, N, *R[:-1], packed M]. Where
+    M is whole blocks of 16 these are the flat results' bytes, reshaped.
+    """
+
+    def quantize(x, amax, *, rowwise, columnwise, block_2d):
+        b, *rows, n = x.shape
+        outs = quantize3(x.reshape(b, -1, n), amax, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d)
+        shapes = [(b, *rows, -1)] * 2 * rowwise + [(b, n, *rows[:-1], -1)] * 2 * columnwise
+        return tuple(o.reshape(s) for o, s in zip(outs, shapes, strict=True))
+
+    return quantize
+
+
+def _as_rows(x: jax.Array, blocked_rows: bool) -> jax.Array:
+    """[1, *lead, N]: leading axes kept apart (each keeps its sharding under jit) where the
+    blocks allow it (rows unblocked, or the last leading axis whole blocks), else flattened."""
+    lead = x.shape[:-1]
+    if len(lead) > 1 and (not blocked_rows or lead[-1] % BLOCK == 0):
+        return x.reshape(1, *x.shape)
+    return _as_matrix(x)
 
 
 def amax_fn(backend: Backend) -> Callable:
@@ -110,10 +135,10 @@ def quantize_fn(backend: Backend) -> Callable:
         x = _check_input(x)
         if not (rowwise or columnwise):
             raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
-        x3 = _as_matrix(x)
+        xr = _as_rows(x, blocked_rows=columnwise or block_2d)
         mesh_axes = _check_mesh_axes(amax_mesh_axes)
         if amax is None:
-            global_amax = backend.amax(x3, mesh_axes)
+            global_amax = backend.amax(xr, mesh_axes)
         else:
             if mesh_axes is not None:
                 raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
@@ -121,8 +146,8 @@ def quantize_fn(backend: Backend) -> Callable:
             if global_amax.shape != ():
                 raise ValueError(f"amax must be a scalar, got shape {global_amax.shape}")
             global_amax = global_amax.reshape(1)
-        outs = list(backend.quantize(x3, global_amax, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d))
-        lead, n, m = x.shape[:-1], x.shape[-1], x3.shape[1]
+        outs = list(backend.quantize(xr, global_amax, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d))
+        lead, n, m = x.shape[:-1], x.shape[-1], math.prod(x.shape[:-1])
         data = scale = data_t = scale_t = None
         if rowwise:
             data = outs.pop(0).reshape(*lead, packed_size(n))

@@ -14,6 +14,7 @@ values, codes and scales of a tensor.
 from __future__ import annotations
 
 import math
+import re
 
 import jax.numpy as jnp
 from jax import lax
@@ -38,26 +39,33 @@ def _without(axes: tuple[str, ...], used) -> tuple[str, ...]:
 class _Factors:
     """Builds the factor names of a Shardy rule for blocked dimensions."""
 
-    def __init__(self):
+    def __init__(self, axis_sizes: tuple[int, ...]):
+        self.axis_sizes = axis_sizes
         self.sizes: dict[str, int] = {}
         self.replicated: list[str] = []
 
     def dim(self, name: str, size: int, *, blocked: bool) -> tuple[str, str, str]:
         """(values, packed codes, block scales) factor strings of dimension ``name``."""
-        if size % BLOCK == 0:
-            self.sizes.update({f"{name}16": BLOCK, f"{name}8": BLOCK // 2})
+        if size % BLOCK == 0 and all((size // BLOCK) % a == 0 for a in self.axis_sizes):
+            # Whole blocks on each mesh axis, so propagation need not split an axis
+            # into sub-axes, which custom_partitioning cannot express as a PartitionSpec.
+            self.sizes.update({f"{name}b": size // BLOCK, f"{name}16": BLOCK, f"{name}8": BLOCK // 2})
             return f"({name}b {name}16)", f"({name}b {name}8)", f"{name}b"
-        if blocked:  # a ragged last block: keep the dimension whole
+        if blocked and size % BLOCK:  # a ragged last block: keep the dimension whole
             self.replicated += [name, f"{name}p", f"{name}s"]
+        # Otherwise values, codes and scales are not linked: the partition function
+        # keeps what it can and XLA reshards the rest.
         return name, f"{name}p", f"{name}s"
 
     def rule(self, rule: str, **special) -> tuple[str, dict]:
         """``rule`` with its keyword arguments (for the factors it uses)."""
         used = set(rule.replace("(", " ").replace(")", " ").replace(",", " ").split())
+        whole = set(re.sub(r"\([^)]*\)", " ", rule).replace(",", " ").split())  # factors that are a whole dim
         replicated = tuple(f for f in self.replicated if f in used)
         if replicated:
             special["need_replication_factors"] = replicated
-        return rule, {**special, **{f: n for f, n in self.sizes.items() if f in used}}
+        # Shardy wants the size of a factor only where no dimension is that factor alone.
+        return rule, {**special, **{f: n for f, n in self.sizes.items() if f in used and f not in whole}}
 
 
 def _pmax_bits(amax, axes: tuple[str, ...]):
@@ -66,51 +74,59 @@ def _pmax_bits(amax, axes: tuple[str, ...]):
     return lax.bitcast_convert_type(lax.pmax(bits, axes), jnp.float32)
 
 
-# nvfp4_amax: x [B, M, N] -> [B]
+def _row_factors(nrows: int) -> list[str]:
+    return [f"r{i}" for i in range(nrows)]
 
 
-def _amax_rule(in_shapes, out_shapes, *, mesh_axes):
-    return "b m n -> b", {"reduction_factors": ("m", "n")}
+# nvfp4_amax: x [B, *R, N] -> [B]
+
+
+def _amax_rule(axis_sizes, in_shapes, out_shapes, *, mesh_axes):
+    rows = _row_factors(len(in_shapes[0]) - 2)
+    return " ".join(["b", *rows, "n"]) + " -> b", {"reduction_factors": (*rows, "n")}
 
 
 def _amax_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, mesh_axes):
-    (bsz, m, n), (b, dm, dn) = in_shapes[0], in_dims[0]
-    b, dm, dn = _fits(mesh, bsz, b), _fits(mesh, m, dm), _fits(mesh, n, dn)
-    reduce = tuple(a for a in dm + dn if mesh_axes is None or a in mesh_axes)
+    dims = tuple(_fits(mesh, size, d) for size, d in zip(in_shapes[0], in_dims[0], strict=True))
+    reduce = tuple(a for d in dims[1:] for a in d if mesh_axes is None or a in mesh_axes)
 
     def local(x):
         (amax,) = kernel(x)
         return (_pmax_bits(amax, reduce) if reduce else amax,)
 
-    return [(b, dm, dn)], [(b,)], local
+    return [dims], [dims[:1]], local
 
 
 AMAX = Partitioning(_amax_rule, _amax_partition)
 
 
-# nvfp4_quantize: x [B, M, N], amax [B] -> rowwise (data, scale), columnwise (data_t, scale_t)
+# nvfp4_quantize: x [B, *R, N], amax [B] -> rowwise (data, scale), columnwise (data_t, scale_t)
 
 
-def _quantize_rule(in_shapes, out_shapes, *, rowwise, columnwise, block_2d):
-    _, m, n = in_shapes[0]
-    f = _Factors()
+def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, rowwise, columnwise, block_2d):
+    *_, m, n = in_shapes[0]
+    lead = _row_factors(len(in_shapes[0]) - 3)
+    f = _Factors(axis_sizes)
     mv, mp, ms = f.dim("m", m, blocked=columnwise or block_2d)
     nv, np_, ns = f.dim("n", n, blocked=rowwise or block_2d)
+    rows = " ".join(["b", *lead])
     outs = []
     if rowwise:
-        outs += [f"b {mv} {np_}", f"b {mv} {ns}"]
+        outs += [f"{rows} {mv} {np_}", f"{rows} {mv} {ns}"]
     if columnwise:
-        outs += [f"b {nv} {mp}", f"b {nv} {ms}"]
-    return f.rule(f"b {mv} {nv}, b -> " + ", ".join(outs))
+        cols = " ".join(["b", nv, *lead])
+        outs += [f"{cols} {mp}", f"{cols} {ms}"]
+    return f.rule(f"{rows} {mv} {nv}, b -> " + ", ".join(outs))
 
 
 def _quantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, rowwise, columnwise, block_2d):
-    (bsz, m, n), (b, dm, dn) = in_shapes[0], in_dims[0]
-    b = _fits(mesh, bsz, b)
+    (*lead_sizes, m, n), (*lead, dm, dn) = in_shapes[0], in_dims[0]
+    lead = [_fits(mesh, size, d) for size, d in zip(lead_sizes, lead, strict=True)]  # B and all rows but M
     dm = _fits(mesh, m, dm, BLOCK if columnwise or block_2d else 1)
     dn = _fits(mesh, n, dn, BLOCK if rowwise or block_2d else 1)
-    outs = [(b, dm, dn)] * 2 * rowwise + [(b, dn, dm)] * 2 * columnwise
-    return [(b, dm, dn), (b,)], outs, kernel
+    rows = (*lead, dm, dn)
+    outs = [rows] * 2 * rowwise + [(lead[0], dn, *lead[1:], dm)] * 2 * columnwise
+    return [rows, (lead[0],)], outs, kernel
 
 
 QUANTIZE = Partitioning(_quantize_rule, _quantize_partition)
@@ -119,8 +135,8 @@ QUANTIZE = Partitioning(_quantize_rule, _quantize_partition)
 # nvfp4_dequantize: data [B, M, ceil(N/2)], scale [B, M, ceil(N/16)], amax [B] -> [B, M, N]
 
 
-def _dequantize_rule(in_shapes, out_shapes, *, cols, dtype):
-    f = _Factors()
+def _dequantize_rule(axis_sizes, in_shapes, out_shapes, *, cols, dtype):
+    f = _Factors(axis_sizes)
     nv, np_, ns = f.dim("n", cols, blocked=True)
     return f.rule(f"b m {np_}, b m {ns}, b -> b m {nv}")
 
@@ -135,14 +151,20 @@ def _dequantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, cols, d
 DEQUANTIZE = Partitioning(_dequantize_rule, _dequantize_partition)
 
 
-# nvfp4_gemm: a (data, scale, amax) [B, M, L], c (data, scale, amax) [B, N, L] -> [B, M, N]
+# nvfp4_gemm: a (data, scale, amax) [B, *Ra, *L], c (data, scale, amax) [B, *Rc, *L] -> [B, *Ra, *Rc]
+# (the last of the ``contract_ndim`` contracting axes L is packed and blocked)
 
 
-def _gemm_rule(in_shapes, out_shapes, *, length, out_dtype):
-    f = _Factors()
+def _gemm_rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype):
+    f = _Factors(axis_sizes)
     _, lp, ls = f.dim("l", length, blocked=True)
-    reduction = ("lb",) if length % BLOCK == 0 else ()
-    return f.rule(f"b m {lp}, b m {ls}, b, b n {lp}, b n {ls}, b -> b m n", reduction_factors=reduction)
+    lead_l = [f"k{i}" for i in range(contract_ndim - 1)]
+    a_rows = [f"a{i}" for i in range(len(in_shapes[0]) - 1 - contract_ndim)]
+    c_rows = [f"c{i}" for i in range(len(in_shapes[3]) - 1 - contract_ndim)]
+    a, c = (" ".join(["b", *rows, *lead_l]) for rows in (a_rows, c_rows))
+    rule = f"{a} {lp}, {a} {ls}, b, {c} {lp}, {c} {ls}, b -> " + " ".join(["b", *a_rows, *c_rows])
+    reduction = (*lead_l, "lb") if "lb" in lp else tuple(lead_l)
+    return f.rule(rule, reduction_factors=reduction)
 
 
 def _common_prefix(a: tuple[str, ...], c: tuple[str, ...]) -> tuple[str, ...]:
@@ -152,34 +174,42 @@ def _common_prefix(a: tuple[str, ...], c: tuple[str, ...]) -> tuple[str, ...]:
     return a[:n]
 
 
-def _gemm_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, length, out_dtype):
+def _gemm_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype):
     """Keep the output sharded as wanted; move the *quantized* operands to fit.
 
     The output takes the sharding propagation asks for (by default a's rows
-    and c's rows). The contracting axis stays sharded on the mesh axes both
-    operands share (leading ones), the partial float32 sums are then reduced:
-    reduce-scattered onto an output dimension that wants that mesh axis,
+    and c's rows). A contracting axis stays sharded on the mesh axes both
+    operands share (leading ones); the partial float32 sums are then reduced:
+    reduce-scattered onto an output axis that wants that mesh axis,
     all-reduced otherwise. Every other mismatch is resolved by resharding the
     operands, i.e. by collectives on packed codes and E4M3 scales.
     """
-    (bsz, m, _), (n, _) = in_shapes[0], in_shapes[3][1:]
-    a_dims, c_dims = in_dims[0], in_dims[3]
-    want_b, want_m, want_n = out_dims[0] if out_dims is not None else (a_dims[0], a_dims[1], c_dims[1])
-    b = _fits(mesh, bsz, want_b)
-    contract = _fits(mesh, length, _without(_common_prefix(a_dims[2], c_dims[2]), b), BLOCK)
-    dm = _fits(mesh, m, _without(want_m, b + contract))
-    dn = _fits(mesh, n, _without(want_n, b + dm + contract))
-    # Contracting mesh axes that an output dimension wants as its minor-most
-    # axes are reduce-scattered onto it; the rest are all-reduced.
-    scatter = {}
-    for dim, kept, want, size in ((1, dm, want_m, m), (2, dn, want_n, n)):
-        extra = want[len(kept) :]
-        fits = size % _size(mesh, kept + extra) == 0
-        if extra and want[: len(kept)] == kept and all(a in contract for a in extra) and fits:
-            scatter[dim] = extra
-    scattered = tuple(a for axes in scatter.values() for a in axes)
-    all_reduced = _without(contract, scattered)
-    local_length = length // _size(mesh, contract)
+    k = contract_ndim
+    a_shape, c_shape, a_dims, c_dims = in_shapes[0], in_shapes[3], in_dims[0], in_dims[3]
+    ra, rc = len(a_shape) - 1 - k, len(c_shape) - 1 - k
+    out_sizes = (a_shape[0], *a_shape[1 : 1 + ra], *c_shape[1 : 1 + rc])
+    want = out_dims[0] if out_dims is not None else (a_dims[0], *a_dims[1 : 1 + ra], *c_dims[1 : 1 + rc])
+    b = _fits(mesh, a_shape[0], want[0])
+    l_sizes = (*a_shape[1 + ra : -1], length)
+    contract, used = [], b
+    for i, size in enumerate(l_sizes):
+        axes = _without(_common_prefix(a_dims[1 + ra + i], c_dims[1 + rc + i]), used)
+        contract.append(_fits(mesh, size, axes, BLOCK if i == k - 1 else 1))
+        used += contract[-1]
+    reduced = used[len(b) :]
+    out, rows, scatter = [b], [], {}
+    for j in range(1, len(out_sizes)):
+        kept = _fits(mesh, out_sizes[j], _without(want[j], used))
+        used += kept
+        rows.append(kept)
+        # Contracting mesh axes this output axis wants as its minor-most ones are reduce-scattered onto it.
+        extra = want[j][len(kept) :]
+        fits = out_sizes[j] % _size(mesh, kept + extra) == 0
+        if extra and want[j][: len(kept)] == kept and all(a in reduced for a in extra) and fits:
+            scatter[j] = extra
+        out.append(kept + scatter.get(j, ()))
+    all_reduced = _without(reduced, [a for axes in scatter.values() for a in axes])
+    local_length = length // _size(mesh, contract[-1])
 
     def local(*args):
         (y,) = kernel(*args, length=local_length, out_dtype=jnp.dtype(jnp.float32))
@@ -189,10 +219,8 @@ def _gemm_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, length, out_d
             y = lax.psum_scatter(y, axes, scatter_dimension=dim, tiled=True)
         return (y.astype(out_dtype),)
 
-    a_in = [(b, dm, contract), (b, dm, contract), (b,)]
-    c_in = [(b, dn, contract), (b, dn, contract), (b,)]
-    out = (b, dm + scatter.get(1, ()), dn + scatter.get(2, ()))
-    return a_in + c_in, [out], local
+    a_op, c_op = (b, *rows[:ra], *contract), (b, *rows[ra:], *contract)
+    return [a_op, a_op, (b,), c_op, c_op, (b,)], [tuple(out)], local
 
 
 GEMM = Partitioning(_gemm_rule, _gemm_partition)

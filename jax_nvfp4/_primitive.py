@@ -40,8 +40,8 @@ Dims = tuple[tuple[str, ...], ...]
 class Partitioning:
     """How an op shards.
 
-    rule: (in_shapes, out_shapes, **params) -> (einsum-like Shardy rule, its
-      keyword arguments: factor sizes and special factors).
+    rule: (mesh axis sizes, in_shapes, out_shapes, **params) -> (einsum-like Shardy
+      rule, its keyword arguments: factor sizes and special factors).
     partition: (mesh, in_dims, out_dims, in_shapes, kernel, **params) ->
       (in_dims, out_dims, local_fn). ``in_dims``/``out_dims`` are the shardings
       chosen by propagation (``out_dims`` is None when unknown); the op returns
@@ -60,6 +60,7 @@ def define(
     reference: Callable,
     partitioning: Partitioning,
     ffi_attrs: Sequence[str] = (),
+    adapt: Callable | None = None,
 ) -> Primitive:
     """Declare primitive ``name`` backed by FFI target ``name`` (multiple results).
 
@@ -69,6 +70,9 @@ def define(
       partitioning: the op's Shardy rule and partition function.
       ffi_attrs: the params passed to the kernel as attributes (the others,
         e.g. output dtype, are carried by the result types).
+      adapt: (bind, *arrays, **params) -> results: runs the kernel (``bind``)
+        on operands the public op accepts but the kernel does not as is
+        (e.g. reshaped); by default the operands go to the kernel unchanged.
     """
     kernel_prim = Primitive(name + "_kernel")
     kernel_prim.multiple_results = True
@@ -95,7 +99,7 @@ def define(
 
     @functools.cache
     def partitioned(params: tuple) -> Callable:
-        return _custom_partitioned(kernel_prim, dict(params), partitioning)
+        return _custom_partitioned(kernel_prim, dict(params), partitioning, adapt)
 
     mlir.register_lowering(
         prim, mlir.lower_fun(lambda *a, **p: partitioned(tuple(sorted(p.items())))(*a), multiple_results=True)
@@ -128,9 +132,12 @@ def _named(mesh, dims: Dims) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*(d if d else None for d in dims)))
 
 
-def _custom_partitioned(kernel_prim: Primitive, params: dict, partitioning: Partitioning) -> Callable:
+def _custom_partitioned(kernel_prim: Primitive, params: dict, partitioning: Partitioning, adapt) -> Callable:
     def kernel(*args, **overrides):
-        return tuple(kernel_prim.bind(*args, **{**params, **overrides}))
+        p = {**params, **overrides}
+        if adapt is None:
+            return tuple(kernel_prim.bind(*args, **p))
+        return tuple(adapt(lambda *a: kernel_prim.bind(*a, **p), *args, **p))
 
     fn = custom_partitioning(kernel)
 
@@ -138,8 +145,7 @@ def _custom_partitioned(kernel_prim: Primitive, params: dict, partitioning: Part
         return [tuple(t.shape) for t in types]
 
     def sharding_rule(mesh, value_types, result_types):
-        del mesh
-        return partitioning.rule(shapes(value_types), shapes(result_types), **params)
+        return partitioning.rule(tuple(mesh.shape.values()), shapes(value_types), shapes(result_types), **params)
 
     def choose(mesh, arg_shapes, result_shape):
         in_dims = [_dims(a.sharding, len(a.shape)) for a in arg_shapes]

@@ -1,7 +1,8 @@
 """``jax_nvfp4.dot_general``: a drop-in ``lax.dot_general`` whose GEMMs run in NVFP4.
 
 For y = x W (lhs = activations x, rhs = weights W) the custom VJP follows the
-NVFP4 training recipe on the canonical problem x [B, M, K], W^T [B, N, K]:
+NVFP4 training recipe on the canonical problem x [B, M, K], W^T [B, N, K]
+(M may be several row axes, e.g. batch and sequence):
 
   fprop  y  = x  . W^T    x in 1x16 blocks along K, W in 16x16 blocks
   dgrad  dx = dy . W      dy in 1x16 blocks along N; W's columnwise copy, which
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4.formats import INPUT_DTYPES
+from jax_nvfp4.formats import BLOCK, INPUT_DTYPES
 from jax_nvfp4.gemm import Operand, emulated_gemm
 from jax_nvfp4.primitives import amax_p, quantize_p
 from jax_nvfp4.recipe import Recipe
@@ -37,38 +38,42 @@ class _Config(NamedTuple):
 
 
 def quantize_operand(x: jax.Array, *, columnwise: bool, block_2d: bool = False) -> tuple[Operand, Operand | None]:
-    """Quantize [B, R, L] with one amax over the whole tensor.
+    """Quantize [B, *R, L] with one amax over the whole tensor.
 
     Returns the rowwise operand (blocked along L) and, if ``columnwise``, the
-    columnwise one ([B, L, R], blocked along R).
+    columnwise one ([B, L, *R], blocked along the last row axis).
     """
-    b, r, n = x.shape
-    amax = amax_p.bind(x.reshape(1, b * r, n), mesh_axes=None)[0]
-    outs = quantize_p.bind(x, jnp.broadcast_to(amax, (b,)), rowwise=True, columnwise=columnwise, block_2d=block_2d)
-    rowwise = Operand(outs[0], outs[1], amax[0])
-    return rowwise, Operand(outs[2], outs[3], amax[0]) if columnwise else None
+    # The max of per-entry amaxes, as int32 bits: exact for non-negative floats, NaN included.
+    bits = lax.bitcast_convert_type(amax_p.bind(x, mesh_axes=None)[0], jnp.int32)
+    amax = lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
+    outs = quantize_p.bind(
+        x, jnp.broadcast_to(amax, x.shape[:1]), rowwise=True, columnwise=columnwise, block_2d=block_2d
+    )
+    rowwise = Operand(outs[0], outs[1], amax)
+    return rowwise, Operand(outs[2], outs[3], amax) if columnwise else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x: jax.Array, w: jax.Array, config: _Config) -> jax.Array:
-    """x [B, M, K], w [B, N, K] -> y [B, M, N]."""
+    """x [B, *M, K], w [B, N, K] -> y [B, *M, N] (M: one or more row axes)."""
     qx, _ = quantize_operand(x, columnwise=False)
     qw, _ = quantize_operand(w, columnwise=False, block_2d=config.recipe.weight_block_2d)
-    return emulated_gemm(qx, qw, x.shape[2], config.out_dtype)
+    return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype)
 
 
 def _matmul_fwd(x, w, config: _Config):
     qx, qx_t = quantize_operand(x, columnwise=True)
     qw, qw_t = quantize_operand(w, columnwise=True, block_2d=config.recipe.weight_block_2d)
-    return emulated_gemm(qx, qw, x.shape[2], config.out_dtype), (qx_t, qw_t)
+    return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype), (qx_t, qw_t)
 
 
 def _matmul_bwd(config: _Config, residuals, dy):
-    qx_t, qw_t = residuals  # x^T [B, K, M] and W [B, K, N], both blocked along their last axis
-    _, m, n = dy.shape
+    qx_t, qw_t = residuals  # x^T [B, K, *M] and W [B, K, N], both blocked along their last axis
+    rows, n = dy.shape[1:-1], dy.shape[-1]
     qdy, qdy_t = quantize_operand(dy, columnwise=True)
-    dx = emulated_gemm(qdy, qw_t, n, config.x_dtype)  # [B, M, N] . [B, K, N] -> [B, M, K]
-    dw = emulated_gemm(qdy_t, qx_t, m, config.w_dtype)  # [B, N, M] . [B, K, M] -> [B, N, K]
+    dx = emulated_gemm(qdy, qw_t, n, config.x_dtype)  # [B, *M, N] . [B, K, N] -> [B, *M, K]
+    # [B, N, *M] . [B, K, *M] -> [B, N, K], contracting all row axes (tokens)
+    dw = emulated_gemm(qdy_t, qx_t, rows[-1], config.w_dtype, contract_ndim=len(rows))
     return dx, dw
 
 
@@ -102,15 +107,16 @@ def dot_general(
       dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
       precision: ignored; the GEMM is NVFP4 with float32 accumulation.
       preferred_element_type: the output dtype (bfloat16, float16 or float32).
-      out_sharding: not supported yet (must be None).
+      out_sharding: a ``NamedSharding`` (or a ``PartitionSpec`` of the
+        current mesh) for the result, applied as a sharding constraint: the
+        GEMM computes that layout and moves its quantized operands to fit.
+        Meshes with Auto axes only.
       recipe: the NVFP4 recipe options; ``Recipe()`` by default.
 
     Gradients have the dtypes of ``lhs`` and ``rhs``. Forward-mode autodiff
     (jvp) is not defined. Empty operands fall back to ``lax.dot_general``.
     """
     del precision
-    if out_sharding is not None:
-        raise NotImplementedError("jax_nvfp4.dot_general does not take out_sharding yet")
     recipe = Recipe() if recipe is None else recipe
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
@@ -135,7 +141,12 @@ def dot_general(
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     batch = math.prod(lhs.shape[d] for d in lb)
     k = math.prod(lhs.shape[d] for d in lc)
-    x = lhs.transpose(*lb, *lf, *lc).reshape(batch, -1, k)
+    rows = tuple(lhs.shape[d] for d in lf)
+    # Row axes stay apart (e.g. batch and sequence, so each keeps its sharding) where the
+    # last is whole 16-row blocks: then the columnwise blocks are those of the flat rows.
+    if len(rows) <= 1 or rows[-1] % BLOCK:
+        rows = (math.prod(rows),)
+    x = lhs.transpose(*lb, *lf, *lc).reshape(batch, *rows, k)
     w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)
-    y = _jitted_matmul(x, w, _Config(recipe, out.dtype, lhs.dtype, rhs.dtype))
-    return y.reshape(out.shape)
+    y = _jitted_matmul(x, w, _Config(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
+    return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)

@@ -16,6 +16,7 @@ of the output moves their packed codes and scales, never dequantized values.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -30,9 +31,10 @@ from jax_nvfp4.tensor import NVFP4Tensor
 
 
 class Operand(NamedTuple):
-    """One quantized GEMM operand, [B, R, L] blocked along L (the contracting axis).
+    """One quantized GEMM operand, [B, *R, *L] blocked along the last axis (contracting).
 
-    data  uint8 [B, R, ceil(L/2)], scale float8_e4m3fn [B, R, ceil(L/16)], amax float32 [].
+    data  uint8 [B, *R, *L[:-1], ceil(L[-1]/2)], scale float8_e4m3fn [..., ceil(L[-1]/16)],
+    amax float32 [].
     """
 
     data: jax.Array
@@ -55,20 +57,29 @@ def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
     return b.from_bits(b.mul(a, c))
 
 
-def _gemm_reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, length, out_dtype):
-    a_scale, c_scale = (lax.bitcast_convert_type(s, jnp.float8_e4m3fn) for s in (a_scale, c_scale))
-    acc = lax.dot_general(
-        block_values(a_data, a_scale, length),
-        block_values(c_data, c_scale, length),
-        (((2,), (2,)), ((0,), (0,))),
-        preferred_element_type=jnp.float32,
-    )
+def _split(shape, contract_ndim: int) -> tuple[tuple[int, ...], int]:
+    """[B, *R, *L] -> (R, prod of the L axes before the last)."""
+    return tuple(shape[1 : len(shape) - contract_ndim]), math.prod(shape[len(shape) - contract_ndim : -1])
+
+
+def _gemm_reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype):
+    def values(data, scale):  # [B, *R, *L] -> bf16 [B, prod(R), prod(L)]
+        rows, lead = _split(data.shape, contract_ndim)
+        b = data.shape[0]
+        scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+        v = block_values(data.reshape(b, -1, data.shape[-1]), scale.reshape(b, -1, scale.shape[-1]), length)
+        return v.reshape(b, math.prod(rows), lead * length), rows
+
+    (a, a_rows), (c, c_rows) = values(a_data, a_scale), values(c_data, c_scale)
+    acc = lax.dot_general(a, c, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
     # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit.
-    return ((acc * global_decode_scale(a_amax, c_amax)[:, None, None]).astype(out_dtype),)
+    y = (acc * global_decode_scale(a_amax, c_amax)[:, None, None]).astype(out_dtype)
+    return (y.reshape(a.shape[0], *a_rows, *c_rows),)
 
 
-def _gemm_abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, length, out_dtype):
-    return (_primitive.shaped((a_data.shape[0], a_data.shape[1], c_data.shape[1]), out_dtype),)
+def _gemm_abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype):
+    a_rows, c_rows = _split(a_data.shape, contract_ndim)[0], _split(c_data.shape, contract_ndim)[0]
+    return (_primitive.shaped((a_data.shape[0], *a_rows, *c_rows), out_dtype),)
 
 
 gemm_p = _primitive.define(
@@ -79,9 +90,13 @@ gemm_p = _primitive.define(
 )
 
 
-@functools.partial(jax.jit, static_argnames=("length", "out_dtype"))
-def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype) -> jax.Array:
-    """[B, M, L] x [B, N, L] -> [B, M, N] of ``out_dtype``, contracting the L axis."""
+@functools.partial(jax.jit, static_argnames=("length", "out_dtype", "contract_ndim"))
+def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype, contract_ndim: int = 1) -> jax.Array:
+    """[B, *Ra, *L] x [B, *Rc, *L] -> [B, *Ra, *Rc] of ``out_dtype``, contracting the L axes.
+
+    ``contract_ndim`` axes L are contracted; ``length`` is the size of the last
+    (packed) one.
+    """
     batch = (a.data.shape[0],)
     # Scales travel as their E4M3 bytes: XLA on CPU widens float8 collectives to f16.
     (y,) = gemm_p.bind(
@@ -91,6 +106,7 @@ def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype) -> jax.Array:
         c.data,
         lax.bitcast_convert_type(c.scale, jnp.uint8),
         jnp.broadcast_to(c.amax, batch),
+        contract_ndim=contract_ndim,
         length=length,
         out_dtype=jnp.dtype(out_dtype),
     )

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+# The sharding tests use 8 CPU devices; XLA reads this flag once, when jax starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import numpy as np
 from hypothesis import HealthCheck, settings
 

@@ -4,11 +4,16 @@ The layers subclass Flax's, so constructor arguments, parameter names, shapes
 and initializers are exactly Flax's (a checkpoint of ``nn.Dense`` loads
 unchanged); only the GEMM differs. ``NVFP4DotGeneral`` plugs the same GEMM
 into any Flax module that takes a ``dot_general_cls``.
+
+For sharded training the layers take logical axis names for their kernel and
+bias (``kernel_axes``, ``bias_axes``), as ``nn.with_logical_partitioning``
+annotations that ``nn.logical_to_mesh_sharding`` maps onto a mesh.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 
@@ -32,31 +37,58 @@ class NVFP4DotGeneral(nn.Module):
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
 
 
+LogicalAxes = Sequence[str | None]
+
+
+def _logically_partitioned(init: Callable, axes: LogicalAxes | None) -> Callable:
+    """``init`` annotated with logical ``axes`` (None: none); idempotent, so clones keep one annotation."""
+    init = getattr(init, "_nvfp4_unannotated", init)
+    if axes is None:
+        return init
+    annotated = nn.with_logical_partitioning(init, tuple(axes))
+    annotated._nvfp4_unannotated = init
+    return annotated
+
+
 class _NVFP4Layer:
-    """Mixin: route the parent layer's GEMM through ``NVFP4DotGeneral(recipe)``."""
+    """Mixin: route the parent layer's GEMM through ``NVFP4DotGeneral(recipe)``; annotate its params."""
 
     def __post_init__(self) -> None:
         ours = isinstance(self.dot_general_cls, functools.partial) and self.dot_general_cls.func is NVFP4DotGeneral
         if self.dot_general is not None or (self.dot_general_cls is not None and not ours):
             raise ValueError(f"{type(self).__name__} computes its GEMM in NVFP4; do not pass dot_general(_cls)")
-        # Flax modules are frozen dataclasses; set the field before Module initializes.
+        # Flax modules are frozen dataclasses; set the fields before Module initializes.
         object.__setattr__(self, "dot_general_cls", functools.partial(NVFP4DotGeneral, recipe=self.recipe))
+        object.__setattr__(self, "kernel_init", _logically_partitioned(self.kernel_init, self.kernel_axes))
+        object.__setattr__(self, "bias_init", _logically_partitioned(self.bias_init, self.bias_axes))
         super().__post_init__()
 
 
 class NVFP4Dense(_NVFP4Layer, nn.Dense):
     """``nn.Dense`` whose GEMM (forward and backward) runs in NVFP4.
 
-    Same arguments and parameters as ``nn.Dense``, plus ``recipe``.
+    Same arguments and parameters as ``nn.Dense``, plus:
+      recipe: the NVFP4 recipe.
+      kernel_axes: logical axis names of the kernel [in, out], e.g.
+        ``("embed", "mlp")``; None leaves ``kernel_init`` unannotated.
+      bias_axes: logical axis names of the bias [out].
     """
 
     recipe: Recipe = Recipe()
+    kernel_axes: LogicalAxes | None = None
+    bias_axes: LogicalAxes | None = None
 
 
 class NVFP4DenseGeneral(_NVFP4Layer, nn.DenseGeneral):
     """``nn.DenseGeneral`` whose GEMM (forward and backward) runs in NVFP4.
 
-    Same arguments and parameters as ``nn.DenseGeneral``, plus ``recipe``.
+    Same arguments and parameters as ``nn.DenseGeneral``, plus:
+      recipe: the NVFP4 recipe.
+      kernel_axes: logical axis names of the kernel, one per kernel axis
+        (batch axes, contracted input axes, then ``features``).
+      bias_axes: logical axis names of the bias (batch axes, then ``features``).
     """
 
     recipe: Recipe = Recipe()
+    kernel_axes: LogicalAxes | None = None
+    bias_axes: LogicalAxes | None = None

@@ -1,0 +1,157 @@
+"""Collectives on quantized tensors, for use inside ``jax.shard_map``.
+
+Under ``jit`` with sharded inputs the primitives partition themselves (see
+``_partition``): the amax is reduced over the mesh and the GEMM gathers
+quantized operands. Inside ``shard_map`` the program is per device, so this
+module gives the explicit form: reduce the amax with
+``lax.pmax(jax_nvfp4.amax(x), axis_name)`` (or quantize with that amax), then
+``all_gather`` the quantized shards, moving 4-bit codes and 8-bit scales
+instead of the high-precision values.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_nvfp4.formats import BLOCK
+from jax_nvfp4.tensor import NVFP4Tensor
+
+
+def _agreed_amax(amax: jax.Array, axis_name) -> jax.Array:
+    """The amax shared by all shards, or NaN where they differ (so nothing dequantizes silently wrong)."""
+    hi, lo = lax.pmax(amax, axis_name), lax.pmin(amax, axis_name)
+    return jnp.where(hi == lo, hi, jnp.float32(jnp.nan))
+
+
+def _gather_bytes(x: jax.Array, axis_name, axis: int, tiled: bool) -> jax.Array:
+    """all_gather of the raw bytes (E4M3 scales as uint8: some backends widen float8 collectives)."""
+    if x.dtype == jnp.uint8:
+        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    gathered = lax.all_gather(lax.bitcast_convert_type(x, jnp.uint8), axis_name, axis=axis, tiled=tiled)
+    return lax.bitcast_convert_type(gathered, x.dtype)
+
+
+def _gather_columns(x: jax.Array, axis_name, outer: int) -> jax.Array:
+    """Gather a columnwise array [N, outer * run / per_value] whose rows interleave by shard.
+
+    The shards' columns come back as [world, N, outer, run'] blocks; moving the
+    world axis inside gives the columnwise copy of the gathered tensor.
+    """
+    n, cols = x.shape
+    g = _gather_bytes(x.reshape(n, outer, cols // outer), axis_name, 0, False)  # [world, N, outer, run']
+    return g.transpose(1, 2, 0, 3).reshape(n, -1)
+
+
+def all_gather(t: NVFP4Tensor, axis_name, *, axis: int = 0, tiled: bool = True) -> NVFP4Tensor:
+    """All-gather a quantized tensor over mesh axis ``axis_name`` (inside ``shard_map``).
+
+    The result equals quantizing the gathered high-precision tensor with the
+    shared amax, byte for byte, but the collective moves the packed codes and
+    scales (0.5625 bytes a value for one copy) instead of 2-4 bytes.
+
+    Args:
+      t: the local shard, quantized with an amax shared across ``axis_name``
+        (e.g. ``quantize(x, amax=lax.pmax(amax(x), axis_name))``). If the
+        shards' amaxes differ, the result's amax is NaN, so dequantizing it
+        gives NaN rather than wrongly scaled values.
+      axis_name: the mesh axis (or tuple of axes) to gather over.
+      axis: the logical axis of ``t.shape`` to gather along, as in
+        ``lax.all_gather``. A leading axis: the rowwise copy is gathered along
+        it and the columnwise copy [N, M/2] along its (shard-interleaved) M
+        axis, with the shards moved into place. The last axis (``tiled``
+        only): the rowwise copy along its packed axis, the columnwise copy
+        along its rows.
+      tiled: concatenate along ``axis`` (True) or stack shards on a new axis
+        inserted at ``axis``.
+
+    Raises:
+      ValueError: if a shard would split a 16-value block of the result: the
+        local extent being gathered (times the axes after it, for a leading
+        axis of the columnwise or 2D copy) must be a multiple of 16.
+    """
+    ndim = len(t.shape)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for a tensor of shape {t.shape}")
+    axis %= ndim
+    world = lax.axis_size(axis_name)
+    amax = _agreed_amax(t.amax, axis_name)
+    amax_t = None if t.amax_t is None else _agreed_amax(t.amax_t, axis_name)
+    if axis == ndim - 1:
+        if not tiled:
+            raise ValueError("gathering the last (blocked) axis needs tiled=True")
+        return _gather_last(t, axis_name, world, amax, amax_t)
+
+    lead = t.shape[:-1]
+    outer, run = math.prod(lead[:axis]), math.prod(lead[axis:])
+    # Rows are blocked along M in the columnwise copy, and in groups of 16 in 2D blocks.
+    if (t.data_t is not None or t.block_2d) and run % BLOCK:
+        raise ValueError(
+            f"each shard holds runs of {run} consecutive rows along the gathered axis {axis} of {t.shape}; "
+            f"the columnwise (or 2D-block) copy needs them to be a multiple of {BLOCK}"
+        )
+    shape = list(t.shape)
+    if tiled:
+        shape[axis] *= world
+    else:
+        shape.insert(axis, world)
+    data = scale = data_t = scale_t = None
+    if t.data is not None:
+        data = _gather_bytes(t.data, axis_name, axis, tiled)
+        scale = _gather_bytes(t.scale, axis_name, axis, tiled)
+    if t.data_t is not None:
+        data_t = _gather_columns(t.data_t, axis_name, outer)
+        scale_t = _gather_columns(t.scale_t, axis_name, outer)
+    return NVFP4Tensor(data, scale, amax, data_t, scale_t, amax_t, tuple(shape), t.dtype, t.block_2d)
+
+
+def _gather_last(t: NVFP4Tensor, axis_name, world: int, amax, amax_t) -> NVFP4Tensor:
+    if t.cols % BLOCK:
+        raise ValueError(f"the last axis of each shard ({t.cols} values) must be a multiple of {BLOCK} to gather it")
+    ndim = len(t.shape)
+    data = scale = data_t = scale_t = None
+    if t.data is not None:
+        data = _gather_bytes(t.data, axis_name, ndim - 1, True)
+        scale = _gather_bytes(t.scale, axis_name, ndim - 1, True)
+    if t.data_t is not None:
+        data_t = _gather_bytes(t.data_t, axis_name, 0, True)
+        scale_t = _gather_bytes(t.scale_t, axis_name, 0, True)
+    shape = (*t.shape[:-1], t.cols * world)
+    return NVFP4Tensor(data, scale, amax, data_t, scale_t, amax_t, shape, t.dtype, t.block_2d)
+
+
+class Collective(NamedTuple):
+    """One collective of a compiled program: its op, result dtype and shape, and result bytes."""
+
+    op: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+_COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_ITEMSIZE = {"pred": 1, "u8": 1, "s8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8}
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """The collectives in compiled HLO text (``jit(f).lower(...).compile().as_text()``).
+
+    A collective with a tuple result (XLA combines some) counts each member.
+    The bytes are those of the result buffer: for an all-gather, the
+    gathered array.
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE.search(line)
+        if not match:
+            continue
+        for dtype, dims in _ARRAY.findall(match.group(1)):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            found.append(Collective(match.group(2), dtype, shape, math.prod(shape) * _ITEMSIZE[dtype]))
+    return found

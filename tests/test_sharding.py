@@ -1,0 +1,182 @@
+"""Sharding on 8 CPU devices: partitioned primitives, quantized all-gather, sharded training.
+
+Meshes (8,), (2, 4) and (4, 2). Quantization is deterministic, so sharded
+results are compared with unsharded ones byte for byte; only the float32
+reductions of a sharded GEMM may round in another order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_nvfp4
+from jax_nvfp4.sharding import collectives
+
+CPUS = jax.devices("cpu")
+pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS, set in conftest.py)")
+
+MESHES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("x", "y")), "4x2": ((4, 2), ("x", "y"))}
+
+
+def _mesh(name: str) -> jax.sharding.Mesh:
+    shape, axes = MESHES[name]
+    return jax.make_mesh(shape, axes, devices=CPUS[:8], axis_types=(AxisType.Auto,) * len(axes))
+
+
+def _random(shape, dtype=jnp.bfloat16, seed=0) -> jax.Array:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 2, shape)
+    return jnp.asarray(x, dtype)
+
+
+def _bytes(a) -> np.ndarray:
+    return np.asarray(a).reshape(-1).view(np.uint8)
+
+
+def _assert_same_tensor(got: jax_nvfp4.NVFP4Tensor, want: jax_nvfp4.NVFP4Tensor) -> None:
+    assert got.shape == want.shape and got.block_2d == want.block_2d
+    for name in ("data", "scale", "amax", "data_t", "scale_t", "amax_t"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert (g is None) == (w is None), name
+        if g is not None:
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            np.testing.assert_array_equal(_bytes(g), _bytes(w), err_msg=name)
+
+
+def _ops(compiled_text: str) -> set[str]:
+    return {c.op for c in collectives(compiled_text)}
+
+
+# (mesh, input shape, spec, block_2d). The 3D cases shard an inner leading axis
+# (batch and sequence): each shard's rows are then not a contiguous run of the
+# flat columnwise copy [N, M/2], which XLA assembles by moving its packed bytes.
+QUANTIZE_CASES = [
+    ("8", (256, 128), P("x", None), False),
+    ("8", (128, 256), P(None, "x"), True),
+    ("2x4", (128, 512), P("x", "y"), True),
+    ("2x4", (4, 64, 256), P("x", "y", None), False),
+    ("4x2", (128, 64), P("x", "y"), False),
+    ("4x2", (8, 128, 64), P(None, "x", "y"), True),
+]
+
+
+@pytest.mark.parametrize("mesh_name,shape,spec,block_2d", QUANTIZE_CASES)
+def test_sharded_quantize_is_the_unsharded_bytes_with_no_gather(mesh_name, shape, spec, block_2d):
+    mesh = _mesh(mesh_name)
+    x = _random(shape)
+    quantize = functools.partial(jax_nvfp4.quantize, columnwise=True, block_2d=block_2d)
+    want = quantize(x)
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+    f = jax.jit(quantize)
+    got = f(xs)
+    _assert_same_tensor(got, want)
+    assert got.data.sharding.is_equivalent_to(NamedSharding(mesh, spec), len(shape))  # codes stay with their values
+    # Local kernels: the input never moves; the amax is an all-reduce of one float32 as int32 bits.
+    found = collectives(f.lower(xs).compile().as_text())
+    assert [c for c in found if c.op == "all-reduce"] == [("all-reduce", "s32", (1,), 4)]
+    moved = [c for c in found if c.op != "all-reduce"]
+    if len(shape) == 2:
+        assert not moved, moved
+    else:  # only the columnwise copy's codes (u8) and scales (E4M3, widened to f16 by XLA on CPU)
+        assert {c.dtype for c in moved} <= {"u8", "f16"} and sum(c.nbytes for c in moved) < x.size // 2, moved
+    np.testing.assert_array_equal(jax.jit(jax_nvfp4.dequantize)(got), jax_nvfp4.dequantize(want))
+
+
+def test_shards_that_would_split_a_block_are_gathered_first():
+    mesh = _mesh("8")
+    x = _random((64, 8 * 24))  # 24 columns a shard: not whole 16-value blocks
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "x")))
+    f = jax.jit(jax_nvfp4.quantize)
+    _assert_same_tensor(f(xs), jax_nvfp4.quantize(x))
+    assert "all-gather" in _ops(f.lower(xs).compile().as_text())
+
+
+@pytest.mark.parametrize("special", [np.nan, np.inf, 0.0])
+def test_sharded_amax_keeps_specials(special):
+    mesh = _mesh("2x4")
+    x = _random((64, 128), jnp.float32).at[40, 100].set(special)
+    xs = jax.device_put(x, NamedSharding(mesh, P("x", "y")))
+    np.testing.assert_array_equal(_bytes(jax.jit(jax_nvfp4.amax)(xs)), _bytes(jax_nvfp4.amax(x)))
+    _assert_same_tensor(jax.jit(jax_nvfp4.quantize)(xs), jax_nvfp4.quantize(x))
+
+
+def test_amax_mesh_axes_scopes_the_reduction():
+    """Reduced over "x" only: each "y" shard is quantized with the amax of its own columns."""
+    mesh = _mesh("2x4")
+    x = _random((64, 256), jnp.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("x", "y")))
+    got = jax.jit(functools.partial(jax_nvfp4.quantize, amax_mesh_axes=("x",)))(xs)
+    for j in range(4):
+        cols = slice(64 * j, 64 * (j + 1))
+        want = jax_nvfp4.quantize(x[:, cols])
+        np.testing.assert_array_equal(_bytes(got.data[:, 32 * j : 32 * (j + 1)]), _bytes(want.data))
+        np.testing.assert_array_equal(_bytes(got.scale[:, 4 * j : 4 * (j + 1)]), _bytes(want.scale))
+    # The default (all sharded axes) is the unsharded quantization.
+    _assert_same_tensor(jax.jit(jax_nvfp4.quantize)(xs), jax_nvfp4.quantize(x))
+    with pytest.raises(ValueError, match="amax_mesh_axes"):
+        jax_nvfp4.quantize(x, amax=1.0, amax_mesh_axes=("x",))
+    with pytest.raises(TypeError, match="mesh axis names"):
+        jax_nvfp4.amax(x, mesh_axes=(0,))
+
+
+# (mesh, gathered mesh axes, input shape, in_spec, axis, tiled)
+GATHER_CASES = [
+    ("8", "x", (256, 64), P("x", None), 0, True),
+    ("8", "x", (2, 8 * 16, 32), P(None, "x", None), 1, True),  # sequence axis: shards interleave in M
+    ("2x4", "y", (64, 128), P("x", "y"), 1, True),  # the last (blocked) axis
+    ("2x4", ("x", "y"), (8 * 32, 48), P(("x", "y"), None), 0, False),
+    ("4x2", "x", (4, 64, 32), P("x", None, "y"), 0, True),
+]
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+@pytest.mark.parametrize("mesh_name,axis_name,shape,spec,axis,tiled", GATHER_CASES)
+def test_all_gather_is_quantize_of_the_gathered_tensor(mesh_name, axis_name, shape, spec, axis, tiled, block_2d):
+    mesh = _mesh(mesh_name)
+    x = _random(shape)
+
+    def gather(x):
+        amax = lax.pmax(jax_nvfp4.amax(x), mesh.axis_names)  # one amax, as in the unsharded tensor
+        t = jax_nvfp4.quantize(x, columnwise=True, block_2d=block_2d, amax=amax)
+        g = jax_nvfp4.all_gather(t, axis_name, axis=axis, tiled=tiled)
+        return g.data, g.scale, g.data_t, g.scale_t, g.amax, jax.numpy.asarray(g.shape)
+
+    gathered_spec = list(spec)
+    gathered_spec[axis] = None
+    if not tiled:
+        gathered_spec.insert(axis, None)
+    f = jax.jit(
+        jax.shard_map(
+            gather,
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=(P(*gathered_spec), P(*gathered_spec), P(), P(), P(), P()),
+            check_vma=False,
+        )
+    )
+    data, scale, data_t, scale_t, amax, _ = f(x)
+    # Along the mesh axes not gathered, each shard holds its own part; compare the gathered axis.
+    sub = x
+    for dim, names in enumerate(spec):
+        gathered = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        names = () if names is None else names if isinstance(names, tuple) else (names,)
+        if names and not set(names) <= set(gathered):
+            sub = lax.slice_in_dim(sub, 0, shape[dim] // mesh.shape[names[0]], axis=dim)
+    want = jax_nvfp4.quantize(sub, columnwise=True, block_2d=block_2d, amax=jax_nvfp4.amax(x))
+    if not tiled:
+        data, scale = (a.reshape(*sub.shape[:-1], -1) for a in (data, scale))
+    np.testing.assert_array_equal(_bytes(amax), _bytes(want.amax))
+    for got, name in ((data, "data"), (scale, "scale"), (data_t, "data_t"), (scale_t, "scale_t")):
+        expected = getattr(want, name)  # the first shard along the axes not gathered
+        np.testing.assert_array_equal(_bytes(got[tuple(slice(0, n) for n in expected.shape)]), _bytes(expected))
+    # The collective moves the packed bytes, not bf16 values.
+    found = [c for c in collectives(f.lower(x).compile().as_text()) if c.op == "all-gather"]
+    assert found and all(c.dtype == "u8" for c in found), found
