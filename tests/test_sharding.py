@@ -180,3 +180,95 @@ def test_all_gather_is_quantize_of_the_gathered_tensor(mesh_name, axis_name, sha
     # The collective moves the packed bytes, not bf16 values.
     found = [c for c in collectives(f.lower(x).compile().as_text()) if c.op == "all-gather"]
     assert found and all(c.dtype == "u8" for c in found), found
+
+
+def test_all_gather_errors_and_disagreeing_amax():
+    mesh = _mesh("8")
+    x = _random((8 * 8, 32))
+
+    def gather(x, **kw):
+        return jax_nvfp4.all_gather(jax_nvfp4.quantize(x, columnwise=True), "x", **kw).amax
+
+    run = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("x", None), out_specs=P(), check_vma=False)
+    with pytest.raises(ValueError, match="multiple of 16"):  # 8 rows a shard split the columnwise blocks
+        jax.jit(run(gather))(x)
+    with pytest.raises(ValueError, match="tiled=True"):
+        jax.jit(run(functools.partial(gather, axis=1, tiled=False)))(x)
+    # Each shard quantized with its own amax: the gathered tensor says NaN instead of lying.
+    rows = _random((8 * 16, 32))
+    own = jax.jit(run(lambda x: jax_nvfp4.all_gather(jax_nvfp4.quantize(x), "x").amax))(rows)
+    assert np.isnan(np.asarray(own))
+
+
+def _mlp_loss(dot_general, mesh, params, x):
+    """Two dense layers with tensor-parallel hidden units; tokens over (data) x (fsdp)."""
+    w1, w2 = params
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    h = dot_general(x, w1.astype(jnp.bfloat16), dims, preferred_element_type=jnp.bfloat16)
+    stream, tokens = MLP_TOKENS[mesh.axis_names]
+    hidden = "t" if "t" in mesh.axis_names else None
+    h = jax.nn.gelu(lax.with_sharding_constraint(h, NamedSharding(mesh, P(*tokens, hidden))))
+    y = dot_general(h, w2.astype(jnp.bfloat16), dims, preferred_element_type=jnp.bfloat16)
+    y = lax.with_sharding_constraint(y, NamedSharding(mesh, P(*stream, None)))
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+
+# Per mesh: how the [batch, seq] tokens are sharded in the residual stream and in the hidden
+# layer; hidden units go to "t" (tensor parallel), W's other axis to "f" (FSDP). On (f, t) the
+# stream is also sequence-parallel: its sequence axis is sharded over "t".
+MLP_MESHES = {"8": ((8,), ("d",)), "2x4": ((2, 4), ("f", "t")), "4x2": ((4, 2), ("d", "t"))}
+MLP_TOKENS = {
+    ("d",): (("d", None), ("d", None)),
+    ("f", "t"): (("f", "t"), ("f", None)),
+    ("d", "t"): (("d", None), ("d", None)),
+}
+
+
+def _mlp_problem(mesh):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((8, 64, 128)), jnp.bfloat16)  # 16-token sequence shards
+    w1 = jnp.asarray(rng.standard_normal((128, 256)) * 0.1, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((256, 128)) * 0.1, jnp.float32)
+    axes = mesh.axis_names
+    fsdp = "f" if "f" in axes else None
+    tensor = "t" if "t" in axes else None
+    specs = ((P(fsdp, tensor), P(tensor, fsdp)), P(*MLP_TOKENS[axes][0], None))
+    return ((w1, w2), x), specs
+
+
+@pytest.mark.parametrize("mesh_name", MLP_MESHES)
+def test_sharded_training_step_equals_unsharded(mesh_name):
+    shape, names = MLP_MESHES[mesh_name]
+    mesh = jax.make_mesh(shape, names, devices=CPUS[:8], axis_types=(AxisType.Auto,) * len(names))
+    (params, x), (param_specs, x_spec) = _mlp_problem(mesh)
+    step = jax.value_and_grad(functools.partial(_mlp_loss, jax_nvfp4.dot_general, mesh))
+    want_loss, want_grads = jax.jit(step)(params, x)  # the same program, unsharded inputs
+    named = functools.partial(NamedSharding, mesh)
+    sharded = jax.jit(step, out_shardings=(named(P()), jax.tree.map(named, param_specs)))
+    args = (jax.tree.map(jax.device_put, params, jax.tree.map(named, param_specs)), jax.device_put(x, named(x_spec)))
+    loss, grads = sharded(*args)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        # Only float32 sums split over shards may round differently.
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+    found = collectives(sharded.lower(*args).compile().as_text())
+    gathers = [c for c in found if c.op == "all-gather"]
+    assert all(c.dtype == "u8" for c in gathers), gathers  # only packed codes and E4M3 scales move
+
+
+def test_fsdp_all_gather_bytes_against_bf16():
+    """One FSDP layer: the weight is gathered as 4-bit codes + scales, 28% of a bf16 gather."""
+    mesh = jax.make_mesh((8,), ("f",), devices=CPUS[:8], axis_types=(AxisType.Auto,))
+    x = jax.device_put(_random((64, 128)), NamedSharding(mesh, P("f", None)))
+    w = jax.device_put(_random((128, 512), seed=1), NamedSharding(mesh, P("f", None)))
+    dims = (((1,), (0,)), ((), ()))
+
+    def gathered(dot_general):
+        f = jax.jit(lambda x, w: dot_general(x, w, dims, preferred_element_type=jnp.bfloat16))
+        return [c for c in collectives(f.lower(x, w).compile().as_text()) if c.op == "all-gather"]
+
+    nvfp4, bf16 = gathered(jax_nvfp4.dot_general), gathered(lax.dot_general)
+    assert {c.dtype for c in nvfp4} == {"u8"}
+    assert sum(c.nbytes for c in nvfp4) == 512 * 128 // 2 + 512 * 128 // 16  # codes + scales of W
+    # XLA on CPU widens a bf16 all-gather to f32; the bytes a bf16 gather moves are 2 a value.
+    assert sum(c.nbytes // {"bf16": 2, "f32": 4}[c.dtype] * 2 for c in bf16) == 512 * 128 * 2
