@@ -125,3 +125,26 @@ def test_a_small_model_trains():
     for _ in range(300):
         params, momentum, loss = step(params, momentum)
     assert np.isfinite(loss) and loss < first / 10
+
+
+def test_logical_axes_annotate_the_params_without_changing_them():
+    x = jnp.ones((4, 16))
+    layer = NVFP4Dense(32, kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
+    variables = layer.init(jax.random.key(0), x)
+    assert nn.get_partition_spec(variables)["params"] == {
+        "kernel": jax.sharding.PartitionSpec("embed", "mlp"),
+        "bias": jax.sharding.PartitionSpec("mlp"),
+    }
+    plain = nn.Dense(32).init(jax.random.key(0), x)
+    jax.tree.map(np.testing.assert_array_equal, nn.unbox(variables), plain)
+    # Clones (Flax re-runs __post_init__) keep one annotation, with the clone's axes.
+    clone = layer.clone(kernel_axes=("a", "b"))
+    assert nn.get_partition_spec(clone.init(jax.random.key(0), x))["params"]["kernel"] == jax.sharding.PartitionSpec(
+        "a", "b"
+    )
+    general = NVFP4DenseGeneral((2, 16), kernel_axes=("embed", "heads", "kv"))
+    assert nn.get_partition_spec(general.init(jax.random.key(0), x))["params"]["kernel"] == jax.sharding.PartitionSpec(
+        "embed", "heads", "kv"
+    )
+    # Without axes nothing is boxed.
+    assert not nn.get_partition_spec(NVFP4Dense(32).init(jax.random.key(0), x))["params"]["kernel"]
