@@ -56,8 +56,18 @@ def _check_mesh_axes(mesh_axes) -> tuple[str, ...] | None:
     return mesh_axes
 
 
-def _as_matrix(x: jax.Array) -> jax.Array:
-    return x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
+def flat_rows(x: jax.Array) -> jax.Array:
+    """[B, *R, N] -> [B, prod(R), N]: the kernels' view of rows of several axes."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def row_axes(lead: tuple[int, ...], blocked_rows: bool) -> tuple[int, ...]:
+    """The row axes to keep apart (each keeps its sharding under jit): ``lead``
+    where the blocks allow it (rows unblocked, or the last axis whole blocks),
+    else one flat axis."""
+    if len(lead) > 1 and (not blocked_rows or lead[-1] % BLOCK == 0):
+        return tuple(lead)
+    return (math.prod(lead),)
 
 
 def on_rows(quantize3: Callable) -> Callable:
@@ -69,7 +79,7 @@ def on_rows(quantize3: Callable) -> Callable:
 
     def quantize(x, amax, *, rowwise, columnwise, block_2d):
         b, *rows, n = x.shape
-        outs = quantize3(x.reshape(b, -1, n), amax, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d)
+        outs = quantize3(flat_rows(x), amax, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d)
         shapes = [(b, *rows, -1)] * 2 * rowwise + [(b, n, *rows[:-1], -1)] * 2 * columnwise
         return tuple(o.reshape(s) for o, s in zip(outs, shapes, strict=True))
 
@@ -77,12 +87,8 @@ def on_rows(quantize3: Callable) -> Callable:
 
 
 def _as_rows(x: jax.Array, blocked_rows: bool) -> jax.Array:
-    """[1, *lead, N]: leading axes kept apart (each keeps its sharding under jit) where the
-    blocks allow it (rows unblocked, or the last leading axis whole blocks), else flattened."""
-    lead = x.shape[:-1]
-    if len(lead) > 1 and (not blocked_rows or lead[-1] % BLOCK == 0):
-        return x.reshape(1, *x.shape)
-    return _as_matrix(x)
+    """[1, *rows, N] with the row axes of ``row_axes``."""
+    return x.reshape(1, *row_axes(x.shape[:-1], blocked_rows), x.shape[-1])
 
 
 def amax_fn(backend: Backend) -> Callable:
@@ -99,7 +105,7 @@ def amax_fn(backend: Backend) -> Callable:
         the global view of the result shows one shard's value. The pure-JAX
         reference ignores ``mesh_axes`` (always the global amax).
         """
-        return backend.amax(_as_matrix(_check_input(x)), _check_mesh_axes(mesh_axes))[0]
+        return backend.amax(_as_rows(_check_input(x), blocked_rows=False), _check_mesh_axes(mesh_axes))[0]
 
     return amax
 

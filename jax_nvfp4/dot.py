@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4.formats import BLOCK, INPUT_DTYPES
+from jax_nvfp4._frontend import row_axes
+from jax_nvfp4.formats import INPUT_DTYPES
 from jax_nvfp4.gemm import Operand, emulated_gemm
 from jax_nvfp4.primitives import amax_p, quantize_p
 from jax_nvfp4.recipe import Recipe
@@ -141,11 +142,8 @@ def dot_general(
     rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     batch = math.prod(lhs.shape[d] for d in lb)
     k = math.prod(lhs.shape[d] for d in lc)
-    rows = tuple(lhs.shape[d] for d in lf)
-    # Row axes stay apart (e.g. batch and sequence, so each keeps its sharding) where the
-    # last is whole 16-row blocks: then the columnwise blocks are those of the flat rows.
-    if len(rows) <= 1 or rows[-1] % BLOCK:
-        rows = (math.prod(rows),)
+    # Row axes (e.g. batch and sequence) stay apart where x's columnwise blocks allow it.
+    rows = row_axes(tuple(lhs.shape[d] for d in lf), blocked_rows=True)
     x = lhs.transpose(*lb, *lf, *lc).reshape(batch, *rows, k)
     w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)
     y = _jitted_matmul(x, w, _Config(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)

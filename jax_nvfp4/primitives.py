@@ -43,7 +43,7 @@ def _quantize_abstract(x, amax, *, rowwise, columnwise, block_2d):
 
 
 def _amax_on_rows(bind, x, *, mesh_axes):
-    return bind(x.reshape(x.shape[0], -1, x.shape[-1]))
+    return bind(_frontend.flat_rows(x))
 
 
 def _quantize_on_rows(bind, x, amax, **params):

@@ -206,7 +206,7 @@ def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
 # Jitted so that eager calls run as one compiled program, not op by op.
 _amax_jit = jax.jit(amax_core)
 _BACKEND = _frontend.Backend(
-    amax=lambda x, mesh_axes=None: _amax_jit(x.reshape(x.shape[0], -1, x.shape[-1])),  # always the global amax
+    amax=lambda x, mesh_axes=None: _amax_jit(_frontend.flat_rows(x)),  # always the global amax
     quantize=_frontend.on_rows(jax.jit(quantize_core, static_argnames=("rowwise", "columnwise", "block_2d"))),
     dequantize=jax.jit(dequantize_core, static_argnames=("cols", "dtype")),
 )

@@ -11,6 +11,7 @@ instead of the high-precision values.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import NamedTuple
@@ -80,49 +81,53 @@ def all_gather(t: NVFP4Tensor, axis_name, *, axis: int = 0, tiled: bool = True) 
         raise ValueError(f"axis {axis} is out of range for a tensor of shape {t.shape}")
     axis %= ndim
     world = lax.axis_size(axis_name)
-    amax = _agreed_amax(t.amax, axis_name)
-    amax_t = None if t.amax_t is None else _agreed_amax(t.amax_t, axis_name)
     if axis == ndim - 1:
         if not tiled:
             raise ValueError("gathering the last (blocked) axis needs tiled=True")
-        return _gather_last(t, axis_name, world, amax, amax_t)
+        if t.cols % BLOCK:
+            raise ValueError(f"each shard's last axis ({t.cols} values) must be a multiple of {BLOCK} to gather it")
+        shape = (*t.shape[:-1], t.cols * world)
 
-    lead = t.shape[:-1]
-    outer, run = math.prod(lead[:axis]), math.prod(lead[axis:])
-    # Rows are blocked along M in the columnwise copy, and in groups of 16 in 2D blocks.
-    if (t.data_t is not None or t.block_2d) and run % BLOCK:
-        raise ValueError(
-            f"each shard holds runs of {run} consecutive rows along the gathered axis {axis} of {t.shape}; "
-            f"the columnwise (or 2D-block) copy needs them to be a multiple of {BLOCK}"
-        )
-    shape = list(t.shape)
-    if tiled:
-        shape[axis] *= world
+        def rowwise(a):  # along the packed axis
+            return _gather_bytes(a, axis_name, ndim - 1, True)
+
+        def columnwise(a):  # along the rows of [N, M/2]
+            return _gather_bytes(a, axis_name, 0, True)
+
     else:
-        shape.insert(axis, world)
-    data = scale = data_t = scale_t = None
-    if t.data is not None:
-        data = _gather_bytes(t.data, axis_name, axis, tiled)
-        scale = _gather_bytes(t.scale, axis_name, axis, tiled)
-    if t.data_t is not None:
-        data_t = _gather_columns(t.data_t, axis_name, outer)
-        scale_t = _gather_columns(t.scale_t, axis_name, outer)
-    return NVFP4Tensor(data, scale, amax, data_t, scale_t, amax_t, tuple(shape), t.dtype, t.block_2d)
+        lead = t.shape[:-1]
+        outer, run = math.prod(lead[:axis]), math.prod(lead[axis:])
+        # Rows are blocked along M in the columnwise copy, and in groups of 16 in 2D blocks.
+        if (t.data_t is not None or t.block_2d) and run % BLOCK:
+            raise ValueError(
+                f"each shard holds runs of {run} consecutive rows along the gathered axis {axis} of {t.shape}; "
+                f"the columnwise (or 2D-block) copy needs them to be a multiple of {BLOCK}"
+            )
+        shape = list(t.shape)
+        if tiled:
+            shape[axis] *= world
+        else:
+            shape.insert(axis, world)
 
+        def rowwise(a):
+            return _gather_bytes(a, axis_name, axis, tiled)
 
-def _gather_last(t: NVFP4Tensor, axis_name, world: int, amax, amax_t) -> NVFP4Tensor:
-    if t.cols % BLOCK:
-        raise ValueError(f"the last axis of each shard ({t.cols} values) must be a multiple of {BLOCK} to gather it")
-    ndim = len(t.shape)
-    data = scale = data_t = scale_t = None
-    if t.data is not None:
-        data = _gather_bytes(t.data, axis_name, ndim - 1, True)
-        scale = _gather_bytes(t.scale, axis_name, ndim - 1, True)
-    if t.data_t is not None:
-        data_t = _gather_bytes(t.data_t, axis_name, 0, True)
-        scale_t = _gather_bytes(t.scale_t, axis_name, 0, True)
-    shape = (*t.shape[:-1], t.cols * world)
-    return NVFP4Tensor(data, scale, amax, data_t, scale_t, amax_t, shape, t.dtype, t.block_2d)
+        def columnwise(a):
+            return _gather_columns(a, axis_name, outer)
+
+    def each(gather, a):
+        return None if a is None else gather(a)
+
+    return dataclasses.replace(
+        t,
+        data=each(rowwise, t.data),
+        scale=each(rowwise, t.scale),
+        amax=_agreed_amax(t.amax, axis_name),
+        data_t=each(columnwise, t.data_t),
+        scale_t=each(columnwise, t.scale_t),
+        amax_t=None if t.amax_t is None else _agreed_amax(t.amax_t, axis_name),
+        shape=tuple(shape),
+    )
 
 
 class Collective(NamedTuple):
