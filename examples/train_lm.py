@@ -47,8 +47,8 @@ EVAL_WINDOWS, EVAL_BATCH = 256, 64  # fixed validation set: 256 windows, evenly 
 DTYPE = jnp.bfloat16  # activations; parameters stay float32
 
 MESH_AXES = ("data", "fsdp", "tensor")
-X, QKV = ("batch", "length", "act_embed"), ("batch", "length", "heads", "kv")  # activations' logical axes
 BATCH = ("data", "fsdp")  # the mesh axes that split the batch
+X, QKV = ("batch", "length", "act_embed"), ("batch", "length", "heads", "kv")  # activations' logical axes
 # Logical axis names -> mesh axes. Parameters' "embed" is sharded over fsdp and gathered where used;
 # activations name their model axis "act_embed" so that it stays whole. The vocabulary (256) is small:
 # replicated. Without --mesh the annotations do nothing.
@@ -129,22 +129,23 @@ class Block(nn.Module):
         d_model = x.shape[-1]
         head_dim = d_model // self.heads
         h = layer_norm()(x)
-        qkv_axes = {"kernel_axes": ("embed", "heads", "kv"), "bias_axes": ("heads", "kv")}
-        q, k, v = (
-            constrain(
-                self.dense_general_cls((self.heads, head_dim), dtype=DTYPE, name=n, **qkv_axes)(h), self.mesh, *QKV
-            )
-            for n in ("q", "k", "v")
+        qkv = functools.partial(
+            self.dense_general_cls,
+            (self.heads, head_dim),
+            dtype=DTYPE,
+            kernel_axes=("embed", "heads", "kv"),
+            bias_axes=("heads", "kv"),
         )
+        q, k, v = (constrain(qkv(name=n)(h), self.mesh, *QKV) for n in ("q", "k", "v"))
         # Scores and softmax in f32: bf16 is too coarse for the exponentials and their sum.
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(DTYPE)
         attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        out_axes = {"kernel_axes": ("heads", "kv", "embed"), "bias_axes": ("embed",)}
-        x = constrain(
-            x + self.dense_general_cls(d_model, axis=(-2, -1), dtype=DTYPE, name="out", **out_axes)(attn), self.mesh, *X
+        out = self.dense_general_cls(
+            d_model, axis=(-2, -1), dtype=DTYPE, name="out", kernel_axes=("heads", "kv", "embed"), bias_axes=("embed",)
         )
+        x = constrain(x + out(attn), self.mesh, *X)
         h = layer_norm()(x)
         up = self.dense_cls(4 * d_model, dtype=DTYPE, name="mlp_up", kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
         # Exact (erf) GELU: on CPU it is faster than the tanh approximation.
@@ -168,8 +169,8 @@ class TransformerLM(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         init = nn.initializers.normal(0.02)  # one scale for both, so positions are not drowned out by tokens
         table = nn.Embed(VOCAB, self.d_model, embedding_init=logical(init, "vocab", "embed"), name="embed").embedding
-        # Gather the table (FSDP) before the lookup, as nn.Embed would look it up: XLA cannot move a lookup's
-        # output from the table's sharding to the batch's without gathering all of it.
+        # Gather the table (FSDP) before the lookup, which is nn.Embed's: XLA cannot move a lookup's output from
+        # the table's sharding to the batch's without gathering all of it (and says so on every compile).
         x = jnp.take(constrain(table.astype(DTYPE), self.mesh, "vocab", "act_embed"), tokens, axis=0)
         pos = self.param("pos_embed", logical(init, "length", "embed"), (self.max_len, self.d_model))
         x = constrain(x + pos[: tokens.shape[1]].astype(DTYPE), self.mesh, *X)
