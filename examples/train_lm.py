@@ -7,6 +7,10 @@ weights and see the same batches; only the linear layers inside the transformer 
 Prints a table of final losses and step times and writes a plot of both loss curves.
 
     python examples/train_lm.py [--steps N] [--only both|nvfp4|bf16] [--out train_lm.png]
+
+`--mesh data=2,fsdp=2,tensor=2` trains sharded over that many devices (on CPU, set
+XLA_FLAGS=--xla_force_host_platform_device_count=8): the batch splits over data x fsdp, the parameters
+and their optimizer state over fsdp (gathered for use), and the attention heads and MLP over tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import os
 import pathlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -29,6 +33,8 @@ import matplotlib
 import numpy as np
 import optax
 from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
 from jax_nvfp4.flax import NVFP4Dense, NVFP4DenseGeneral
@@ -39,6 +45,23 @@ import matplotlib.pyplot as plt
 VOCAB = 256  # bytes
 EVAL_WINDOWS, EVAL_BATCH = 256, 64  # fixed validation set: 256 windows, evenly spaced over the held-out bytes
 DTYPE = jnp.bfloat16  # activations; parameters stay float32
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # the mesh axes that split the batch
+X, QKV = ("batch", "length", "act_embed"), ("batch", "length", "heads", "kv")  # activations' logical axes
+# Logical axis names -> mesh axes. Parameters' "embed" is sharded over fsdp and gathered where used;
+# activations name their model axis "act_embed" so that it stays whole. The vocabulary (256) is small:
+# replicated. Without --mesh the annotations do nothing.
+RULES = (
+    ("batch", BATCH),
+    ("embed", "fsdp"),
+    ("act_embed", None),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", None),
+    ("length", None),
+    ("kv", None),
+)
 
 
 def load_corpus(max_bytes: int = 4 << 20) -> np.ndarray:
@@ -59,29 +82,76 @@ def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     return data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
 
 
+def logical(init: Callable[..., jax.Array], *axes: str) -> Callable[..., Any]:
+    """``init`` with the logical axis names of the parameter it makes (its values are unchanged)."""
+    return nn.with_logical_partitioning(init, axes)
+
+
+def constrain(x: jax.Array, mesh: jax.sharding.Mesh | None, *axes: str) -> jax.Array:
+    """Shard an activation on the mesh as its logical axes say (no mesh: unchanged).
+
+    The mesh is passed rather than set with ``jax.set_mesh``: under a global mesh, Flax's DenseGeneral
+    cannot apply its kernel's logical constraint to the 2-D kernel its init makes first (google/flax#3676).
+    """
+    return x if mesh is None else nn.with_logical_constraint(x, axes, RULES, mesh)
+
+
+def with_axes(cls: type[nn.Module]) -> Callable[..., nn.Module]:
+    """``nn.Dense`` or ``nn.DenseGeneral`` taking ``kernel_axes``/``bias_axes`` like the NVFP4 layers, so that
+    the bf16 baseline shards as they do."""
+
+    def make(*args: Any, kernel_axes: Sequence[str], bias_axes: Sequence[str], **kwargs: Any) -> nn.Module:
+        kernel_init = logical(nn.linear.default_kernel_init, *kernel_axes)
+        return cls(*args, kernel_init=kernel_init, bias_init=logical(nn.initializers.zeros, *bias_axes), **kwargs)
+
+    return make
+
+
+def layer_norm(name: str | None = None) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        dtype=DTYPE,
+        scale_init=logical(nn.initializers.ones, "embed"),
+        bias_init=logical(nn.initializers.zeros, "embed"),
+        name=name,
+    )
+
+
 class Block(nn.Module):
     """Pre-LayerNorm block: causal multi-head self-attention, then a GELU MLP."""
 
     heads: int
     dense_cls: Callable[..., nn.Module]
     dense_general_cls: Callable[..., nn.Module]
+    mesh: jax.sharding.Mesh | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d_model = x.shape[-1]
         head_dim = d_model // self.heads
-        h = nn.LayerNorm(dtype=DTYPE)(x)
-        q, k, v = (self.dense_general_cls((self.heads, head_dim), dtype=DTYPE, name=n)(h) for n in ("q", "k", "v"))
+        h = layer_norm()(x)
+        qkv = functools.partial(
+            self.dense_general_cls,
+            (self.heads, head_dim),
+            dtype=DTYPE,
+            kernel_axes=("embed", "heads", "kv"),
+            bias_axes=("heads", "kv"),
+        )
+        q, k, v = (constrain(qkv(name=n)(h), self.mesh, *QKV) for n in ("q", "k", "v"))
         # Scores and softmax in f32: bf16 is too coarse for the exponentials and their sum.
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(DTYPE)
         attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        x = x + self.dense_general_cls(d_model, axis=(-2, -1), dtype=DTYPE, name="out")(attn)
-        h = nn.LayerNorm(dtype=DTYPE)(x)
+        out = self.dense_general_cls(
+            d_model, axis=(-2, -1), dtype=DTYPE, name="out", kernel_axes=("heads", "kv", "embed"), bias_axes=("embed",)
+        )
+        x = constrain(x + out(attn), self.mesh, *X)
+        h = layer_norm()(x)
+        up = self.dense_cls(4 * d_model, dtype=DTYPE, name="mlp_up", kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
         # Exact (erf) GELU: on CPU it is faster than the tanh approximation.
-        h = nn.gelu(self.dense_cls(4 * d_model, dtype=DTYPE, name="mlp_up")(h), approximate=False)
-        return x + self.dense_cls(d_model, dtype=DTYPE, name="mlp_down")(h)
+        h = constrain(nn.gelu(up(h), approximate=False), self.mesh, "batch", "length", "mlp")
+        down = self.dense_cls(d_model, dtype=DTYPE, name="mlp_down", kernel_axes=("mlp", "embed"), bias_axes=("embed",))
+        return constrain(x + down(h), self.mesh, *X)
 
 
 class TransformerLM(nn.Module):
@@ -91,30 +161,37 @@ class TransformerLM(nn.Module):
     layers: int
     heads: int
     max_len: int
-    dense_cls: Callable[..., nn.Module] = nn.Dense
-    dense_general_cls: Callable[..., nn.Module] = nn.DenseGeneral
+    dense_cls: Callable[..., nn.Module] = with_axes(nn.Dense)
+    dense_general_cls: Callable[..., nn.Module] = with_axes(nn.DenseGeneral)
+    mesh: jax.sharding.Mesh | None = None  # where to shard the activations
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         init = nn.initializers.normal(0.02)  # one scale for both, so positions are not drowned out by tokens
-        x = nn.Embed(VOCAB, self.d_model, dtype=DTYPE, embedding_init=init, name="embed")(tokens)
-        pos = self.param("pos_embed", init, (self.max_len, self.d_model))
-        x = x + pos[: tokens.shape[1]].astype(DTYPE)
+        table = nn.Embed(VOCAB, self.d_model, embedding_init=logical(init, "vocab", "embed"), name="embed").embedding
+        # Gather the table (FSDP) before the lookup, which is nn.Embed's: XLA cannot move a lookup's output from
+        # the table's sharding to the batch's without gathering all of it (and says so on every compile).
+        x = jnp.take(constrain(table.astype(DTYPE), self.mesh, "vocab", "act_embed"), tokens, axis=0)
+        pos = self.param("pos_embed", logical(init, "length", "embed"), (self.max_len, self.d_model))
+        x = constrain(x + pos[: tokens.shape[1]].astype(DTYPE), self.mesh, *X)
         for i in range(self.layers):
-            x = Block(self.heads, self.dense_cls, self.dense_general_cls, name=f"block{i}")(x)
-        x = nn.LayerNorm(dtype=DTYPE, name="final_norm")(x)
-        return nn.Dense(VOCAB, dtype=DTYPE, name="head")(x).astype(jnp.float32)
+            x = Block(self.heads, self.dense_cls, self.dense_general_cls, self.mesh, name=f"block{i}")(x)
+        x = layer_norm("final_norm")(x)
+        head = with_axes(nn.Dense)(
+            VOCAB, dtype=DTYPE, name="head", kernel_axes=("embed", "vocab"), bias_axes=("vocab",)
+        )
+        return head(x).astype(jnp.float32)
 
 
-def build_model(precision: str, args: argparse.Namespace) -> TransformerLM:
+def build_model(precision: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None) -> TransformerLM:
     """The same architecture; only the block's linear layers depend on the precision."""
     if precision == "nvfp4":
         recipe = jax_nvfp4.Recipe(weight_block_2d=args.recipe == "2d")
         dense_cls = functools.partial(NVFP4Dense, recipe=recipe)
         dense_general_cls = functools.partial(NVFP4DenseGeneral, recipe=recipe)
     else:
-        dense_cls, dense_general_cls = nn.Dense, nn.DenseGeneral
-    return TransformerLM(args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls)
+        dense_cls, dense_general_cls = with_axes(nn.Dense), with_axes(nn.DenseGeneral)
+    return TransformerLM(args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh)
 
 
 class Progress:
@@ -146,9 +223,77 @@ class Progress:
         sys.stderr.flush()
 
 
-def train(precision: str, args: argparse.Namespace, train_starts: np.ndarray, data: dict[str, Any]) -> dict[str, Any]:
-    """Train one model from the shared seed on the shared batches; return its losses and timing."""
-    model = build_model(precision, args)
+def parse_mesh(text: str) -> dict[str, int]:
+    """``data=2,fsdp=2,tensor=2`` -> sizes of all of MESH_AXES (those not named: 1), for argparse."""
+    sizes, named = dict.fromkeys(MESH_AXES, 1), set()
+    for item in text.split(","):
+        name, _, size = (part.strip() for part in item.partition("="))
+        if name not in MESH_AXES or name in named or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} in {text!r}: expected AXIS=SIZE,... with each AXIS at most once, one of "
+                + "/".join(MESH_AXES)
+            )
+        sizes[name] = int(size)
+        named.add(name)
+    return sizes
+
+
+def mesh_name(sizes: dict[str, int] | None) -> str | None:
+    return None if sizes is None else ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def make_mesh(sizes: dict[str, int], args: argparse.Namespace) -> jax.sharding.Mesh:
+    """The mesh of these axis sizes over all the devices; ValueError if they do not fit the devices or the model."""
+    n = math.prod(sizes.values())
+    if n != jax.device_count():
+        cpu = f" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} makes {n})"
+        raise ValueError(
+            f"needs {n} devices, found {jax.device_count()}{cpu if jax.default_backend() == 'cpu' else ''}"
+        )
+    batch_ways = sizes["data"] * sizes["fsdp"]
+    if (
+        args.batch % batch_ways
+        or EVAL_BATCH % batch_ways
+        or args.d_model % sizes["fsdp"]
+        or args.heads % sizes["tensor"]
+    ):
+        raise ValueError(
+            f"--batch and the eval batch ({EVAL_BATCH}) must be multiples of data*fsdp, --d-model of fsdp, "
+            "--heads of tensor"
+        )
+    # Auto axes (make_mesh defaults to Explicit): jit and the library's partitioning rules place the intermediates.
+    return jax.make_mesh(
+        tuple(sizes.values()), MESH_AXES, (jax.sharding.AxisType.Auto,) * len(sizes), devices=jax.devices()[:n]
+    )
+
+
+def sharded_params(init: Callable[[], Any], mesh: jax.sharding.Mesh) -> Any:
+    """The unboxed parameters from ``init``, made by a jitted init directly in the shards their logical axes
+    name, so no device ever holds them all."""
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(jax.eval_shape(init)), mesh, RULES)
+    return jax.jit(lambda: nn.unbox(init()), out_shardings=shardings)()
+
+
+def shard_state(state: train_state.TrainState, mesh: jax.sharding.Mesh) -> tuple[train_state.TrainState, Any]:
+    """The state committed to the mesh, its arrays sharded as they are (the params and, following them, their
+    optimizer moments) and the rest replicated (step counts); and those shardings, to pin the train step's
+    output to (jit picks equivalent but unequal ones, so the second step would compile again)."""
+    replicated = NamedSharding(mesh, P())
+    sharding = lambda a: a.sharding if isinstance(getattr(a, "sharding", None), NamedSharding) else replicated  # noqa: E731
+    shardings = jax.tree.map(sharding, state)
+    return jax.device_put(state, shardings), shardings
+
+
+def train(
+    precision: str,
+    args: argparse.Namespace,
+    train_starts: np.ndarray,
+    data: dict[str, Any],
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict[str, Any]:
+    """Train one model from the shared seed on the shared batches, sharded over mesh if one is given; return its
+    losses and timing."""
+    model = build_model(precision, args, mesh)
 
     def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
         logits = model.apply({"params": params}, batch[:, :-1])
@@ -157,10 +302,17 @@ def train(precision: str, args: argparse.Namespace, train_starts: np.ndarray, da
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
     decay_mask = functools.partial(jax.tree.map, lambda p: p.ndim >= 2)  # no decay on biases and norms
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decay_mask))
-    params = model.init(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
+    init = lambda: model.init(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
+    params = nn.unbox(init()) if mesh is None else sharded_params(init, mesh)
+    # The optimizer's moments are zeros_like(params): they take the params' shardings.
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    jit_step, put = functools.partial(jax.jit, donate_argnums=0), lambda batch: batch
+    if mesh is not None:
+        state, shardings = shard_state(state, mesh)
+        jit_step = functools.partial(jit_step, out_shardings=(shardings, NamedSharding(mesh, P())))
+        put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(BATCH)))
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    @jit_step
     def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads=grads), loss
@@ -168,12 +320,12 @@ def train(precision: str, args: argparse.Namespace, train_starts: np.ndarray, da
     eval_step = jax.jit(loss_fn)
 
     def evaluate(params: Any) -> float:
-        return float(np.mean([eval_step(params, b) for b in data["val_batches"]]))
+        return float(np.mean([eval_step(params, put(b)) for b in data["val_batches"]]))
 
     label = f"{precision:>5}"
     progress, losses, val, eval_time = Progress(label, args.steps), [], [], 0.0
     for step in range(1, args.steps + 1):
-        state, loss = train_step(state, windows(data["train"], train_starts[step - 1], args.seq_len))
+        state, loss = train_step(state, put(windows(data["train"], train_starts[step - 1], args.seq_len)))
         losses.append(loss)
         if step == 1:
             loss.block_until_ready()  # the first step compiles: time from here on
@@ -197,6 +349,7 @@ def train(precision: str, args: argparse.Namespace, train_starts: np.ndarray, da
     tail = max(1, args.steps // 10)
     return {
         "precision": precision,
+        "mesh": mesh_name(args.mesh),
         "train_loss": losses.tolist(),
         "val_loss": val,
         "final_train_loss": float(losses[-tail:].mean()),
@@ -230,6 +383,7 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     fig.suptitle(
         f"byte-level LM on stdlib source: d_model {args.d_model}, {args.layers} layers, "
         f"batch {args.batch}x{args.seq_len}, NVFP4 recipe {args.recipe}"
+        + (f", mesh {mesh_name(args.mesh)}" if args.mesh else "")
     )
     fig.tight_layout()
     fig.savefig(args.out, dpi=90)
@@ -251,11 +405,29 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--out", default="train_lm.png", help="where to write the loss plot")
     parser.add_argument("--json", default=None, help="optionally, where to write the results as JSON")
+    parser.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default=None,
+        help="train sharded on a device mesh, e.g. data=2,fsdp=2,tensor=2 (axes not named: 1); the sizes' product "
+        "must be the device count (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+    )
     args = parser.parse_args()
     if args.d_model % args.heads or min(args.steps, args.eval_every, args.batch) < 1:
         parser.error("--d-model must be a multiple of --heads; --steps, --eval-every and --batch at least 1")
+    try:
+        mesh = make_mesh(args.mesh, args) if args.mesh else None
+    except ValueError as e:
+        parser.error(f"--mesh {mesh_name(args.mesh)}: {e}")
     device = jax.devices()[0].device_kind
     print(f"jax {jax.__version__} on {jax.default_backend()} ({device}), jax_nvfp4 {jax_nvfp4.__version__}")
+    if mesh is not None:
+        d, f, t = args.mesh.values()
+        print(f"mesh: {mesh}")
+        print(
+            f"sharded: batch {d * f}-way (data x fsdp), params and optimizer state {f}-way (fsdp), "
+            f"attention heads and MLP {t}-way (tensor)"
+        )
 
     corpus = load_corpus()
     split = int(0.95 * len(corpus))
@@ -273,7 +445,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     runs = ("nvfp4", "bf16") if args.only == "both" else (args.only,)
-    results = {p: train(p, args, train_starts, data) for p in runs}
+    results = {p: train(p, args, train_starts, data, mesh) for p in runs}
 
     names = {"nvfp4": f"NVFP4 ({'16x16' if args.recipe == '2d' else '1x16'} weight blocks)", "bf16": "bf16"}
     print("\n| precision | train loss | val loss | val gap vs bf16 | ms/step |\n|---|---|---|---|---|")
@@ -289,7 +461,8 @@ def main() -> None:
     plot(results, args)
     print(f"wrote {args.out}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        args_json = {**vars(args), "mesh": mesh_name(args.mesh)}
+        pathlib.Path(args.json).write_text(json.dumps({"args": args_json, "results": results}, indent=1))
         print(f"wrote {args.json}")
 
 
