@@ -90,8 +90,9 @@ def logical(init: Callable[..., jax.Array], *axes: str) -> Callable[..., Any]:
 def constrain(x: jax.Array, mesh: jax.sharding.Mesh | None, *axes: str) -> jax.Array:
     """Shard an activation on the mesh as its logical axes say (no mesh: unchanged).
 
-    The mesh is passed rather than set with ``jax.set_mesh``: under a global mesh, Flax's DenseGeneral
-    cannot apply its kernel's logical constraint to the 2-D kernel its init makes first (google/flax#3676).
+    The mesh is passed rather than set with ``jax.set_mesh``: under a global mesh, Flax's own DenseGeneral (the
+    bf16 baseline) cannot apply its kernel's logical constraint to the 2-D kernel its init makes first
+    (google/flax#3676; the NVFP4 layers work around it).
     """
     return x if mesh is None else nn.with_logical_constraint(x, axes, RULES, mesh)
 

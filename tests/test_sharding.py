@@ -264,11 +264,33 @@ def test_fsdp_all_gather_bytes_against_bf16():
     dims = (((1,), (0,)), ((), ()))
 
     def gathered(dot_general):
-        f = jax.jit(lambda x, w: dot_general(x, w, dims, preferred_element_type=jnp.bfloat16))
-        return [c for c in collectives(f.lower(x, w).compile().as_text()) if c.op == "all-gather"]
+        def layer(x, w):
+            with jax.named_scope("fsdp_layer"):
+                return dot_general(x, w, dims, preferred_element_type=jnp.bfloat16)
+
+        return [c for c in collectives(jax.jit(layer).lower(x, w).compile().as_text()) if c.op == "all-gather"]
 
     nvfp4, bf16 = gathered(jax_nvfp4.dot_general), gathered(lax.dot_general)
+    assert all("/fsdp_layer/" in c.op_name for c in nvfp4), nvfp4  # each names the op it came from
     assert {c.dtype for c in nvfp4} == {"u8"}
     assert sum(c.nbytes for c in nvfp4) == 512 * 128 // 2 + 512 * 128 // 16  # codes + scales of W
     # XLA on CPU widens a bf16 all-gather to f32; the bytes a bf16 gather moves are 2 a value.
     assert sum(c.nbytes // {"bf16": 2, "f32": 4}[c.dtype] * 2 for c in bf16) == 512 * 128 * 2
+
+
+def test_flax_dense_general_with_axes_under_a_global_mesh():
+    """Flax initializes DenseGeneral's kernel flat and reshapes it; under ``jax.set_mesh`` the layer must not
+    constrain the flat value to the kernel's three axes (google/flax#3676). Sharded == unsharded, bitwise."""
+    import flax.linen as nn
+
+    from jax_nvfp4.flax import NVFP4DenseGeneral
+
+    layer = NVFP4DenseGeneral((4, 16), kernel_axes=("embed", "heads", "kv"), bias_axes=("heads", "kv"))
+    x = _random((8, 32, 64), jnp.float32)
+    want = layer.apply(nn.unbox(layer.init(jax.random.key(0), x)), x)
+    with jax.set_mesh(_mesh("2x4")), nn.logical_axis_rules((("heads", "y"), ("embed", None), ("kv", None))):
+        variables = jax.jit(layer.init)(jax.random.key(0), x)
+        assert type(variables["params"]["kernel"]) is nn.LogicallyPartitioned  # Flax's own box, not ours
+        got = jax.jit(layer.apply)(variables, x)
+    assert got.sharding.spec == P(None, None, "y")  # the heads, as the kernel's constraint puts them
+    np.testing.assert_array_equal(_bytes(got), _bytes(want))

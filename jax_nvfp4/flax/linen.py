@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from jax_nvfp4.dot import dot_general
 from jax_nvfp4.recipe import Recipe
@@ -40,12 +41,34 @@ class NVFP4DotGeneral(nn.Module):
 LogicalAxes = Sequence[str | None]
 
 
+class _FlatThenReshaped(nn.LogicallyPartitioned):
+    """The box of a kernel that ``nn.DenseGeneral`` initializes flat (2-D) and then reshapes.
+
+    Flax constrains the flat value to the kernel's axes when it unboxes it to
+    reshape, which fails under ``jax.set_mesh`` (google/flax#3676). This box
+    skips the constraint while the ranks differ, and once reshaped it becomes
+    Flax's own ``LogicallyPartitioned``, so the parameters hold no type of ours.
+    """
+
+    def unbox(self, apply_constraint: bool = True):
+        return super().unbox(apply_constraint and jnp.ndim(self.value) == len(self.names))
+
+    def replace_boxed(self, val) -> nn.LogicallyPartitioned:
+        return nn.LogicallyPartitioned(val, self.names, mesh=self.mesh, rules=self.rules)
+
+
 def _logically_partitioned(init: Callable, axes: LogicalAxes | None) -> Callable:
     """``init`` annotated with logical ``axes`` (None: none); idempotent, so clones keep one annotation."""
     init = getattr(init, "_nvfp4_unannotated", init)
     if axes is None:
         return init
-    annotated = nn.with_logical_partitioning(init, tuple(axes))
+
+    @functools.wraps(init)
+    def annotated(*args, **kwargs) -> nn.LogicallyPartitioned:
+        value = init(*args, **kwargs)
+        box = _FlatThenReshaped if jnp.ndim(value) != len(axes) else nn.LogicallyPartitioned
+        return box(value, tuple(axes))
+
     annotated._nvfp4_unannotated = init
     return annotated
 
