@@ -65,9 +65,7 @@ def gathered_bytes(precision: str, args: argparse.Namespace, mesh: jax.sharding.
         logits = model.apply({"params": params}, batch[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
-    batch = jax.device_put(
-        jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), NamedSharding(mesh, P(train_lm.BATCH))
-    )
+    batch = jax.device_put(jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), NamedSharding(mesh, P(train_lm.BATCH)))
     hlo = jax.jit(jax.value_and_grad(loss_fn)).lower(params, batch).compile().as_text()
     found: dict[str, dict[str, int]] = collections.defaultdict(collections.Counter)
     for c in collectives(hlo):
@@ -109,11 +107,12 @@ def main() -> None:
         if set(q) - {"u8", "f32", "bf16"} or set(b) - {"f32", "bf16"}:
             raise RuntimeError(f"{layer}: unexpected gather dtypes {dict(q)} {dict(b)}")
         row = [q.get("u8", 0), as_bf16(q), q.get("u8", 0) + as_bf16(q), as_bf16(b)]
-        totals = [t + r for t, r in zip(totals, row)]
+        totals = [t + r for t, r in zip(totals, row, strict=True)]
         report.add(f"| {layer} | " + " | ".join(f"{n:,}" for n in row) + f" | {row[2] / row[3]:.0%} |")
     report.add("| **step** | " + " | ".join(f"**{n:,}**" for n in totals) + f" | **{totals[2] / totals[3]:.0%}** |")
     cpu = [sum(sum(by_dtype.values()) for by_dtype in m.values()) for m in (nvfp4, bf16)]
-    report.add(f"| step, bytes XLA on CPU moves (floats as f32) | | | {cpu[0]:,} | {cpu[1]:,} | {cpu[0] / cpu[1]:.0%} |")
+    cpu_row = f"| {cpu[0]:,} | {cpu[1]:,} | {cpu[0] / cpu[1]:.0%} |"
+    report.add("| step, bytes XLA on CPU moves (floats as f32) | | | " + cpu_row)
     report.save()
 
 

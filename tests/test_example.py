@@ -1,0 +1,77 @@
+"""The training example's sharded model (``examples/train_lm.py --mesh``) on 8 CPU devices, made small."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_nvfp4.sharding import collectives
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import train_lm
+
+pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (set in conftest.py)")
+
+
+def _args(mesh: str) -> argparse.Namespace:
+    return argparse.Namespace(
+        batch=8, seq_len=32, d_model=64, layers=1, heads=2, recipe="2d", mesh=train_lm.parse_mesh(mesh)
+    )
+
+
+def _loss_and_grad(args, mesh):
+    """The jitted loss and gradients of the NVFP4 model on a fixed batch, sharded over mesh (None: not)."""
+    model = train_lm.build_model("nvfp4", args, mesh)
+    init = lambda: model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
+    params = nn.unbox(init()) if mesh is None else train_lm.sharded_params(init, mesh)
+    batch = np.random.default_rng(0).integers(0, train_lm.VOCAB, (args.batch, args.seq_len + 1), np.int32)
+    if mesh is not None:
+        batch = jax.device_put(batch, NamedSharding(mesh, P(train_lm.BATCH)))
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    return jax.jit(jax.value_and_grad(loss_fn)), params, batch
+
+
+def test_sharded_step_gathers_the_nvfp4_weights_as_packed_bytes():
+    args = _args("data=2,fsdp=2,tensor=2")
+    step, params, batch = _loss_and_grad(args, train_lm.make_mesh(args.mesh, args))
+    gathers = [c for c in collectives(step.lower(params, batch).compile().as_text()) if c.op == "all-gather"]
+    in_gemms = [c for c in gathers if "NVFP4DotGeneral" in c.op_name]
+    # Each of the 6 NVFP4 layers gathers its FSDP-sharded weight, codes and scales, in the forward and backward.
+    assert {re.search(r"/(block0/\w+)/NVFP4DotGeneral", c.op_name).group(1) for c in in_gemms} == {
+        f"block0/{name}" for name in ("q", "k", "v", "out", "mlp_up", "mlp_down")
+    }
+    assert {c.dtype for c in in_gemms} == {"u8"}
+    # The layers' other gathers are their biases, 1-D.
+    layers = ("/q/", "/k/", "/v/", "/out/", "/mlp_up/", "/mlp_down/")
+    assert all(len(c.shape) == 1 for c in gathers if any(s in c.op_name for s in layers) and c not in in_gemms)
+
+
+@pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=4"])
+def test_data_and_fsdp_sharding_give_the_unsharded_step(mesh, monkeypatch):
+    """In float32 (no bf16 fusion differences) data and FSDP sharding change no value: each NVFP4 GEMM sees the
+    same bytes, and the amax is reduced over the mesh."""
+    monkeypatch.setattr(train_lm, "DTYPE", jnp.float32)
+    args = _args(mesh)
+    want_loss, want_grads = (lambda f, p, b: f(p, b))(*_loss_and_grad(args, None))
+    got_loss, got_grads = (lambda f, p, b: f(p, b))(*_loss_and_grad(args, train_lm.make_mesh(args.mesh, args)))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)  # its mean sums the shards in another order
+    # Gradients: their f32 sums over the batch shards are added in another order. (The key bias's gradient is 0
+    # but for rounding, so the tolerance is relative to the largest gradient.)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want_grads))
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
