@@ -38,14 +38,16 @@ class _Config(NamedTuple):
     w_dtype: np.dtype
 
 
-def quantize_operand(x: jax.Array, *, columnwise: bool, block_2d: bool = False) -> tuple[Operand, Operand | None]:
-    """Quantize [B, *R, L] with one amax over the whole tensor.
+def quantize_operand(
+    x: jax.Array, *, columnwise: bool, block_2d: bool = False, mesh_axes: tuple[str, ...] | None = None
+) -> tuple[Operand, Operand | None]:
+    """Quantize [B, *R, L] with one amax over the whole tensor (on a mesh: over ``mesh_axes``, None: all).
 
     Returns the rowwise operand (blocked along L) and, if ``columnwise``, the
     columnwise one ([B, L, *R], blocked along the last row axis).
     """
     # The max of per-entry amaxes, as int32 bits: exact for non-negative floats, NaN included.
-    bits = lax.bitcast_convert_type(amax_p.bind(x, mesh_axes=None)[0], jnp.int32)
+    bits = lax.bitcast_convert_type(amax_p.bind(x, mesh_axes=mesh_axes)[0], jnp.int32)
     amax = lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
     outs = quantize_p.bind(
         x, jnp.broadcast_to(amax, x.shape[:1]), rowwise=True, columnwise=columnwise, block_2d=block_2d
@@ -57,21 +59,23 @@ def quantize_operand(x: jax.Array, *, columnwise: bool, block_2d: bool = False) 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x: jax.Array, w: jax.Array, config: _Config) -> jax.Array:
     """x [B, *M, K], w [B, N, K] -> y [B, *M, N] (M: one or more row axes)."""
-    qx, _ = quantize_operand(x, columnwise=False)
-    qw, _ = quantize_operand(w, columnwise=False, block_2d=config.recipe.weight_block_2d)
+    axes = config.recipe.amax_mesh_axes
+    qx, _ = quantize_operand(x, columnwise=False, mesh_axes=axes)
+    qw, _ = quantize_operand(w, columnwise=False, block_2d=config.recipe.weight_block_2d, mesh_axes=axes)
     return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype)
 
 
 def _matmul_fwd(x, w, config: _Config):
-    qx, qx_t = quantize_operand(x, columnwise=True)
-    qw, qw_t = quantize_operand(w, columnwise=True, block_2d=config.recipe.weight_block_2d)
+    axes = config.recipe.amax_mesh_axes
+    qx, qx_t = quantize_operand(x, columnwise=True, mesh_axes=axes)
+    qw, qw_t = quantize_operand(w, columnwise=True, block_2d=config.recipe.weight_block_2d, mesh_axes=axes)
     return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype), (qx_t, qw_t)
 
 
 def _matmul_bwd(config: _Config, residuals, dy):
     qx_t, qw_t = residuals  # x^T [B, K, *M] and W [B, K, N], both blocked along their last axis
     rows, n = dy.shape[1:-1], dy.shape[-1]
-    qdy, qdy_t = quantize_operand(dy, columnwise=True)
+    qdy, qdy_t = quantize_operand(dy, columnwise=True, mesh_axes=config.recipe.amax_mesh_axes)
     dx = emulated_gemm(qdy, qw_t, n, config.x_dtype)  # [B, *M, N] . [B, K, N] -> [B, *M, K]
     # [B, N, *M] . [B, K, *M] -> [B, N, K], contracting all row axes (tokens)
     dw = emulated_gemm(qdy_t, qx_t, rows[-1], config.w_dtype, contract_ndim=len(rows))

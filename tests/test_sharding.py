@@ -127,6 +127,26 @@ def test_amax_mesh_axes_scopes_the_reduction():
         jax_nvfp4.amax(x, mesh_axes=(0,))
 
 
+def test_recipe_amax_mesh_axes_scopes_dot_general():
+    """Recipe(amax_mesh_axes=()): no amax reduction, so each data shard's rows are quantized with their own amax
+    and give what dot_general gives on those rows alone; the default reduces and gives the unsharded result."""
+    mesh = _mesh("8")
+    x, w = _random((64, 128), jnp.float32), _random((128, 32), jnp.float32, seed=1)
+    xs = jax.device_put(x, NamedSharding(mesh, P("x", None)))
+    dims = (((1,), (0,)), ((), ()))
+    local = jax_nvfp4.Recipe(amax_mesh_axes=())
+    got = jax.jit(lambda x, w: jax_nvfp4.dot_general(x, w, dims, recipe=local))(xs, w)
+    for i in range(8):
+        rows = slice(8 * i, 8 * (i + 1))
+        want = jax_nvfp4.dot_general(x[rows], w, dims)
+        np.testing.assert_array_equal(_bytes(got[rows]), _bytes(want))
+    default = jax.jit(lambda x, w: jax_nvfp4.dot_general(x, w, dims))(xs, w)
+    np.testing.assert_array_equal(_bytes(default), _bytes(jax_nvfp4.dot_general(x, w, dims)))
+    assert jax_nvfp4.Recipe(amax_mesh_axes=["fsdp", "seq"]).amax_mesh_axes == ("fsdp", "seq")
+    with pytest.raises(TypeError, match="mesh axis names"):
+        jax_nvfp4.Recipe(amax_mesh_axes=(1,))
+
+
 # (mesh, gathered mesh axes, input shape, in_spec, axis, tiled)
 GATHER_CASES = [
     ("8", "x", (256, 64), P("x", None), 0, True),
