@@ -170,3 +170,34 @@ def f32_to_f16(u: jnp.ndarray) -> jnp.ndarray:
     out = sign | out
     out = jnp.where(is_nan(u), u32(0x7E00), out)
     return lax.bitcast_convert_type(out.astype(jnp.uint16), jnp.float16)
+
+
+def add(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """Bits of fp32(a + b), round to nearest even, subnormals kept."""
+    a, b = jnp.broadcast_arrays(u32(a), u32(b))
+    # Order by magnitude: |a| >= |b|; the result takes a's sign unless it is an exact zero.
+    swap = magnitude(b) > magnitude(a)
+    a, b = jnp.where(swap, b, a), jnp.where(swap, a, b)
+    a_mag, b_mag = magnitude(a), magnitude(b)
+    sign = a & SIGN
+    ea, ma = _unpack(a)
+    eb, mb = _unpack(b)
+    # Three guard bits; b's bits shifted out beyond them fold into a sticky bit 0.
+    a3, b3 = ma << 3, mb << 3
+    d = jnp.clip(ea - eb, 0, 31).astype(U32)
+    shifted = jnp.where(d >= 27, 0, b3 >> d)
+    lost = jnp.where(d >= 27, b3 != 0, (b3 & ((u32(1) << d) - 1)) != 0)
+    b3 = shifted | lost.astype(U32)
+    subtract = ((a ^ b) & SIGN) != 0
+    s = jnp.where(subtract, a3 - b3, a3 + b3)  # value s * 2^(ea - 26)
+    # Normalize the leading one to bit 25 (the sig26 of _round_pack), keeping a sticky bit.
+    lead = 31 - lax.clz(s | 1).astype(jnp.int32)
+    sh = lead - 25
+    right = jnp.clip(sh, 0, 31).astype(U32)
+    sticky = (s & ((u32(1) << right) - 1)) != 0
+    sig26 = jnp.where(sh >= 0, s >> right, s << jnp.clip(-sh, 0, 31).astype(U32))
+    out = _round_pack(sign, ea - 1 + sh, sig26, sticky)
+    out = jnp.where(s == 0, u32(0), out)  # x - x = +0
+    out = jnp.where(b_mag == 0, jnp.where(a_mag == 0, a & b, a), out)  # -0 + -0 = -0, else +0
+    out = jnp.where(a_mag == INF, jnp.where(subtract & (b_mag == INF), u32(NAN), a), out)
+    return jnp.where(is_nan(a) | is_nan(b), u32(NAN), out)

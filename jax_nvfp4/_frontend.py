@@ -16,14 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_nvfp4 import _bits
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES, num_blocks, packed_size
 from jax_nvfp4.tensor import NVFP4Tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    amax: Callable  # (x [B, *R, N], mesh_axes) -> float32 [B]
-    quantize: Callable  # (x [B, *R, N], amax[B], *, rowwise, columnwise, block_2d) -> tuple of arrays
+    amax: Callable  # (x [B, *R, N], mesh_axes, rht) -> (float32 [B],) or with rht (amax, amax of the RHT)
+    # (x [B, *R, N], amax [B], amax_t [B], seed uint32 [2], *, rowwise, columnwise, block_2d, rht, stochastic)
+    quantize: Callable  # -> tuple of arrays
     dequantize: Callable  # (data, scale, amax[B], *, cols, dtype) -> [B, M, cols]
 
 
@@ -77,9 +79,9 @@ def on_rows(quantize3: Callable) -> Callable:
     M is whole blocks of 16 these are the flat results' bytes, reshaped.
     """
 
-    def quantize(x, amax, *, rowwise, columnwise, block_2d):
+    def quantize(x, *scalars, rowwise, columnwise, **params):
         b, *rows, n = x.shape
-        outs = quantize3(flat_rows(x), amax, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d)
+        outs = quantize3(flat_rows(x), *scalars, rowwise=rowwise, columnwise=columnwise, **params)
         shapes = [(b, *rows, -1)] * 2 * rowwise + [(b, n, *rows[:-1], -1)] * 2 * columnwise
         return tuple(o.reshape(s) for o, s in zip(outs, shapes, strict=True))
 
@@ -105,9 +107,40 @@ def amax_fn(backend: Backend) -> Callable:
         the global view of the result shows one shard's value. The pure-JAX
         reference ignores ``mesh_axes`` (always the global amax).
         """
-        return backend.amax(_as_rows(_check_input(x), blocked_rows=False), _check_mesh_axes(mesh_axes))[0]
+        return backend.amax(_as_rows(_check_input(x), blocked_rows=False), _check_mesh_axes(mesh_axes))[0][0]
 
     return amax
+
+
+def _seed(key) -> jax.Array:
+    """The two uint32 words a JAX PRNG key (typed or raw uint32 [2]) gives the kernels' generator."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and (key.dtype != jnp.uint32 or key.shape != (2,)):
+        raise TypeError(f"stochastic_rounding_key must be a JAX PRNG key (jax.random.key), got {key.dtype}{key.shape}")
+    if key.shape != () and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        raise ValueError(f"stochastic_rounding_key must be one key, got shape {key.shape}")
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def _times(amax: jax.Array, factor: float) -> jax.Array:
+    """fp32(amax * factor), exact IEEE on every backend (subnormals kept)."""
+    bits = _bits.mul(_bits.to_bits(amax), np.float32(factor).view(np.uint32))
+    return _bits.from_bits(bits)
+
+
+def _check_rht(rht: bool, estimate, columnwise: bool, block_2d: bool, rows: int) -> None:
+    if estimate is not None:
+        if not rht:
+            raise ValueError("rht_amax_estimate applies only with rht=True")
+        if not (isinstance(estimate, int | float) and math.isfinite(estimate) and estimate > 0):
+            raise ValueError(f"rht_amax_estimate must be a positive finite factor, got {estimate!r}")
+    if not rht:
+        return
+    if not columnwise or block_2d:
+        raise ValueError("rht applies to the columnwise copy in 1x16 blocks: pass columnwise=True, block_2d=False")
+    if rows % BLOCK:
+        raise ValueError(f"rht transforms chunks of {BLOCK} rows: the rows (product of the leading axes, {rows}) "
+                         f"must be a multiple of {BLOCK}")
 
 
 def quantize_fn(backend: Backend) -> Callable:
@@ -119,6 +152,9 @@ def quantize_fn(backend: Backend) -> Callable:
         block_2d: bool = False,
         amax: jax.Array | float | None = None,
         amax_mesh_axes: Sequence[str] | None = None,
+        rht: bool = False,
+        rht_amax_estimate: float | None = None,
+        stochastic_rounding_key: jax.Array | None = None,
     ) -> NVFP4Tensor:
         """Quantize ``x`` [..., N] (rank >= 2) to NVFP4.
 
@@ -133,6 +169,22 @@ def quantize_fn(backend: Backend) -> Callable:
           amax_mesh_axes: where ``amax`` is None, the mesh axes the amax is
             reduced over when ``x`` is sharded (None: all the axes ``x`` is
             sharded on); see ``amax``.
+          rht: the columnwise copy is the quantization of the 16-point Random
+            Hadamard Transform of x^T (each chunk of 16 rows of a column,
+            see ``formats.RHT_SIGNS``), scaled by the amax of the transformed
+            values (``amax_t``), which a fused pass computes with max|x|. The
+            transform is orthogonal, so a GEMM of two such copies contracting
+            over M (the weight gradient) is unchanged by it. Needs
+            ``columnwise=True``, 1x16 blocks and M a multiple of 16.
+          rht_amax_estimate: with ``rht``, skip the pass over the transform:
+            ``amax_t`` = fp32(amax * factor). The transform of a chunk is at
+            most 4x its max; a factor that undershoots saturates the largest
+            values to +-6 (and their block scale to 448).
+          stochastic_rounding_key: a JAX PRNG key: round the E2M1 codes of
+            every copy stochastically (unbiased), drawing from a counter-based
+            generator so that the CPU and CUDA kernels give the same bytes for
+            a key. Block scales stay round-to-nearest. Under ``jit`` on a mesh
+            each shard draws from its own key (the shard index folded in).
 
         Dimensions that are not multiples of 16 are zero-padded to the block,
         as the reference does; every element is kept (an odd N gives
@@ -141,10 +193,14 @@ def quantize_fn(backend: Backend) -> Callable:
         x = _check_input(x)
         if not (rowwise or columnwise):
             raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+        lead, n, m = x.shape[:-1], x.shape[-1], math.prod(x.shape[:-1])
+        _check_rht(rht, rht_amax_estimate, columnwise, block_2d, m)
         xr = _as_rows(x, blocked_rows=columnwise or block_2d)
         mesh_axes = _check_mesh_axes(amax_mesh_axes)
+        fused = rht and rht_amax_estimate is None  # the transform's amax comes from a pass over x
         if amax is None:
-            global_amax = backend.amax(xr, mesh_axes)
+            amaxes = backend.amax(xr, mesh_axes, fused)
+            global_amax = amaxes[0]
         else:
             if mesh_axes is not None:
                 raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
@@ -152,8 +208,28 @@ def quantize_fn(backend: Backend) -> Callable:
             if global_amax.shape != ():
                 raise ValueError(f"amax must be a scalar, got shape {global_amax.shape}")
             global_amax = global_amax.reshape(1)
-        outs = list(backend.quantize(xr, global_amax, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d))
-        lead, n, m = x.shape[:-1], x.shape[-1], math.prod(x.shape[:-1])
+            amaxes = backend.amax(xr, None, True) if fused else (global_amax,)
+        if fused:
+            amax_t = amaxes[1]
+        elif rht:
+            amax_t = _times(global_amax, rht_amax_estimate)
+        else:
+            amax_t = global_amax
+        stochastic = stochastic_rounding_key is not None
+        seed = _seed(stochastic_rounding_key) if stochastic else jnp.zeros(2, jnp.uint32)
+        outs = list(
+            backend.quantize(
+                xr,
+                global_amax,
+                amax_t,
+                seed,
+                rowwise=rowwise,
+                columnwise=columnwise,
+                block_2d=block_2d,
+                rht=rht,
+                stochastic=stochastic,
+            )
+        )
         data = scale = data_t = scale_t = None
         if rowwise:
             data = outs.pop(0).reshape(*lead, packed_size(n))
@@ -161,17 +237,17 @@ def quantize_fn(backend: Backend) -> Callable:
         if columnwise:
             data_t = outs.pop(0).reshape(n, packed_size(m))
             scale_t = outs.pop(0).reshape(n, num_blocks(m))
-        amax_scalar = global_amax[0]
         return NVFP4Tensor(
             data=data,
             scale=scale,
-            amax=amax_scalar,
+            amax=global_amax[0],
             data_t=data_t,
             scale_t=scale_t,
-            amax_t=amax_scalar if columnwise else None,
+            amax_t=amax_t[0] if columnwise else None,
             shape=tuple(x.shape),
             dtype=x.dtype,
             block_2d=block_2d,
+            rht=rht,
         )
 
     return quantize
@@ -191,6 +267,11 @@ def dequantize_fn(backend: Backend) -> Callable:
         if columnwise:
             if t.data_t is None:
                 raise ValueError("this NVFP4Tensor has no columnwise copy (quantize with columnwise=True)")
+            if t.rht:
+                raise ValueError(
+                    "this columnwise copy holds the Random Hadamard Transform of x^T (rht=True), not x^T: it is "
+                    "meant for GEMMs with another transformed copy; dequantize the rowwise copy instead"
+                )
             out = backend.dequantize(t.data_t[None], t.scale_t[None], t.amax_t.reshape(1), cols=m, dtype=dtype)
             return out[0].T.reshape(t.shape)
         if t.data is None:

@@ -18,6 +18,7 @@ import re
 
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import random as jex_random
 
 from jax_nvfp4._primitive import Partitioning
 from jax_nvfp4.formats import BLOCK
@@ -81,20 +82,22 @@ def _row_factors(nrows: int) -> list[str]:
 # nvfp4_amax: x [B, *R, N] -> [B]
 
 
-def _amax_rule(axis_sizes, in_shapes, out_shapes, *, mesh_axes):
+def _amax_rule(axis_sizes, in_shapes, out_shapes, *, mesh_axes, rht):
     rows = _row_factors(len(in_shapes[0]) - 2)
-    return " ".join(["b", *rows, "n"]) + " -> b", {"reduction_factors": (*rows, "n")}
+    outs = ", ".join(["b"] * len(out_shapes))
+    return " ".join(["b", *rows, "n"]) + " -> " + outs, {"reduction_factors": (*rows, "n")}
 
 
-def _amax_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, mesh_axes):
-    dims = tuple(_fits(mesh, size, d) for size, d in zip(in_shapes[0], in_dims[0], strict=True))
+def _amax_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, mesh_axes, rht):
+    # With rht the transform mixes 16 consecutive rows: the last row axis stays in whole chunks.
+    blocks = [1] * (len(in_shapes[0]) - 2) + [BLOCK if rht else 1, 1]
+    dims = tuple(_fits(mesh, n, d, k) for n, d, k in zip(in_shapes[0], in_dims[0], blocks, strict=True))
     reduce = tuple(a for d in dims[1:] for a in d if mesh_axes is None or a in mesh_axes)
 
     def local(x):
-        (amax,) = kernel(x)
-        return (_pmax_bits(amax, reduce) if reduce else amax,)
+        return tuple(_pmax_bits(amax, reduce) if reduce else amax for amax in kernel(x))
 
-    return [dims], [dims[:1]], local
+    return [dims], [dims[:1]] * (2 if rht else 1), local
 
 
 AMAX = Partitioning(_amax_rule, _amax_partition)
@@ -103,7 +106,7 @@ AMAX = Partitioning(_amax_rule, _amax_partition)
 # nvfp4_quantize: x [B, *R, N], amax [B] -> rowwise (data, scale), columnwise (data_t, scale_t)
 
 
-def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, rowwise, columnwise, block_2d):
+def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, rowwise, columnwise, block_2d, rht, stochastic):
     *_, m, n = in_shapes[0]
     lead = _row_factors(len(in_shapes[0]) - 3)
     f = _Factors(axis_sizes)
@@ -116,17 +119,28 @@ def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, rowwise, columnwise, bl
     if columnwise:
         cols = " ".join(["b", nv, *lead])
         outs += [f"{cols} {mp}", f"{cols} {ms}"]
-    return f.rule(f"{rows} {mv} {nv}, b -> " + ", ".join(outs))
+    return f.rule(f"{rows} {mv} {nv}, b, b, seed -> " + ", ".join(outs))
 
 
-def _quantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, rowwise, columnwise, block_2d):
+def _quantize_partition(
+    mesh, in_dims, out_dims, in_shapes, kernel, *, rowwise, columnwise, block_2d, rht, stochastic
+):
     (*lead_sizes, m, n), (*lead, dm, dn) = in_shapes[0], in_dims[0]
     lead = [_fits(mesh, size, d) for size, d in zip(lead_sizes, lead, strict=True)]  # B and all rows but M
     dm = _fits(mesh, m, dm, BLOCK if columnwise or block_2d else 1)
     dn = _fits(mesh, n, dn, BLOCK if rowwise or block_2d else 1)
     rows = (*lead, dm, dn)
     outs = [rows] * 2 * rowwise + [(lead[0], dn, *lead[1:], dm)] * 2 * columnwise
-    return [rows, (lead[0],)], outs, kernel
+    sharded = tuple(a for d in rows for a in d)
+    local = kernel
+    if stochastic and sharded:
+        # The kernel numbers the elements of its shard from 0: give each shard its own key (the shard's
+        # index folded into the seed), so that no two shards draw the same random words.
+        def local(x, amax, amax_t, seed):
+            count = jnp.stack([lax.axis_index(sharded).astype(jnp.uint32), jnp.uint32(0x5EED)])
+            return kernel(x, amax, amax_t, jex_random.threefry_2x32(seed, count))
+
+    return [rows, (lead[0],), (lead[0],), ()], outs, local
 
 
 QUANTIZE = Partitioning(_quantize_rule, _quantize_partition)

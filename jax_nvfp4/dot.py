@@ -7,10 +7,12 @@ NVFP4 training recipe on the canonical problem x [B, M, K], W^T [B, N, K]
   fprop  y  = x  . W^T    x in 1x16 blocks along K, W in 16x16 blocks
   dgrad  dx = dy . W      dy in 1x16 blocks along N; W's columnwise copy, which
                           for 16x16 blocks holds the same codes and scales transposed
-  wgrad  dW = dy^T . x    the columnwise 1x16 copies of dy and x (blocked along M)
+  wgrad  dW = dy^T . x    the columnwise 1x16 copies of dy and x (blocked along M),
+                          both of the Random Hadamard Transform along M (Recipe.rht)
 
-Each operand is quantized once, with one global amax per tensor; the residuals
-kept for the backward pass are the quantized columnwise copies of x and W.
+dy's codes are rounded stochastically (Recipe.stochastic_rounding). Each
+operand is quantized once, with one global amax per tensor; the residuals kept
+for the backward pass are the quantized columnwise copies of x and W.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_nvfp4 import _bits
 from jax_nvfp4._frontend import row_axes
-from jax_nvfp4.formats import INPUT_DTYPES
+from jax_nvfp4.formats import BLOCK, INPUT_DTYPES
 from jax_nvfp4.gemm import Operand, emulated_gemm
 from jax_nvfp4.primitives import amax_p, quantize_p
 from jax_nvfp4.recipe import Recipe
@@ -39,54 +42,115 @@ class _Config(NamedTuple):
 
 
 def quantize_operand(
-    x: jax.Array, *, columnwise: bool, block_2d: bool = False, mesh_axes: tuple[str, ...] | None = None
+    x: jax.Array,
+    *,
+    columnwise: bool,
+    block_2d: bool = False,
+    mesh_axes: tuple[str, ...] | None = None,
+    rht: bool = False,
+    rht_amax_factor: float | None = None,
+    seed: jax.Array | None = None,
 ) -> tuple[Operand, Operand | None]:
     """Quantize [B, *R, L] with one amax over the whole tensor (on a mesh: over ``mesh_axes``, None: all).
 
     Returns the rowwise operand (blocked along L) and, if ``columnwise``, the
-    columnwise one ([B, L, *R], blocked along the last row axis).
+    columnwise one ([B, L, *R], blocked along the last row axis), of the Random
+    Hadamard Transform of the rows with ``rht`` (its amax from the fused pass,
+    or the amax times ``rht_amax_factor``). ``seed`` (uint32 [2]): round
+    stochastically.
     """
+    fused = rht and rht_amax_factor is None
+    amaxes = amax_p.bind(x, mesh_axes=mesh_axes, rht=fused)
     # The max of per-entry amaxes, as int32 bits: exact for non-negative floats, NaN included.
-    bits = lax.bitcast_convert_type(amax_p.bind(x, mesh_axes=mesh_axes)[0], jnp.int32)
-    amax = lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
+    amax, *amax_t = (_max_entry(a) for a in amaxes)
+    if rht and not fused:
+        amax_t = [_bits.from_bits(_bits.mul(_bits.to_bits(amax), np.float32(rht_amax_factor).view(np.uint32)))]
+    amax_t = amax_t[0] if amax_t else amax
+    entries = x.shape[:1]
     outs = quantize_p.bind(
-        x, jnp.broadcast_to(amax, x.shape[:1]), rowwise=True, columnwise=columnwise, block_2d=block_2d
+        x,
+        jnp.broadcast_to(amax, entries),
+        jnp.broadcast_to(amax_t, entries),
+        jnp.zeros(2, jnp.uint32) if seed is None else seed,
+        rowwise=True,
+        columnwise=columnwise,
+        block_2d=block_2d,
+        rht=rht,
+        stochastic=seed is not None,
     )
     rowwise = Operand(outs[0], outs[1], amax)
-    return rowwise, Operand(outs[2], outs[3], amax) if columnwise else None
+    return rowwise, Operand(outs[2], outs[3], amax_t) if columnwise else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul(x: jax.Array, w: jax.Array, config: _Config) -> jax.Array:
+def _max_entry(amax: jax.Array) -> jax.Array:
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    return lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
+
+
+def _rht_rows(x: jax.Array, recipe: Recipe) -> bool:
+    """Whether the wgrad operands of x [B, *R, K] (and dy) are transformed: the tokens are whole chunks of 16."""
+    return recipe.rht and math.prod(x.shape[1:-1]) % BLOCK == 0
+
+
+def _seed(key: jax.Array | None, recipe: Recipe) -> jax.Array | None:
+    if not recipe.stochastic_rounding:
+        return None
+    if key is None:
+        raise ValueError(
+            "Recipe(stochastic_rounding=True) rounds the gradients with random bits: pass rng_key= to "
+            "jax_nvfp4.dot_general (a fresh key each step), give the Flax layers an 'nvfp4' RNG stream "
+            "(apply(..., rngs={'nvfp4': key})), or use Recipe(stochastic_rounding=False)"
+        )
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Config) -> jax.Array:
     """x [B, *M, K], w [B, N, K] -> y [B, *M, N] (M: one or more row axes)."""
+    del key
     axes = config.recipe.amax_mesh_axes
     qx, _ = quantize_operand(x, columnwise=False, mesh_axes=axes)
     qw, _ = quantize_operand(w, columnwise=False, block_2d=config.recipe.weight_block_2d, mesh_axes=axes)
     return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype)
 
 
-def _matmul_fwd(x, w, config: _Config):
-    axes = config.recipe.amax_mesh_axes
-    qx, qx_t = quantize_operand(x, columnwise=True, mesh_axes=axes)
-    qw, qw_t = quantize_operand(w, columnwise=True, block_2d=config.recipe.weight_block_2d, mesh_axes=axes)
-    return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype), (qx_t, qw_t)
+def _matmul_fwd(x, w, key, config: _Config):
+    recipe = config.recipe
+    rht = _rht_rows(x, recipe)
+    factor = recipe.rht_amax_factor_x if rht and recipe.rht_amax_estimate else None
+    qx, qx_t = quantize_operand(
+        x, columnwise=True, mesh_axes=recipe.amax_mesh_axes, rht=rht, rht_amax_factor=factor
+    )
+    qw, qw_t = quantize_operand(w, columnwise=True, block_2d=recipe.weight_block_2d, mesh_axes=recipe.amax_mesh_axes)
+    return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype), (qx_t, qw_t, key)
 
 
 def _matmul_bwd(config: _Config, residuals, dy):
-    qx_t, qw_t = residuals  # x^T [B, K, *M] and W [B, K, N], both blocked along their last axis
+    qx_t, qw_t, key = residuals  # x^T [B, K, *M] and W [B, K, N], both blocked along their last axis
+    recipe = config.recipe
     rows, n = dy.shape[1:-1], dy.shape[-1]
-    qdy, qdy_t = quantize_operand(dy, columnwise=True, mesh_axes=config.recipe.amax_mesh_axes)
+    rht = _rht_rows(dy, recipe)
+    factor = recipe.rht_amax_factor_dy if rht and recipe.rht_amax_estimate else None
+    qdy, qdy_t = quantize_operand(
+        dy,
+        columnwise=True,
+        mesh_axes=recipe.amax_mesh_axes,
+        rht=rht,
+        rht_amax_factor=factor,
+        seed=_seed(key, recipe),
+    )
     dx = emulated_gemm(qdy, qw_t, n, config.x_dtype)  # [B, *M, N] . [B, K, N] -> [B, *M, K]
-    # [B, N, *M] . [B, K, *M] -> [B, N, K], contracting all row axes (tokens)
+    # [B, N, *M] . [B, K, *M] -> [B, N, K], contracting all row axes (tokens); with rht both operands carry
+    # the same orthogonal transform along them, which cancels in the product.
     dw = emulated_gemm(qdy_t, qx_t, rows[-1], config.w_dtype, contract_ndim=len(rows))
-    return dx, dw
+    return dx, dw, None
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 # Jitted so that eager calls run as one compiled program, not op by op.
-_jitted_matmul = jax.jit(_matmul, static_argnums=2)
+_jitted_matmul = jax.jit(_matmul, static_argnums=3)
 
 
 def dot_general(
@@ -98,6 +162,7 @@ def dot_general(
     *,
     out_sharding=None,
     recipe: Recipe | None = None,
+    rng_key: jax.Array | None = None,
 ) -> jax.Array:
     """``lax.dot_general`` with NVFP4 GEMMs in the forward and backward pass.
 
@@ -117,6 +182,9 @@ def dot_general(
         GEMM computes that layout and moves its quantized operands to fit.
         Meshes with Auto axes only.
       recipe: the NVFP4 recipe options; ``Recipe()`` by default.
+      rng_key: a JAX PRNG key for the stochastic rounding of the gradients
+        (``Recipe.stochastic_rounding``, on by default): needed when the
+        backward pass runs; use a fresh key each step.
 
     Gradients have the dtypes of ``lhs`` and ``rhs``. Forward-mode autodiff
     (jvp) is not defined. Empty operands fall back to ``lax.dot_general``.
@@ -150,5 +218,5 @@ def dot_general(
     rows = row_axes(tuple(lhs.shape[d] for d in lf), blocked_rows=True)
     x = lhs.transpose(*lb, *lf, *lc).reshape(batch, *rows, k)
     w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)
-    y = _jitted_matmul(x, w, _Config(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
+    y = _jitted_matmul(x, w, rng_key, _Config(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
     return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)

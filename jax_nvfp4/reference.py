@@ -16,7 +16,9 @@ from jax import lax
 
 from jax_nvfp4 import _bits as b
 from jax_nvfp4 import _frontend
-from jax_nvfp4.formats import BLOCK
+from jax.extend import random as jex_random
+
+from jax_nvfp4.formats import BLOCK, RHT_SIGNS
 
 # float32 bit patterns of the constants the spec uses.
 _F32_2688 = 0x45280000  # 6 * 448
@@ -49,6 +51,79 @@ def e2m1_encode(u: jnp.ndarray) -> jnp.ndarray:
     negative = ((u >> 31) == 1) & (mag != 0)
     code = jnp.where(negative, code | 8, code)
     return jnp.where(b.is_nan(u), jnp.uint8(0), code)
+
+
+def e2m1_encode_stochastic(u: jnp.ndarray, word: jnp.ndarray) -> jnp.ndarray:
+    """E2M1 code of float32 bits, clamped to +-6 and rounded stochastically by a random uint32 ``word``.
+
+    Between the neighbouring E2M1 values lo <= |v| < hi the code rounds up with
+    probability X / 2^24, X = ceil(2^24 (|v| - lo) / (hi - lo)): up iff
+    ``word >> 8`` < X. So the expected value is |v| (to 2^-24 of the step) and a
+    value on the grid never moves. Signs, -0.0, NaN and inf as ``e2m1_encode``.
+    """
+    mag = b.magnitude(u)
+    field = (mag >> 23).astype(jnp.int32)
+    mant = mag & 0x7FFFFF
+    # |v| in [1, 6): code 2 + 2e + (upper half of the binade); X from the 22 low mantissa bits.
+    big = mag >= 0x3F800000
+    lo_big = (2 + 2 * (field - 127) + (mant >> 22).astype(jnp.int32)).astype(jnp.uint32)
+    # |v| in [0.5, 1): code 1, step 0.5.
+    half = (mag >= 0x3F000000) & ~big
+    # |v| < 0.5: code 0, X = ceil(|v| * 2^25).
+    shift = jnp.clip(125 - field, 0, 24).astype(jnp.uint32)
+    sig = mant | 0x800000
+    x_small = jnp.where(field == 0, (mant != 0).astype(jnp.uint32), (sig + (b.u32(1) << shift) - 1) >> shift)
+    lo = jnp.where(big, lo_big, jnp.where(half, 1, 0)).astype(jnp.uint32)
+    x = jnp.where(big, (mant & 0x3FFFFF) << 2, jnp.where(half, mant << 1, x_small))
+    code = lo + ((word >> 8) < x).astype(jnp.uint32)
+    code = jnp.where(mag >= 0x40C00000, 7, code).astype(jnp.uint8)  # clamp to 6 (inf too)
+    negative = ((u >> 31) == 1) & (mag != 0)
+    code = jnp.where(negative, code | 8, code)
+    return jnp.where(b.is_nan(u), jnp.uint8(0), code)
+
+
+def random_words(seed: jnp.ndarray, shape: tuple[int, int, int], cols: int, stream: int) -> jnp.ndarray:
+    """The uint32 random word of each element of a copy [B, R, >= cols] (padding included, unused).
+
+    Counter-based: element (b, r, c) has index i = (b R + r) cols + c; Threefry-2x32 (20 rounds, JAX's) of
+    the counter (i // 2, stream) under the key ``seed`` (uint32 [2]) gives two words, the first for even i,
+    the second for odd i. ``stream`` is 0 for the rowwise copy and 1 for the columnwise one.
+    """
+    bsz, rows, width = shape
+    idx = (
+        (jnp.arange(bsz, dtype=jnp.uint32)[:, None, None] * rows + jnp.arange(rows, dtype=jnp.uint32)[:, None])
+        * cols
+        + jnp.arange(width, dtype=jnp.uint32)
+    ).ravel()
+    count = jnp.concatenate([idx >> 1, jnp.full(idx.shape, stream, jnp.uint32)])
+    words = jex_random.threefry_2x32(seed.astype(jnp.uint32), count)
+    n = idx.shape[0]
+    return jnp.where((idx & 1) == 1, words[n:], words[:n]).reshape(shape)
+
+
+def rht_columns(u: jnp.ndarray, dtype) -> jnp.ndarray:
+    """The Random Hadamard Transform of x^T: bits [B, R, C] (R a multiple of 16) -> bits [B, C, R].
+
+    Each chunk of 16 rows of a column is multiplied by the fixed signs, then by
+    H16 in four butterfly stages of exact float32 adds (pairs 1, 2, 4 and 8
+    apart), then by 1/4, and rounded once to the input ``dtype``. For bf16
+    input the butterflies are exact unless a chunk spans more than 12 binades,
+    so the result is the exact transform rounded once (TransformerEngine's).
+    """
+    bsz, rows, cols = u.shape
+    chunks = jnp.swapaxes(u, 1, 2).reshape(bsz, cols, rows // BLOCK, BLOCK)
+    flip = np.array([0 if s > 0 else 0x80000000 for s in RHT_SIGNS], np.uint32)
+    v = chunks ^ flip
+    for h in (1, 2, 4, 8):
+        pairs = v.reshape(*v.shape[:-1], BLOCK // (2 * h), 2, h)
+        lo, hi = pairs[..., 0, :], pairs[..., 1, :]
+        v = jnp.stack([b.add(lo, hi), b.add(lo, hi ^ b.SIGN)], axis=-2).reshape(chunks.shape)
+    v = b.mul(v, 0x3E800000)  # * 0.25
+    if dtype == jnp.bfloat16:
+        v = b.to_bits(b.f32_to_bf16(v))
+    elif dtype == jnp.float16:
+        v = b.to_bits(b.f32_to_f16(v))
+    return v.reshape(bsz, cols, rows)
 
 
 def e2m1_decode(code: jnp.ndarray) -> jnp.ndarray:
@@ -142,24 +217,34 @@ def _amax_bits(u: jnp.ndarray, axes) -> jnp.ndarray:
     return b.canonical_nan(jnp.max(b.magnitude(u), axis=axes))
 
 
-def _quantize_1d(u: jnp.ndarray, g: GlobalScales):
+def _encode(v: jnp.ndarray, seed: jnp.ndarray | None, cols: int, stream: int) -> jnp.ndarray:
+    """E2M1 codes of scaled bits [B, R, width]: round to nearest even, or stochastically with ``seed``."""
+    if seed is None:
+        return e2m1_encode(v)
+    return e2m1_encode_stochastic(v, random_words(seed, v.shape, cols, stream))
+
+
+def _quantize_1d(u: jnp.ndarray, g: GlobalScales, seed=None, stream: int = 0):
     """Rowwise 1x16 quantization of bits [B, R, C] -> (data, scale)."""
     bsz, rows, cols = u.shape
     blocks = _pad_to(u, 2, BLOCK).reshape(bsz, rows, -1, BLOCK)
     scale = block_scale(_amax_bits(blocks, -1), g.encode_div6[:, None, None])
     enc = block_encode_scale(scale, g.decode[:, None, None])
-    codes = e2m1_encode(b.mul(blocks, enc[..., None])).reshape(bsz, rows, -1)
+    codes = _encode(b.mul(blocks, enc[..., None]).reshape(bsz, rows, -1), seed, cols, stream)
     return _pack(codes, cols), scale
 
 
-def _quantize_2d(u: jnp.ndarray, g: GlobalScales):
-    """16x16 quantization of bits [B, R, C] -> (data, scale, data_t, scale_t)."""
+def _quantize_2d(u: jnp.ndarray, g: GlobalScales, seed=None):
+    """16x16 quantization of bits [B, R, C] -> (data, scale, data_t, scale_t).
+
+    Both copies are one quantization (data_t is data transposed), so stochastic
+    rounding draws once per element, from the rowwise stream."""
     bsz, rows, cols = u.shape
     padded = _pad_to(_pad_to(u, 1, BLOCK), 2, BLOCK)
     tiles = padded.reshape(bsz, padded.shape[1] // BLOCK, BLOCK, -1, BLOCK)
     scale = block_scale(_amax_bits(tiles, (2, 4)), g.encode_div6[:, None, None])
     enc = block_encode_scale(scale, g.decode[:, None, None])
-    codes = e2m1_encode(b.mul(tiles, enc[:, :, None, :, None])).reshape(padded.shape)
+    codes = _encode(b.mul(tiles, enc[:, :, None, :, None]).reshape(padded.shape), seed, cols, 0)
     row_scale = jnp.repeat(scale, BLOCK, axis=1)[:, :rows]
     col_scale = jnp.repeat(jnp.swapaxes(scale, 1, 2), BLOCK, axis=1)[:, :cols]
     data = _pack(codes[:, :rows], cols)
@@ -170,22 +255,35 @@ def _quantize_2d(u: jnp.ndarray, g: GlobalScales):
 # ---- the three core ops on canonical [B, R, C] arrays (the kernels' contract) ----
 
 
-def amax_core(x: jnp.ndarray) -> jnp.ndarray:
-    """Global amax per batch entry: [B, R, C] -> float32 [B]; NaN canonical."""
-    return b.from_bits(_amax_bits(b.to_bits(x), (1, 2)))
+def amax_core(x: jnp.ndarray, *, rht: bool = False) -> tuple[jnp.ndarray, ...]:
+    """Global amax per batch entry: [B, R, C] -> (float32 [B],), NaN canonical; with ``rht`` also the amax
+    of the Random Hadamard Transform of x^T (R a multiple of 16)."""
+    u = b.to_bits(x)
+    amax = b.from_bits(_amax_bits(u, (1, 2)))
+    if not rht:
+        return (amax,)
+    return amax, b.from_bits(_amax_bits(rht_columns(u, x.dtype), (1, 2)))
 
 
-def quantize_core(x, amax, *, rowwise: bool, columnwise: bool, block_2d: bool):
-    """[B, R, C] input, [B] amax -> (data, scale) if rowwise + (data_t, scale_t) if columnwise."""
+def quantize_core(x, amax, amax_t, seed, *, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic: bool):
+    """[B, R, C] input, [B] amaxes, uint32 [2] seed -> (data, scale) if rowwise + (data_t, scale_t) if columnwise.
+
+    ``amax`` scales the rowwise copy (and 16x16 blocks), ``amax_t`` the columnwise
+    1x16 copy, which with ``rht`` is the quantization of the transform of x^T.
+    ``stochastic`` rounds the codes stochastically, drawing from ``seed``.
+    """
     u = b.to_bits(x)
     g = GlobalScales(b.to_bits(amax.astype(jnp.float32)))
+    seed = seed if stochastic else None
     if block_2d:
-        data, scale, data_t, scale_t = _quantize_2d(u, g)
+        data, scale, data_t, scale_t = _quantize_2d(u, g, seed)
         copies = [(data, scale)] * rowwise + [(data_t, scale_t)] * columnwise
     else:
-        copies = ([_quantize_1d(u, g)] if rowwise else []) + (
-            [_quantize_1d(jnp.swapaxes(u, 1, 2), g)] if columnwise else []
-        )
+        copies = [_quantize_1d(u, g, seed, 0)] if rowwise else []
+        if columnwise:
+            g_t = GlobalScales(b.to_bits(amax_t.astype(jnp.float32)))
+            u_t = rht_columns(u, x.dtype) if rht else jnp.swapaxes(u, 1, 2)
+            copies.append(_quantize_1d(u_t, g_t, seed, 1))
     return tuple(out for data, scale in copies for out in (data, _as_e4m3(scale)))
 
 
@@ -204,10 +302,11 @@ def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
 
 
 # Jitted so that eager calls run as one compiled program, not op by op.
-_amax_jit = jax.jit(amax_core)
+_amax_jit = jax.jit(amax_core, static_argnames="rht")
+_QUANTIZE_FLAGS = ("rowwise", "columnwise", "block_2d", "rht", "stochastic")
 _BACKEND = _frontend.Backend(
-    amax=lambda x, mesh_axes=None: _amax_jit(_frontend.flat_rows(x)),  # always the global amax
-    quantize=_frontend.on_rows(jax.jit(quantize_core, static_argnames=("rowwise", "columnwise", "block_2d"))),
+    amax=lambda x, mesh_axes=None, rht=False: _amax_jit(_frontend.flat_rows(x), rht=rht),  # always global
+    quantize=_frontend.on_rows(jax.jit(quantize_core, static_argnames=_QUANTIZE_FLAGS)),
     dequantize=jax.jit(dequantize_core, static_argnames=("cols", "dtype")),
 )
 amax = _frontend.amax_fn(_BACKEND)

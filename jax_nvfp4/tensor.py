@@ -22,7 +22,8 @@ class NVFP4Tensor:
       data_t  uint8 [N, ceil(M/2)]: the columnwise copy, the quantization of x^T.
       scale_t float8_e4m3fn [N, ceil(M/16)].
       amax_t  float32 [] (the columnwise copy's amax).
-    Static metadata: ``shape``, ``dtype`` (of the quantized input), ``block_2d``.
+    Static metadata: ``shape``, ``dtype`` (of the quantized input), ``block_2d``,
+    ``rht`` (the columnwise copy is of the Random Hadamard Transform of x^T).
     """
 
     data: jax.Array | None
@@ -34,6 +35,7 @@ class NVFP4Tensor:
     shape: tuple[int, ...]
     dtype: np.dtype
     block_2d: bool = False
+    rht: bool = False
 
     @property
     def rows(self) -> int:
@@ -47,7 +49,7 @@ class NVFP4Tensor:
 
     def tree_flatten(self):
         children = (self.data, self.scale, self.amax, self.data_t, self.scale_t, self.amax_t)
-        return children, (self.shape, self.dtype, self.block_2d)
+        return children, (self.shape, self.dtype, self.block_2d, self.rht)
 
     @classmethod
     def tree_unflatten(cls, aux, children):

@@ -11,8 +11,8 @@ GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 
 
 def applicable(g) -> bool:
-    """Cases this library's options cover so far: plain 1x16 / 16x16 NVFP4."""
-    return not (bool(g["with_rht"]) or bool(g["row_scaled"]) or bool(g["use_4over6"]))
+    """Cases this library's options cover so far: plain 1x16 / 16x16 NVFP4, and the RHT."""
+    return not (bool(g["row_scaled"]) or bool(g["use_4over6"]))
 
 
 def cases() -> list[str]:
@@ -27,4 +27,6 @@ def load(name: str):
         "columnwise": bool(g["columnwise"]),
         "block_2d": tuple(int(v) for v in g["tile_shape"]) == (16, 16),
     }
+    if bool(g["with_rht"]):
+        options["rht"] = True
     return g, jnp.asarray(g["x"]).astype(dtype), options

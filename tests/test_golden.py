@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from golden_files import cases, load
+from golden_files import GOLDEN_DIR, cases, load
 
 import jax_nvfp4
 from jax_nvfp4 import reference
@@ -13,9 +13,20 @@ from jax_nvfp4 import reference
 IMPLEMENTATIONS = {"kernel": jax_nvfp4, "reference": reference}
 
 
-def test_every_plain_case_is_present():
-    # 1D/2D random, padded and edge cases: the options this library covers.
-    assert len(cases()) == 18
+def test_every_plain_and_rht_case_is_present():
+    # 1D/2D random, padded and edge cases, and the RHT cases: the options this library covers.
+    assert len(cases()) == 20
+    assert sum(name.startswith("rht_") for name in cases()) == 2
+
+
+def test_rht_transform_is_the_golden_one():
+    """The reference's transform of x^T is the golden ``x_t_rht``, value for value."""
+    from jax_nvfp4 import _bits
+
+    for name in ("rht_128x256_bf16.npz", "rht_256x512_bf16.npz"):
+        g, x, _ = load(name)
+        got = reference.rht_columns(_bits.to_bits(x[None]), x.dtype)[0]
+        np.testing.assert_array_equal(np.asarray(_bits.from_bits(got)), g["x_t_rht"])
 
 
 def _bytes(a) -> np.ndarray:
@@ -38,3 +49,12 @@ def test_golden(name, impl):
         np.testing.assert_array_equal(_bytes(t.data_t), g["data_t"])
         np.testing.assert_array_equal(_bytes(t.scale_t), g["scale_t"][:n])
         assert np.asarray(t.amax_t, np.float32).tobytes() == g["amax_col"].astype(np.float32).tobytes()
+
+
+def test_rht_signs_are_the_golden_ones():
+    from jax_nvfp4.formats import RHT_SIGNS
+
+    h = np.load(GOLDEN_DIR / "hadamard16.npz")
+    np.testing.assert_array_equal(h["sign"], np.array(RHT_SIGNS, np.float32))
+    sylvester = np.array([[(-1) ** bin(i & j).count("1") for j in range(16)] for i in range(16)], np.float32)
+    np.testing.assert_array_equal(h["transform"], np.diag(h["sign"]) @ sylvester / 4)
