@@ -187,7 +187,8 @@ class TransformerLM(nn.Module):
 def build_model(precision: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None) -> TransformerLM:
     """The same architecture; only the block's linear layers depend on the precision."""
     if precision == "nvfp4":
-        recipe = jax_nvfp4.Recipe(weight_block_2d=args.recipe == "2d")
+        # Round to nearest, no Random Hadamard Transform: the recipe the recorded results were made with.
+        recipe = jax_nvfp4.Recipe(weight_block_2d=args.recipe == "2d", rht=False, stochastic_rounding=False)
         dense_cls = functools.partial(NVFP4Dense, recipe=recipe)
         dense_general_cls = functools.partial(NVFP4DenseGeneral, recipe=recipe)
     else:

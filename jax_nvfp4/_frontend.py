@@ -139,8 +139,10 @@ def _check_rht(rht: bool, estimate, columnwise: bool, block_2d: bool, rows: int)
     if not columnwise or block_2d:
         raise ValueError("rht applies to the columnwise copy in 1x16 blocks: pass columnwise=True, block_2d=False")
     if rows % BLOCK:
-        raise ValueError(f"rht transforms chunks of {BLOCK} rows: the rows (product of the leading axes, {rows}) "
-                         f"must be a multiple of {BLOCK}")
+        raise ValueError(
+            f"rht transforms chunks of {BLOCK} rows: the rows (product of the leading axes, {rows}) "
+            f"must be a multiple of {BLOCK}"
+        )
 
 
 def quantize_fn(backend: Backend) -> Callable:

@@ -122,9 +122,7 @@ def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, rowwise, columnwise, bl
     return f.rule(f"{rows} {mv} {nv}, b, b, seed -> " + ", ".join(outs))
 
 
-def _quantize_partition(
-    mesh, in_dims, out_dims, in_shapes, kernel, *, rowwise, columnwise, block_2d, rht, stochastic
-):
+def _quantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, rowwise, columnwise, block_2d, rht, stochastic):
     (*lead_sizes, m, n), (*lead, dm, dn) = in_shapes[0], in_dims[0]
     lead = [_fits(mesh, size, d) for size, d in zip(lead_sizes, lead, strict=True)]  # B and all rows but M
     dm = _fits(mesh, m, dm, BLOCK if columnwise or block_2d else 1)

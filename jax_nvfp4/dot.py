@@ -118,9 +118,7 @@ def _matmul_fwd(x, w, key, config: _Config):
     recipe = config.recipe
     rht = _rht_rows(x, recipe)
     factor = recipe.rht_amax_factor_x if rht and recipe.rht_amax_estimate else None
-    qx, qx_t = quantize_operand(
-        x, columnwise=True, mesh_axes=recipe.amax_mesh_axes, rht=rht, rht_amax_factor=factor
-    )
+    qx, qx_t = quantize_operand(x, columnwise=True, mesh_axes=recipe.amax_mesh_axes, rht=rht, rht_amax_factor=factor)
     qw, qw_t = quantize_operand(w, columnwise=True, block_2d=recipe.weight_block_2d, mesh_axes=recipe.amax_mesh_axes)
     return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype), (qx_t, qw_t, key)
 

@@ -21,6 +21,7 @@ def num_blocks(n: int) -> int:
     """1x16 blocks covering n values (the last one zero-padded)."""
     return -(-n // BLOCK)
 
+
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """The fixed random sign vector of the 16-point Random Hadamard Transform (TransformerEngine's): the transform
 of a 16-value chunk v is y = (v * signs) @ H16 / 4, H16 the Sylvester Hadamard matrix."""

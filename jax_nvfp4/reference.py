@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import random as jex_random
 
 from jax_nvfp4 import _bits as b
 from jax_nvfp4 import _frontend
-from jax.extend import random as jex_random
-
 from jax_nvfp4.formats import BLOCK, RHT_SIGNS
 
 # float32 bit patterns of the constants the spec uses.
@@ -91,8 +90,7 @@ def random_words(seed: jnp.ndarray, shape: tuple[int, int, int], cols: int, stre
     """
     bsz, rows, width = shape
     idx = (
-        (jnp.arange(bsz, dtype=jnp.uint32)[:, None, None] * rows + jnp.arange(rows, dtype=jnp.uint32)[:, None])
-        * cols
+        (jnp.arange(bsz, dtype=jnp.uint32)[:, None, None] * rows + jnp.arange(rows, dtype=jnp.uint32)[:, None]) * cols
         + jnp.arange(width, dtype=jnp.uint32)
     ).ravel()
     count = jnp.concatenate([idx >> 1, jnp.full(idx.shape, stream, jnp.uint32)])
@@ -265,7 +263,9 @@ def amax_core(x: jnp.ndarray, *, rht: bool = False) -> tuple[jnp.ndarray, ...]:
     return amax, b.from_bits(_amax_bits(rht_columns(u, x.dtype), (1, 2)))
 
 
-def quantize_core(x, amax, amax_t, seed, *, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic: bool):
+def quantize_core(
+    x, amax, amax_t, seed, *, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic: bool
+):
     """[B, R, C] input, [B] amaxes, uint32 [2] seed -> (data, scale) if rowwise + (data_t, scale_t) if columnwise.
 
     ``amax`` scales the rowwise copy (and 16x16 blocks), ``amax_t`` the columnwise

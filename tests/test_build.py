@@ -52,7 +52,9 @@ def test_a_training_step_exports_for_cuda():
     import jax_nvfp4
 
     def loss(x, w):
-        return jnp.sum(jax_nvfp4.dot_general(x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32) ** 2)
+        # The full recipe (RHT, stochastic rounding): every kernel attribute lowers.
+        y = jax_nvfp4.dot_general(x, w, (((1,), (0,)), ((), ())), rng_key=jax.random.key(0))
+        return jnp.sum(y.astype(jnp.float32) ** 2)
 
     args = (jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32, 48), jnp.float32))
     checks = [jax.export.DisabledSafetyCheck.custom_call(f"nvfp4_{op}") for op in ("amax", "quantize", "dequantize")]

@@ -6,6 +6,8 @@ files there); these tests compare GPU and CPU results directly.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -90,7 +92,9 @@ def test_the_training_step_runs_on_the_gpu():
     w = jnp.asarray(random_tensor(np.random.default_rng(2), (128, 64), np.float32, spread=1, specials=(), frac=0))
 
     def grads(x, w):
-        return jax.grad(lambda x, w: jnp.sum(jax_nvfp4.dot_general(x, w, (((1,), (0,)), ((), ())))), (0, 1))(x, w)
+        # The full recipe: RHT on the wgrad operands and stochastic rounding of dy, the same bits on both.
+        dot = functools.partial(jax_nvfp4.dot_general, rng_key=jax.random.key(7))
+        return jax.grad(lambda x, w: jnp.sum(dot(x, w, (((1,), (0,)), ((), ())))), (0, 1))(x, w)
 
     for got, want in zip(on(GPUS[0], grads, x, w), on(CPU, grads, x, w), strict=True):
         # Quantized operands are identical; only the float32 accumulation order may differ.

@@ -1,4 +1,4 @@
-"""jax_nvfp4.dot_general: the recipe's GEMMs exactly, gradients, dimension numbers, transforms."""
+"""plain_dot: the recipe's GEMMs exactly, gradients, dimension numbers, transforms."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import jax_nvfp4
 from jax_nvfp4 import Recipe, gemm, quantize
 
 DENSE = (((1,), (0,)), ((), ()))  # x [M, K] . W [K, N], as nn.Dense calls it
+PLAIN = Recipe(rht=False, stochastic_rounding=False)  # round to nearest, no transform: the GEMMs of quantize
+plain_dot = functools.partial(jax_nvfp4.dot_general, recipe=PLAIN)
 
 
 def _normal(shape, seed, dtype=jnp.bfloat16):
@@ -39,7 +41,7 @@ def _grads(dot, x, w, dy):
 def test_forward_and_backward_are_exactly_the_recipe_gemms():
     """y, dx and dW are, bit for bit, NVFP4 GEMMs of the operands each recipe step names."""
     x, w, dy = _problem()
-    y, dx, dw = jax.jit(functools.partial(_grads, jax_nvfp4.dot_general))(x, w, dy)
+    y, dx, dw = jax.jit(functools.partial(_grads, plain_dot))(x, w, dy)
     # fprop: x in 1x16 blocks along K; W^T [N, K] in 16x16 blocks.
     assert_same_bytes(y, gemm(quantize(x), quantize(w.T, block_2d=True), y.dtype))
     # dgrad: dy along N against W [K, N], the same 16x16 blocks seen transposed.
@@ -63,11 +65,11 @@ def test_weight_2d_blocks_share_codes_and_scales_with_their_transpose():
 
 def test_recipe_with_1d_weight_blocks():
     x, w, dy = _problem()
-    dot = functools.partial(jax_nvfp4.dot_general, recipe=Recipe(weight_block_2d=False))
+    dot = functools.partial(plain_dot, recipe=Recipe(weight_block_2d=False, rht=False, stochastic_rounding=False))
     y, dx, _ = _grads(dot, x, w, dy)
     assert_same_bytes(y, gemm(quantize(x), quantize(w.T), y.dtype))
     assert_same_bytes(dx, gemm(quantize(dy), quantize(w), x.dtype))  # W requantized along N
-    y2d, _, _ = _grads(jax_nvfp4.dot_general, x, w, dy)
+    y2d, _, _ = _grads(plain_dot, x, w, dy)
     assert not np.array_equal(np.asarray(y), np.asarray(y2d))
 
 
@@ -81,7 +83,7 @@ def test_gradients_match_float32_closely(dtype):
     """NVFP4 errors are ~10-15%; a wrong transpose, operand or factor-2 scale gives >= 100%."""
     x, w, dy = _problem(96, 128, 64, dtype)
     exact = _grads(lambda a, b, d: lax.dot_general(a, b, d, preferred_element_type=jnp.float32), x, w, dy)
-    got = _grads(jax_nvfp4.dot_general, x, w, dy)
+    got = _grads(plain_dot, x, w, dy)
     for g, e in zip(got, exact, strict=True):
         assert _rel_err(g, e) < 0.2
 
@@ -108,15 +110,15 @@ def test_dimension_numbers(lhs_shape, rhs_shape, dims):
         rhs = jnp.moveaxis(rhs, rb[0], 0).at[:, 0, 0].set(8.0)
         rhs = jnp.moveaxis(rhs, 0, rb[0])
     want = lax.dot_general(lhs, rhs, dims)
-    got = jax_nvfp4.dot_general(lhs, rhs, dims)
+    got = plain_dot(lhs, rhs, dims)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert _rel_err(got, want) < 0.2
-    dl, dr = jax.grad(lambda a, b: jnp.sum(jax_nvfp4.dot_general(a, b, dims) * want), (0, 1))(lhs, rhs)
+    dl, dr = jax.grad(lambda a, b: jnp.sum(plain_dot(a, b, dims) * want), (0, 1))(lhs, rhs)
     el, er = jax.grad(lambda a, b: jnp.sum(lax.dot_general(a, b, dims) * want), (0, 1))(lhs, rhs)
     assert _rel_err(dl, el) < 0.2 and _rel_err(dr, er) < 0.2
     if lb:  # a batched GEMM is the stack of per-slice GEMMs, bit for bit
         slices = [
-            jax_nvfp4.dot_general(jnp.take(lhs, i, lb[0]), jnp.take(rhs, i, rb[0]), _drop_batch(dims))
+            plain_dot(jnp.take(lhs, i, lb[0]), jnp.take(rhs, i, rb[0]), _drop_batch(dims))
             for i in range(lhs.shape[lb[0]])
         ]
         assert_same_bytes(got, jnp.stack(slices))
@@ -138,7 +140,7 @@ def test_any_shape_differentiates(m, k, n, seed):
     x = jnp.asarray(random_tensor(rng, (m, k), ml_dtypes.bfloat16, spread=1, specials=("zero",), frac=0.05))
     w = jnp.asarray(random_tensor(rng, (k, n), ml_dtypes.bfloat16, spread=1, specials=("zero",), frac=0.05))
     dy = jnp.asarray(random_tensor(rng, (m, n), ml_dtypes.bfloat16, spread=1, specials=(), frac=0))
-    y, dx, dw = _grads(jax_nvfp4.dot_general, x, w, dy)
+    y, dx, dw = _grads(plain_dot, x, w, dy)
     assert_same_bytes(y, gemm(quantize(x), quantize(w.T, block_2d=True), y.dtype))
     assert_same_bytes(dx, gemm(quantize(dy), quantize(w, block_2d=True), x.dtype))
     assert_same_bytes(dw, gemm(quantize(dy.T), quantize(x.T), w.dtype).T)
@@ -146,7 +148,7 @@ def test_any_shape_differentiates(m, k, n, seed):
 
 def test_jit_grad_vmap_compose():
     x, w, dy = _problem()
-    loss = lambda x, w: jnp.sum(jax_nvfp4.dot_general(x, w, DENSE).astype(jnp.float32) * dy)  # noqa: E731
+    loss = lambda x, w: jnp.sum(plain_dot(x, w, DENSE).astype(jnp.float32) * dy)  # noqa: E731
     eager = jax.grad(loss, (0, 1))(x, w)
     jitted = jax.jit(jax.grad(loss, (0, 1)))(x, w)
     for a, b in zip(eager, jitted, strict=True):
@@ -169,7 +171,7 @@ def test_residuals_are_the_quantized_operands():
         _, vjp = jax.vjp(lambda x, w: dot(x, w, DENSE), x, w)
         return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(vjp))
 
-    nvfp4, bf16 = residual_bytes(jax_nvfp4.dot_general), residual_bytes(lax.dot_general)
+    nvfp4, bf16 = residual_bytes(plain_dot), residual_bytes(lax.dot_general)
     assert bf16 == 2 * (m * k + k * n)
     # Codes (1/2 byte) + one E4M3 scale per 16 values + two float32 amax.
     assert nvfp4 == (m * k + k * n) * (1 / 2 + 1 / 16) + 2 * 4
@@ -178,25 +180,25 @@ def test_residuals_are_the_quantized_operands():
 
 def test_nan_input_gives_nan_output():
     x, w, _ = _problem()
-    y = jax_nvfp4.dot_general(x.at[3, 7].set(jnp.nan), w, DENSE)
+    y = plain_dot(x.at[3, 7].set(jnp.nan), w, DENSE)
     assert np.isnan(np.asarray(y, np.float32)).all()  # one NaN poisons the tensor's amax
 
 
 def test_errors_and_fallbacks():
     x, w, _ = _problem()
     with pytest.raises(TypeError, match="lhs is int32"):
-        jax_nvfp4.dot_general(x.astype(jnp.int32), w, DENSE)
+        plain_dot(x.astype(jnp.int32), w, DENSE)
     with pytest.raises(TypeError, match="produces bfloat16, float16 or float32"):
-        jax_nvfp4.dot_general(x, w, DENSE, preferred_element_type=jnp.int32)
+        plain_dot(x, w, DENSE, preferred_element_type=jnp.int32)
     with pytest.raises(TypeError, match="Recipe"):
-        jax_nvfp4.dot_general(x, w, DENSE, recipe={"weight_block_2d": True})
+        plain_dot(x, w, DENSE, recipe={"weight_block_2d": True})
     with pytest.raises(TypeError, match="must be a bool"):
         Recipe(weight_block_2d=1)
     with pytest.raises(TypeError):  # lax's own check of the dimension numbers
-        jax_nvfp4.dot_general(x, w.T, DENSE)
-    empty = jax_nvfp4.dot_general(jnp.ones((0, 64)), w, DENSE)
+        plain_dot(x, w.T, DENSE)
+    empty = plain_dot(jnp.ones((0, 64)), w, DENSE)
     assert empty.shape == (0, 32)
-    assert jax_nvfp4.dot_general(x, w, DENSE, preferred_element_type=jnp.float32).dtype == jnp.float32
+    assert plain_dot(x, w, DENSE, preferred_element_type=jnp.float32).dtype == jnp.float32
 
 
 @st.composite
@@ -223,7 +225,7 @@ def _dimension_numbers(draw):
 def test_any_dimension_numbers_match_the_canonical_matmul(problem, seed):
     lhs_shape, rhs_shape, dims = problem
     lhs, rhs = _normal(lhs_shape, seed % 1000), _normal(rhs_shape, seed % 1000 + 1)
-    got = jax_nvfp4.dot_general(lhs, rhs, dims)
+    got = plain_dot(lhs, rhs, dims)
     want = lax.dot_general(lhs, rhs, dims)
     assert got.shape == want.shape and got.dtype == want.dtype
     (lc, rc), (lb, _) = dims
@@ -233,6 +235,29 @@ def test_any_dimension_numbers_match_the_canonical_matmul(problem, seed):
         k = math.prod(lhs.shape[d] for d in lc)
         x = lhs.transpose(*lf, *lc).reshape(-1, k)
         w = rhs.transpose(*rc, *rf).reshape(k, -1)
-        assert_same_bytes(got, jax_nvfp4.dot_general(x, w, DENSE).reshape(got.shape))
-    grads = jax.grad(lambda a, b: jnp.sum(jax_nvfp4.dot_general(a, b, dims).astype(jnp.float32)), (0, 1))(lhs, rhs)
+        assert_same_bytes(got, plain_dot(x, w, DENSE).reshape(got.shape))
+    grads = jax.grad(lambda a, b: jnp.sum(plain_dot(a, b, dims).astype(jnp.float32)), (0, 1))(lhs, rhs)
     assert grads[0].shape == lhs.shape and grads[1].shape == rhs.shape
+
+
+def test_full_recipe_gemms_use_the_transform_and_stochastic_rounding():
+    """Recipe() (NVIDIA's): y and dx as the plain recipe but dy rounded stochastically; dW from the RHT copies."""
+    x, w, dy = _problem()
+    key = jax.random.key(5)
+    y, dx, dw = jax.jit(functools.partial(_grads, functools.partial(jax_nvfp4.dot_general, rng_key=key)))(x, w, dy)
+    qdy = quantize(dy, columnwise=True, rht=True, stochastic_rounding_key=key)
+    qx = quantize(x, columnwise=True, rht=True)
+
+    def transposed(t):  # the columnwise copy as a rowwise tensor of x^T
+        return jax_nvfp4.NVFP4Tensor(t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype)
+
+    assert_same_bytes(y, gemm(quantize(x), quantize(w.T, block_2d=True), y.dtype))
+    assert_same_bytes(dx, gemm(qdy, quantize(w, block_2d=True), x.dtype))
+    assert_same_bytes(dw, gemm(transposed(qdy), transposed(qx), w.dtype).T)
+    _, dx_plain, dw_plain = _grads(plain_dot, x, w, dy)
+    assert not np.array_equal(np.asarray(dx), np.asarray(dx_plain))
+    assert _rel_err(dw, dw_plain) < 0.2
+    # The backward pass needs the key; the forward pass does not.
+    jax_nvfp4.dot_general(x, w, DENSE)
+    with pytest.raises(ValueError, match="rng_key"):
+        _grads(jax_nvfp4.dot_general, x, w, dy)

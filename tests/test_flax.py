@@ -14,7 +14,7 @@ from test_kernels import assert_same_bytes
 
 import jax_nvfp4
 from jax_nvfp4 import Recipe
-from jax_nvfp4.flax import NVFP4Dense, NVFP4DenseGeneral, NVFP4DotGeneral
+from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, NVFP4DotGeneral
 
 X = jax.random.normal(jax.random.key(0), (2, 24, 64), jnp.bfloat16)
 
@@ -105,26 +105,43 @@ class _MLP(nn.Module):
 
 
 def test_a_small_model_trains():
-    """Regression on a smooth target: jitted SGD with momentum brings the loss down 10x."""
+    """Regression on a smooth target with the full recipe (stochastic rounding keys from the "nvfp4" stream):
+    jitted SGD with momentum brings the loss down 10x."""
     x = jax.random.normal(jax.random.key(2), (256, 32), jnp.float32)
     target = jnp.sin(x[:, :1] * 2) + 0.5 * x[:, 1:2] * x[:, 2:3]
     model = _MLP()
     params = model.init(jax.random.key(3), x)
 
-    def loss_fn(p):
-        return jnp.mean((model.apply(p, x) - target) ** 2)
+    def loss_fn(p, key):
+        return jnp.mean((model.apply(p, x, rngs={RNG_STREAM: key}) - target) ** 2)
 
     @jax.jit
-    def step(p, m):
-        loss, g = jax.value_and_grad(loss_fn)(p)
+    def step(p, m, key):
+        loss, g = jax.value_and_grad(loss_fn)(p, key)
         m = jax.tree.map(lambda m, g: 0.9 * m + g, m, g)
         return jax.tree.map(lambda p, m: p - 0.05 * m, p, m), m, loss
 
     momentum = jax.tree.map(jnp.zeros_like, params)
-    first = loss_fn(params)
-    for _ in range(300):
-        params, momentum, loss = step(params, momentum)
+    first = loss_fn(params, jax.random.key(0))
+    for i in range(300):
+        params, momentum, loss = step(params, momentum, jax.random.key(i))
     assert np.isfinite(loss) and loss < first / 10
+
+
+def test_stochastic_rounding_needs_the_rng_stream():
+    x = jax.random.normal(jax.random.key(2), (32, 32), jnp.float32)
+    model = _MLP()
+    params = model.init(jax.random.key(3), x)
+    model.apply(params, x)  # the forward pass needs no key
+    with pytest.raises(ValueError, match="'nvfp4' RNG stream"):
+        jax.grad(lambda p: jnp.sum(model.apply(p, x)))(params)
+    grads = [
+        jax.grad(lambda p, k=k: jnp.sum(model.apply(p, x, rngs={RNG_STREAM: jax.random.key(k)})))(params)
+        for k in (0, 0, 1)
+    ]
+    kernels = [np.asarray(g["params"]["NVFP4Dense_0"]["kernel"]) for g in grads]
+    np.testing.assert_array_equal(kernels[0], kernels[1])  # a key gives the same gradients
+    assert not np.array_equal(kernels[0], kernels[2])  # another key other roundings
 
 
 def test_logical_axes_annotate_the_params_without_changing_them():
