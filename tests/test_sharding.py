@@ -81,7 +81,7 @@ def test_sharded_quantize_is_the_unsharded_bytes_with_no_gather(mesh_name, shape
     assert got.data.sharding.is_equivalent_to(NamedSharding(mesh, spec), len(shape))  # codes stay with their values
     # Local kernels: the input never moves; the amax is an all-reduce of one float32 as int32 bits.
     found = collectives(f.lower(xs).compile().as_text())
-    assert [c for c in found if c.op == "all-reduce"] == [("all-reduce", "s32", (1,), 4)]
+    assert [c[:4] for c in found if c.op == "all-reduce"] == [("all-reduce", "s32", (1,), 4)]
     moved = [c for c in found if c.op != "all-reduce"]
     if len(shape) == 2:
         assert not moved, moved
