@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax._src import dispatch  # no public hook: see the note in define()
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
@@ -61,6 +62,7 @@ def define(
     partitioning: Partitioning,
     ffi_attrs: Sequence[str] = (),
     adapt: Callable | None = None,
+    shared: Sequence[int] = (),
 ) -> Primitive:
     """Declare primitive ``name`` backed by FFI target ``name`` (multiple results).
 
@@ -73,6 +75,8 @@ def define(
       adapt: (bind, *arrays, **params) -> results: runs the kernel (``bind``)
         on operands the public op accepts but the kernel does not as is
         (e.g. reshaped); by default the operands go to the kernel unchanged.
+      shared: indices of operands without the leading batch axis, which all
+        entries share (e.g. a random seed).
     """
     kernel_prim = Primitive(name + "_kernel")
     kernel_prim.multiple_results = True
@@ -111,8 +115,16 @@ def define(
 
     def batch_rule(args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+        if any(dims[i] is not None for i in shared):
+            # A mapped operand that all entries share (a seed): one kernel call per map entry.
+            moved = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims, strict=True)]
+            outs = lax.map(lambda xs: tuple(prim.bind(*xs, **params)), moved)
+            return list(outs), [0] * len(outs)
         merged = []
-        for a, d in zip(args, dims, strict=True):
+        for i, (a, d) in enumerate(zip(args, dims, strict=True)):
+            if i in shared:
+                merged.append(a)
+                continue
             a = batching.bdim_at_front(a, d, size)  # [size, B, ...]
             merged.append(a.reshape(size * a.shape[1], *a.shape[2:]))
         outs = prim.bind(*merged, **params)

@@ -76,6 +76,7 @@ quantize_p = _primitive.define(
     partitioning=_partition.QUANTIZE,
     adapt=_quantize_on_rows,
     ffi_attrs=("rowwise", "columnwise", "block_2d", "rht", "stochastic"),
+    shared=(3,),  # the seed
 )
 dequantize_p = _primitive.define(
     "nvfp4_dequantize",

@@ -1,5 +1,7 @@
 // Global amax: max |x| per batch entry, as an integer max over magnitude bits
-// (exact, and any NaN wins and comes out canonical).
+// (exact, and any NaN wins and comes out canonical). With `rht`, the same pass
+// also gives the amax of the Random Hadamard Transform of x^T (16-row chunks of
+// each column, rounded to the input dtype).
 #include <cstring>
 
 #include "cpu/common.h"
@@ -15,10 +17,25 @@ uint32_t max_magnitude_bits(const typename Loader::T* x, int64_t n) {
   return m;
 }
 
-ffi::Error amax_impl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+// Max magnitude bits of x and of its RHT over the 16-row stripe at x
+// (16 x cols values); `v` is scratch of 16 * cols floats.
+template <typename L>
+void stripe_rht_max(const typename L::T* x, int64_t cols, std::vector<float>& v, uint32_t& m,
+                    uint32_t& m_rht) {
+  v.resize(kBlock * cols);
+  for (int64_t i = 0; i < kBlock * cols; ++i) {
+    v[i] = L::load(x[i]);
+    m = std::max(m, magnitude_bits(v[i]));
+  }
+  rht_rows(v.data(), cols);
+  for (int64_t i = 0; i < kBlock * cols; ++i)
+    m_rht = std::max(m_rht, magnitude_bits(L::narrow(v[i])));
+}
+
+ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht) {
   int64_t batch, rows, cols;
-  if (!dims3(x, batch, rows, cols)) return invalid("amax expects a [B, M, N] input");
-  if (out->element_count() != size_t(batch)) return invalid("amax output must be [B]");
+  float *amax, *amax_rht;
+  if (auto e = check_amax(x, outs, rht, batch, rows, cols, amax, amax_rht); e.failure()) return e;
   const int64_t per_batch = rows * cols;
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
@@ -27,19 +44,37 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
       const auto* xb = data + b * per_batch;
       // Split the tensor into chunks, reduce each on its own thread, then combine.
       constexpr int64_t kChunks = 64;
-      uint32_t partial[kChunks] = {};
-      const int64_t chunk = (per_batch + kChunks - 1) / kChunks;
-      parallel_for(kChunks, per_batch * int64_t(sizeof(typename L::T)),
-                   [&](int64_t lo, int64_t hi) {
-                     for (int64_t c = lo; c < hi; ++c) {
-                       const int64_t begin = std::min(per_batch, c * chunk);
-                       const int64_t end = std::min(per_batch, begin + chunk);
-                       partial[c] = max_magnitude_bits<L>(xb + begin, end - begin);
-                     }
-                   });
-      uint32_t m = 0;
-      for (uint32_t p : partial) m = std::max(m, p);
-      out->typed_data()[b] = amax_from_bits(m);
+      uint32_t partial[kChunks] = {}, partial_rht[kChunks] = {};
+      const int64_t cost = per_batch * int64_t(sizeof(typename L::T)) * (rht ? 8 : 1);
+      if (rht) {
+        // Chunks of whole 16-row stripes.
+        const int64_t stripes = rows / kBlock;
+        const int64_t chunk = (stripes + kChunks - 1) / kChunks;
+        parallel_for(kChunks, cost, [&](int64_t lo, int64_t hi) {
+          std::vector<float> v;
+          for (int64_t c = lo; c < hi; ++c) {
+            const int64_t end = std::min(stripes, (c + 1) * chunk);
+            for (int64_t s = c * chunk; s < end; ++s)
+              stripe_rht_max<L>(xb + s * kBlock * cols, cols, v, partial[c], partial_rht[c]);
+          }
+        });
+      } else {
+        const int64_t chunk = (per_batch + kChunks - 1) / kChunks;
+        parallel_for(kChunks, cost, [&](int64_t lo, int64_t hi) {
+          for (int64_t c = lo; c < hi; ++c) {
+            const int64_t begin = std::min(per_batch, c * chunk);
+            const int64_t end = std::min(per_batch, begin + chunk);
+            partial[c] = max_magnitude_bits<L>(xb + begin, end - begin);
+          }
+        });
+      }
+      uint32_t m = 0, m_rht = 0;
+      for (int64_t c = 0; c < kChunks; ++c) {
+        m = std::max(m, partial[c]);
+        m_rht = std::max(m_rht, partial_rht[c]);
+      }
+      amax[b] = amax_from_bits(m);
+      if (rht) amax_rht[b] = amax_from_bits(m_rht);
     }
   });
   return ok ? ffi::Error::Success() : invalid("amax input must be bfloat16, float16 or float32");
@@ -50,4 +85,4 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     Nvfp4AmaxCpu, nvfp4::cpu::amax_impl,
-    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingRets().Attr<bool>("rht"));

@@ -1,7 +1,9 @@
 // NVFP4 quantization: one pass over the input, 16 rows at a time, produces the
 // rowwise copy and/or the columnwise copy (quantization of x^T, stored
 // transposed), with 1x16 or 16x16 blocks. Each 16-row stripe is converted to
-// float32 once and stays in cache for both copies.
+// float32 once and stays in cache for both copies. Options: the columnwise copy
+// of the Random Hadamard Transform of x^T (rht), and stochastic rounding with
+// counter-based Threefry random words (stochastic).
 #include <cstring>
 
 #include "cpu/common.h"
@@ -21,6 +23,16 @@ struct Stripe {
   std::vector<float> enc;      // [width]: encode scale of each column's block
   std::vector<uint8_t> scale;  // [width]: E4M3 scale of each column's block
   std::vector<uint64_t> word;  // [width]: a column's 8 packed bytes of the columnwise copy
+  std::vector<uint32_t> rand;  // [16][width]: random words of stochastic rounding
+};
+
+// The options of one quantize call and one batch entry's global scales.
+struct Options {
+  GlobalScales g;    // from amax: the rowwise copy and 16x16 blocks
+  GlobalScales g_t;  // from amax_t: the columnwise 1x16 copy
+  bool block_2d, rht, stochastic;
+  Seed seed;
+  uint32_t b;  // the batch entry (random word indices)
 };
 
 // Packs codes into bytes, element 2i in the low nibble.
@@ -66,6 +78,23 @@ inline void block_max(const float* __restrict v, uint32_t* __restrict mag, int64
   }
 }
 
+// Encodes n values stochastically with one encode scale and one random word per value.
+inline void encode_stochastic(const float* __restrict v, const float* __restrict enc,
+                              const uint32_t* __restrict word, uint8_t* __restrict codes,
+                              int64_t n) {
+  for (int64_t k = 0; k < n; ++k) codes[k] = quantize_value_stochastic(v[k], enc[k], word[k]);
+}
+
+// Random words of the n (a multiple of 16) consecutive indices base, base + 1, ...
+inline void random_words_run(Seed seed, uint32_t base, uint32_t stream, uint32_t* __restrict w,
+                             int64_t n) {
+  for (int64_t k = 0; k < n; k += kBlock) {
+    uint32_t block[kBlock];
+    random_words16(seed, base + uint32_t(k), stream, block);
+    std::memcpy(w + k, block, sizeof(block));
+  }
+}
+
 // Encodes runs of 16 values, each run with its own encode scale.
 inline void encode_blocks(const float* __restrict v, const float* __restrict enc,
                           uint8_t* __restrict codes, int64_t nb) {
@@ -75,19 +104,65 @@ inline void encode_blocks(const float* __restrict v, const float* __restrict enc
   }
 }
 
-// Rowwise 1x16: each row's blocks get their own scale.
-void rowwise_1d(Stripe& st, int64_t nrows, int64_t cols, int64_t width, int64_t m0,
-                const GlobalScales& g, const QuantizeOutputs& o) {
+// Encodes runs of 16 values stochastically, each run with its own encode scale.
+inline void encode_blocks_stochastic(const float* __restrict v, const float* __restrict enc,
+                                     const uint32_t* __restrict word, uint8_t* __restrict codes,
+                                     int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float e = enc[b];
+    for (int k = 0; k < kBlock; ++k)
+      codes[b * kBlock + k] = quantize_value_stochastic(v[b * kBlock + k], e, word[b * kBlock + k]);
+  }
+}
+
+// Rowwise 1x16: each row's blocks get their own scale. Element (b, m, n) draws
+// the word of index (b M + m) N + n of stream 0.
+void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, int64_t width, int64_t m0,
+                const Options& p, const QuantizeOutputs& o) {
   const int64_t data_cols = packed_size(cols), nb = num_blocks(cols);
   st.code.resize(width);
   st.mag.resize(nb);
   st.enc.resize(nb);
+  if (p.stochastic) st.rand.resize(width);
   for (int64_t r = 0; r < nrows; ++r) {
     const float* v = st.value.data() + r * width;
     block_max(v, st.mag.data(), nb);
-    block_scales(st.mag.data(), nb, g, o.scale + (m0 + r) * nb, st.enc.data());
-    encode_blocks(v, st.enc.data(), st.code.data(), nb);
+    block_scales(st.mag.data(), nb, p.g, o.scale + (m0 + r) * nb, st.enc.data());
+    if (p.stochastic) {
+      const uint32_t base = (p.b * uint32_t(rows) + uint32_t(m0 + r)) * uint32_t(cols);
+      random_words_run(p.seed, base, 0, st.rand.data(), width);
+      encode_blocks_stochastic(v, st.enc.data(), st.rand.data(), st.code.data(), nb);
+    } else {
+      encode_blocks(v, st.enc.data(), st.code.data(), nb);
+    }
     pack(st.code.data(), o.data + (m0 + r) * data_cols, data_cols);
+  }
+}
+
+// Random words of the 16 x width codes of a columnwise or 16x16 stripe, row
+// by row (st.rand [16][width]).
+void stripe_words(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t m0,
+                  const Options& p) {
+  st.rand.resize(kBlock * width);
+  uint32_t* __restrict w = st.rand.data();
+  if (p.block_2d) {
+    // One quantization for both copies, drawn from the rowwise stream: element
+    // (b, m, n) has index (b Mp + m) N + n, Mp = M padded to 16 (the reference
+    // indexes the padded [B, Mp, Np] tile array).
+    const uint32_t rows_padded = uint32_t(num_blocks(rows) * kBlock);
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const uint32_t base = (p.b * rows_padded + uint32_t(m0 + r)) * uint32_t(cols);
+      random_words_run(p.seed, base, 0, w + r * width, width);
+    }
+  } else {
+    // The columnwise copy [B, N, M]: element (b, n, m) has index (b N + n) M + m
+    // of stream 1; column n's 16 rows m0.. are 16 consecutive indices.
+    uint32_t block[kBlock];
+    for (int64_t c = 0; c < width; ++c) {
+      random_words16(p.seed, (p.b * uint32_t(cols) + uint32_t(c)) * uint32_t(rows) + uint32_t(m0),
+                     1, block);
+      for (int r = 0; r < kBlock; ++r) w[r * width + c] = block[r];
+    }
   }
 }
 
@@ -96,15 +171,23 @@ void rowwise_1d(Stripe& st, int64_t nrows, int64_t cols, int64_t width, int64_t 
 // one encode scale per column of the stripe, so they share one vector loop.
 template <typename L>
 void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t m0,
-                     const GlobalScales& g, bool block_2d, const QuantizeOutputs& o, Stripe& st) {
+                     const Options& p, const QuantizeOutputs& o, Stripe& st) {
+  const bool block_2d = p.block_2d;
   const int64_t nrows = std::min<int64_t>(kBlock, rows - m0);
   const int64_t width = num_blocks(cols) * kBlock;
   st.value.resize(kBlock * width);
   load_stripe<L>(x + m0 * cols, cols, nrows, width, st.value.data());
-  if (o.data && !block_2d) rowwise_1d(st, nrows, cols, width, m0, g, o);
+  if (o.data && !block_2d) rowwise_1d(st, rows, nrows, cols, width, m0, p, o);
   if (!block_2d && !o.data_t) return;
 
   // Columnwise 1x16 or 16x16: one encode scale per column of the stripe.
+  if (p.rht && !block_2d) {
+    // The columnwise copy of the RHT of x^T (M % 16 == 0: no padded rows);
+    // the rowwise copy is done, so the stripe is transformed in place.
+    rht_rows(st.value.data(), width);
+    for (int64_t k = 0; k < kBlock * width; ++k) st.value[k] = L::narrow(st.value[k]);
+  }
+  const GlobalScales& g = block_2d ? p.g : p.g_t;
   st.code.resize(kBlock * width);
   st.mag.assign(width, 0);
   st.enc.resize(width);
@@ -129,8 +212,15 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
   } else {
     block_scales(st.mag.data(), width, g, st.scale.data(), st.enc.data());
   }
-  for (int64_t r = 0; r < kBlock; ++r)
-    encode(st.value.data() + r * width, st.enc.data(), st.code.data() + r * width, width);
+  if (p.stochastic) {
+    stripe_words(st, rows, cols, width, m0, p);
+    for (int64_t r = 0; r < kBlock; ++r)
+      encode_stochastic(st.value.data() + r * width, st.enc.data(), st.rand.data() + r * width,
+                        st.code.data() + r * width, width);
+  } else {
+    for (int64_t r = 0; r < kBlock; ++r)
+      encode(st.value.data() + r * width, st.enc.data(), st.code.data() + r * width, width);
+  }
 
   const int64_t mb = m0 / kBlock;
   if (o.data && block_2d) {
@@ -162,25 +252,37 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
   }
 }
 
-ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::RemainingRets outs,
-                         bool rowwise, bool columnwise, bool block_2d) {
+ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
+                         ffi::Buffer<ffi::U32> seed, ffi::RemainingRets outs, bool rowwise,
+                         bool columnwise, bool block_2d, bool rht, bool stochastic) {
   int64_t batch, rows, cols;
   QuantizeOutputs all;
-  if (auto e = check_quantize(x, amax, outs, rowwise, columnwise, batch, rows, cols, all);
+  if (auto e = check_quantize(x, amax, amax_t, seed, outs, rowwise, columnwise, block_2d, rht,
+                              batch, rows, cols, all);
       e.failure())
     return e;
   const float* amax_data = amax.typed_data();
+  const float* amax_t_data = amax_t.typed_data();
+  const Seed key{seed.typed_data()[0], seed.typed_data()[1]};
   const int64_t stripes = num_blocks(rows);
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
-    const int64_t cost = batch * rows * cols * int64_t(sizeof(typename L::T));
+    const int64_t cost =
+        batch * rows * cols * int64_t(sizeof(typename L::T)) * (stochastic ? 8 : 1) * (rht ? 2 : 1);
     parallel_for(batch * stripes, cost, [&](int64_t lo, int64_t hi) {
       Stripe st;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t b = i / stripes, stripe = i % stripes;
-        quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock,
-                           global_scales(amax_data[b]), block_2d, all.entry(b, rows, cols), st);
+        const Options p{global_scales(amax_data[b]),
+                        global_scales(amax_t_data[b]),
+                        block_2d,
+                        rht,
+                        stochastic,
+                        key,
+                        uint32_t(b)};
+        quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock, p,
+                           all.entry(b, rows, cols), st);
       }
     });
   });
@@ -195,7 +297,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCpu, nvfp4::cpu::quantize_impl,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingRets()
                                   .Attr<bool>("rowwise")
                                   .Attr<bool>("columnwise")
-                                  .Attr<bool>("block_2d"));
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("rht")
+                                  .Attr<bool>("stochastic"));

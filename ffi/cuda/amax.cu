@@ -1,6 +1,8 @@
 // Global amax on the GPU: max |x| per batch entry, as an integer max over
 // magnitude bits (exact, and any NaN wins and comes out canonical), like the
-// CPU kernel.
+// CPU kernel. With `rht` the same pass also gives the amax of the Random
+// Hadamard Transform of x^T: each thread reads 16 rows of one column (a chunk),
+// keeps them in registers and transforms them.
 #include "cuda/common.cuh"
 #include "cuda/handlers.h"
 
@@ -9,6 +11,19 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kValuesPerBlock = int64_t(kThreads) * 16;
+
+// Block max of m over the block's threads, atomically folded into *out.
+__device__ __forceinline__ void block_max_into(uint32_t m, uint32_t* out) {
+  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(~0u, m, offset));
+  __shared__ uint32_t warp_max[kThreads / 32];
+  __syncthreads();  // warp_max may be reused by a previous call
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
+    atomicMax(out, m);
+  }
+}
 
 // Block (b, chunk) reduces a strided share of batch entry b into bits[b].
 template <typename L>
@@ -19,14 +34,35 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t m = 0;
   for (int64_t i = chunk * kThreads + threadIdx.x; i < per_batch; i += chunks * kThreads)
     m = max(m, magnitude_bits(L::load(xb[i])));
-  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(~0u, m, offset));
-  __shared__ uint32_t warp_max[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
-    atomicMax(bits + b, m);
+  block_max_into(m, bits + b);
+}
+
+// Block (b, chunk) reduces a strided share of the 16-row chunks of batch entry
+// b's columns: chunk j is column j % cols of rows 16 (j / cols) ...; the
+// threads of a warp read consecutive columns (coalesced).
+template <typename L>
+__global__ void __launch_bounds__(kThreads)
+    amax_rht_kernel(const typename L::T* x, int64_t rows, int64_t cols, int64_t chunks,
+                    uint32_t* bits, uint32_t* bits_rht) {
+  const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+  const typename L::T* xb = x + b * rows * cols;
+  const int64_t items = (rows / kBlock) * cols;
+  uint32_t m = 0, m_rht = 0;
+  for (int64_t j = chunk * kThreads + threadIdx.x; j < items; j += chunks * kThreads) {
+    const int64_t stripe = j / cols, c = j % cols;
+    const typename L::T* xc = xb + stripe * kBlock * cols + c;
+    float v[kBlock];
+#pragma unroll
+    for (int r = 0; r < kBlock; ++r) {
+      v[r] = L::load(xc[r * cols]);
+      m = max(m, magnitude_bits(v[r]));
+    }
+    rht16_narrow<L>(v);
+#pragma unroll
+    for (int r = 0; r < kBlock; ++r) m_rht = max(m_rht, magnitude_bits(v[r]));
   }
+  block_max_into(m, bits + b);
+  block_max_into(m_rht, bits_rht + b);
 }
 
 // Turns the max magnitude bits into the amax float in place.
@@ -35,14 +71,15 @@ __global__ void amax_finish(uint32_t* bits, int64_t batch) {
   if (i < batch) reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
 }
 
-ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x,
-                     ffi::Result<ffi::Buffer<ffi::F32>> out) {
+ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht) {
   int64_t batch, rows, cols;
-  if (!dims3(x, batch, rows, cols)) return invalid("amax expects a [B, M, N] input");
-  if (out->element_count() != size_t(batch)) return invalid("amax output must be [B]");
+  float *amax, *amax_rht;
+  if (auto e = check_amax(x, outs, rht, batch, rows, cols, amax, amax_rht); e.failure()) return e;
   if (batch == 0) return ffi::Error::Success();
-  auto* bits = reinterpret_cast<uint32_t*>(out->typed_data());
+  auto* bits = reinterpret_cast<uint32_t*>(amax);
+  auto* bits_rht = reinterpret_cast<uint32_t*>(amax_rht);
   cudaMemsetAsync(bits, 0, batch * sizeof(uint32_t), stream);
+  if (rht) cudaMemsetAsync(bits_rht, 0, batch * sizeof(uint32_t), stream);
   const int64_t per_batch = rows * cols;
   // Enough blocks per entry to fill the GPU, each reading at least kValuesPerBlock.
   const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(1024, INT32_MAX / batch));
@@ -50,12 +87,18 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x,
       std::clamp<int64_t>((per_batch + kValuesPerBlock - 1) / kValuesPerBlock, 1, max_chunks);
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
-    if (per_batch > 0)
-      amax_kernel<L><<<unsigned(batch * chunks), kThreads, 0, stream>>>(
-          static_cast<const typename L::T*>(x.untyped_data()), per_batch, chunks, bits);
+    if (per_batch <= 0) return;
+    const auto* data = static_cast<const typename L::T*>(x.untyped_data());
+    if (rht)  // kThreads chunks of 16 values per block and iteration
+      amax_rht_kernel<L><<<unsigned(batch * chunks), kThreads, 0, stream>>>(data, rows, cols,
+                                                                            chunks, bits, bits_rht);
+    else
+      amax_kernel<L>
+          <<<unsigned(batch * chunks), kThreads, 0, stream>>>(data, per_batch, chunks, bits);
   });
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
   amax_finish<<<unsigned((batch + 255) / 256), 256, 0, stream>>>(bits, batch);
+  if (rht) amax_finish<<<unsigned((batch + 255) / 256), 256, 0, stream>>>(bits_rht, batch);
   return launch_status("amax");
 }
 
@@ -66,4 +109,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4AmaxCuda, nvfp4::cuda::amax_impl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+                                  .RemainingRets()
+                                  .Attr<bool>("rht"));

@@ -3,7 +3,9 @@
 // blocks. A CUDA block owns a 16-row stripe x 128 columns; each thread holds
 // one column of the stripe (16 values) in registers, so the columnwise block is
 // thread-local and the rowwise blocks (16 consecutive columns) are 16 lanes of
-// a warp, reduced with shuffles. Every input value is read once.
+// a warp, reduced with shuffles. Every input value is read once. With rht the
+// thread transforms its column's 16 values in registers for the columnwise
+// copy; with stochastic rounding each code draws a Threefry random word.
 #include "cuda/common.cuh"
 #include "cuda/handlers.h"
 
@@ -40,15 +42,34 @@ __device__ __forceinline__ void store_column(const uint8_t (&code)[kBlock], uint
   o.scale_t[(b * cols + c) * num_blocks(rows) + m0 / kBlock] = scale;
 }
 
-template <typename L>
-__global__ void __launch_bounds__(kTile)
-    quantize_kernel(const typename L::T* x, const float* amax, int64_t rows, int64_t cols,
-                    int64_t stripes, int64_t tiles, bool block_2d, QuantizeOutputs o) {
-  const int64_t tile = blockIdx.x % tiles, stripe = (blockIdx.x / tiles) % stripes;
-  const int64_t b = blockIdx.x / (tiles * stripes);
+// The kernel's operands and options (by value).
+struct Params {
+  const float* amax;     // [B]: the rowwise copy and 16x16 blocks
+  const float* amax_t;   // [B]: the columnwise 1x16 copy
+  const uint32_t* seed;  // [2]: the Threefry key of stochastic rounding (device memory)
+  int64_t rows, cols, stripes, tiles;
+  bool block_2d, rht;
+  QuantizeOutputs o;
+};
+
+// E2M1 code of v * enc: round to nearest even, or stochastically by `word`.
+template <bool kStochastic>
+__device__ __forceinline__ uint8_t encode(float v, float enc, uint32_t word) {
+  if constexpr (kStochastic) return quantize_value_stochastic(v, enc, word);
+  return quantize_value(v, enc);
+}
+
+template <typename L, bool kStochastic>
+__global__ void __launch_bounds__(kTile) quantize_kernel(const typename L::T* x, Params p) {
+  const int64_t rows = p.rows, cols = p.cols;
+  const QuantizeOutputs& o = p.o;
+  const int64_t tile = blockIdx.x % p.tiles, stripe = (blockIdx.x / p.tiles) % p.stripes;
+  const int64_t b = blockIdx.x / (p.tiles * p.stripes);
   const int64_t c = tile * kTile + threadIdx.x, m0 = stripe * kBlock;
   const int64_t nrows = min(int64_t(kBlock), rows - m0);
-  const GlobalScales g = global_scales(amax[b]);
+  const GlobalScales g = global_scales(p.amax[b]);
+  Seed seed{0, 0};
+  if constexpr (kStochastic) seed = Seed{p.seed[0], p.seed[1]};
 
   // The thread's column of the stripe, zero-padded, as the reference pads.
   float v[kBlock];
@@ -61,13 +82,24 @@ __global__ void __launch_bounds__(kTile)
   }
   uint8_t code[kBlock];
   const int64_t row0 = b * rows + m0;  // first output row of the stripe
+  // Random word indices (uint32, wrapping): rowwise element (b, m, n) is
+  // (b M + m) N + n, stream 0; columnwise element (b, n, m) is (b N + n) M + m, stream 1.
+  const uint32_t ucols = uint32_t(cols), ub = uint32_t(b);
 
-  if (block_2d) {
-    // One scale for the 16x16 block, shared by both copies.
+  if (p.block_2d) {
+    // One scale for the 16x16 block, shared by both copies, and one code per
+    // element for both, drawn from the rowwise stream. The reference indexes
+    // the padded [B, Mp, Np] tile array: row stride Mp = M padded to 16.
     const uint8_t s = block_scale(amax_from_bits(group16_max(column_mag)), g);
     const float enc = block_encode_scale(s, g);
+    const uint32_t rows_padded = uint32_t(p.stripes * kBlock);
 #pragma unroll
-    for (int r = 0; r < kBlock; ++r) code[r] = quantize_value(v[r], enc);
+    for (int r = 0; r < kBlock; ++r) {
+      uint32_t word = 0;
+      if constexpr (kStochastic)
+        word = random_word(seed, (ub * rows_padded + uint32_t(m0 + r)) * ucols + uint32_t(c), 0);
+      code[r] = encode<kStochastic>(v[r], enc, word);
+    }
     if (o.data) {
 #pragma unroll
       for (int r = 0; r < kBlock; ++r) store_row(code[r], s, row0 + r, c, cols, r < nrows, o);
@@ -80,35 +112,66 @@ __global__ void __launch_bounds__(kTile)
 #pragma unroll
     for (int r = 0; r < kBlock; ++r) {
       const uint8_t s = block_scale(amax_from_bits(group16_max(magnitude_bits(v[r]))), g);
-      store_row(quantize_value(v[r], block_encode_scale(s, g)), s, row0 + r, c, cols, r < nrows, o);
+      uint32_t word = 0;
+      if constexpr (kStochastic)
+        word = random_word(seed, uint32_t(row0 + r) * ucols + uint32_t(c), 0);
+      store_row(encode<kStochastic>(v[r], block_encode_scale(s, g), word), s, row0 + r, c, cols,
+                r < nrows, o);
     }
   }
   if (o.data_t) {
-    // 1x16 columnwise: the thread's own 16 values are the block.
-    const uint8_t s = block_scale(amax_from_bits(column_mag), g);
-    const float enc = block_encode_scale(s, g);
+    // 1x16 columnwise: the thread's own 16 values are the block, or with rht
+    // their transform (M % 16 == 0, so all 16 rows are real), in registers.
+    if (p.rht) {
+      rht16_narrow<L>(v);
+      column_mag = 0;
 #pragma unroll
-    for (int r = 0; r < kBlock; ++r) code[r] = quantize_value(v[r], enc);
+      for (int r = 0; r < kBlock; ++r) column_mag = max(column_mag, magnitude_bits(v[r]));
+    }
+    const GlobalScales g_t = global_scales(p.amax_t[b]);
+    const uint8_t s = block_scale(amax_from_bits(column_mag), g_t);
+    const float enc = block_encode_scale(s, g_t);
+    uint32_t word[kBlock];
+    if constexpr (kStochastic)
+      random_words16(seed, (ub * ucols + uint32_t(c)) * uint32_t(rows) + uint32_t(m0), 1, word);
+#pragma unroll
+    for (int r = 0; r < kBlock; ++r)
+      code[r] = encode<kStochastic>(v[r], enc, kStochastic ? word[r] : 0u);
     store_column(code, s, b, m0, c, rows, cols, o);
   }
 }
 
 ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
-                         ffi::RemainingRets outs, bool rowwise, bool columnwise, bool block_2d) {
+                         ffi::Buffer<ffi::F32> amax_t, ffi::Buffer<ffi::U32> seed,
+                         ffi::RemainingRets outs, bool rowwise, bool columnwise, bool block_2d,
+                         bool rht, bool stochastic) {
   int64_t batch, rows, cols;
   QuantizeOutputs o;
-  if (auto e = check_quantize(x, amax, outs, rowwise, columnwise, batch, rows, cols, o);
+  if (auto e = check_quantize(x, amax, amax_t, seed, outs, rowwise, columnwise, block_2d, rht,
+                              batch, rows, cols, o);
       e.failure())
     return e;
   const int64_t stripes = num_blocks(rows), tiles = (cols + kTile - 1) / kTile;
   const int64_t blocks = batch * stripes * tiles;
   if (blocks > INT32_MAX) return invalid("quantize input is too large for one launch");
+  const Params p{amax.typed_data(),
+                 amax_t.typed_data(),
+                 seed.typed_data(),
+                 rows,
+                 cols,
+                 stripes,
+                 tiles,
+                 block_2d,
+                 rht && columnwise && !block_2d,
+                 o};
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
-    if (blocks > 0)
-      quantize_kernel<L><<<unsigned(blocks), kTile, 0, stream>>>(
-          static_cast<const typename L::T*>(x.untyped_data()), amax.typed_data(), rows, cols,
-          stripes, tiles, block_2d, o);
+    if (blocks <= 0) return;
+    const auto* data = static_cast<const typename L::T*>(x.untyped_data());
+    if (stochastic)
+      quantize_kernel<L, true><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
+    else
+      quantize_kernel<L, false><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
   });
   if (!ok) return invalid("quantize input must be bfloat16, float16 or float32");
   return launch_status("quantize");
@@ -122,7 +185,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCuda, nvfp4::cuda::quantize_impl,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingRets()
                                   .Attr<bool>("rowwise")
                                   .Attr<bool>("columnwise")
-                                  .Attr<bool>("block_2d"));
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("rht")
+                                  .Attr<bool>("stochastic"));

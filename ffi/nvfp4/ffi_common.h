@@ -13,19 +13,33 @@ namespace nvfp4 {
 
 namespace ffi = xla::ffi;
 
-// Element loaders: every input dtype is read as an exact float32.
+// Element loaders: every input dtype is read as an exact float32; narrow()
+// rounds a float32 to the nearest value of the input dtype (RNE, the RHT output).
 struct LoadBF16 {
   using T = uint16_t;
   static NVFP4_HD float load(T v) { return bf16_to_float(v); }
+  static NVFP4_HD float narrow(float v) { return bf16_to_float(float_to_bf16(v)); }
 };
 struct LoadF16 {
   using T = uint16_t;
   static NVFP4_HD float load(T v) { return f16_to_float(v); }
+  static NVFP4_HD float narrow(float v) { return f16_to_float(float_to_f16(v)); }
 };
 struct LoadF32 {
   using T = float;
   static NVFP4_HD float load(T v) { return v; }
+  static NVFP4_HD float narrow(float v) { return v; }
 };
+
+// The RHT of one 16-value chunk, rounded to the input dtype of loader L.
+template <typename L>
+NVFP4_HD void rht16_narrow(float (&v)[kBlock]) {
+  rht16(v);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < kBlock; ++i) v[i] = L::narrow(v[i]);
+}
 
 // Element storers of dequantize: float32 rounded to the output dtype (RNE).
 struct StoreF32 {
@@ -98,14 +112,20 @@ struct QuantizeOutputs {
   }
 };
 
-// Checks quantize's [B, M, N] input, its amax [B] and the dtype and size of
-// each requested output (in the order data, scale, data_t, scale_t); unpacks
-// the dims and fills `o`.
+// Checks quantize's [B, M, N] input, its amax and amax_t [B], the seed
+// uint32 [2] and the dtype and size of each requested output (in the order
+// data, scale, data_t, scale_t); unpacks the dims and fills `o`.
 inline ffi::Error check_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax,
-                                 ffi::RemainingRets& outs, bool rowwise, bool columnwise,
+                                 const ffi::Buffer<ffi::F32>& amax_t,
+                                 const ffi::Buffer<ffi::U32>& seed, ffi::RemainingRets& outs,
+                                 bool rowwise, bool columnwise, bool block_2d, bool rht,
                                  int64_t& batch, int64_t& rows, int64_t& cols, QuantizeOutputs& o) {
   if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
-  if (int64_t(amax.element_count()) != batch) return invalid("quantize amax must be [B]");
+  if (int64_t(amax.element_count()) != batch || int64_t(amax_t.element_count()) != batch)
+    return invalid("quantize amax and amax_t must be [B]");
+  if (seed.element_count() != 2) return invalid("quantize seed must be uint32 [2]");
+  if (rht && columnwise && !block_2d && rows % kBlock != 0)
+    return invalid("quantize with rht needs M (the columnwise block axis) a multiple of 16");
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
   const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
                             cols * packed_size(rows), cols * num_blocks(rows)};
@@ -121,6 +141,30 @@ inline ffi::Error check_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
       return invalid("quantize output has the wrong dtype or size");
     *ptrs[i] = static_cast<uint8_t*>((*buf)->untyped_data());
   }
+  if (outs.size() != next) return invalid("quantize has more outputs than requested copies");
+  return ffi::Error::Success();
+}
+
+// Checks amax's [B, M, N] input and its 1 result (amax [B]) or, with rht, 2
+// results (amax, amax_rht [B]); unpacks the dims and the result pointers.
+inline ffi::Error check_amax(const ffi::AnyBuffer& x, ffi::RemainingRets& outs, bool rht,
+                             int64_t& batch, int64_t& rows, int64_t& cols, float*& amax,
+                             float*& amax_rht) {
+  if (!dims3(x, batch, rows, cols)) return invalid("amax expects a [B, M, N] input");
+  if (rht && rows % kBlock != 0) return invalid("amax with rht needs M a multiple of 16");
+  const size_t wanted = rht ? 2 : 1;
+  if (outs.size() != wanted)
+    return invalid(rht ? "amax with rht has 2 results" : "amax has 1 result");
+  float* ptrs[2] = {nullptr, nullptr};
+  for (size_t i = 0; i < wanted; ++i) {
+    auto buf = outs.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return invalid("amax is missing a result");
+    if ((*buf)->element_type() != ffi::DataType::F32 || int64_t((*buf)->element_count()) != batch)
+      return invalid("amax results must be float32 [B]");
+    ptrs[i] = static_cast<float*>((*buf)->untyped_data());
+  }
+  amax = ptrs[0];
+  amax_rht = ptrs[1];
   return ffi::Error::Success();
 }
 

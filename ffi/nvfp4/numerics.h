@@ -173,6 +173,130 @@ NVFP4_HD uint8_t float_to_e2m1(float v) {
 #endif
 }
 
+// E2M1 code of a value already scaled into the E2M1 range, rounded
+// stochastically by a uniform random 32-bit `word`: between the neighbouring
+// E2M1 magnitudes lo <= |v| < hi it rounds up iff (word >> 8) < X, X =
+// ceil(2^24 (|v| - lo) / (hi - lo)), computed exactly from the float bits.
+// Magnitudes >= 6 (inf too) give 6; signs, -0.0 and NaN as float_to_e2m1.
+NVFP4_HD uint8_t float_to_e2m1_stochastic(float v, uint32_t word) {
+  const uint32_t u = float_bits(v);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  const uint32_t field = mag >> 23, mant = mag & 0x7FFFFFu;
+  uint32_t lo, x;
+  if (mag >= 0x3F800000u) {  // [1, 6): step 0.5, 1 or 2; X from the 22 low mantissa bits
+    lo = 2u + 2u * (field - 127u) + (mant >> 22);
+    x = (mant & 0x3FFFFFu) << 2;
+  } else if (mag >= 0x3F000000u) {  // [0.5, 1): code 1, step 0.5
+    lo = 1u;
+    x = mant << 1;
+  } else {  // [0, 0.5): code 0, X = ceil(|v| * 2^25)
+    lo = 0u;
+    const uint32_t shift = field >= 125u ? 0u : (125u - field > 24u ? 24u : 125u - field);
+    const uint32_t sig = mant | 0x800000u;
+    x = field == 0u ? uint32_t(mant != 0u) : (sig + (1u << shift) - 1u) >> shift;
+  }
+  uint32_t code = lo + ((word >> 8) < x ? 1u : 0u);
+  if (mag >= 0x40C00000u) code = 7u;  // clamp to 6 (inf too)
+  if ((u >> 31) && mag != 0u) code |= 8u;
+  return uint8_t(mag > 0x7F800000u ? 0u : code);
+}
+
+// ---- random words: JAX's Threefry-2x32 (20 rounds) ----
+
+struct Seed {
+  uint32_t k0, k1;
+};
+
+struct Words {
+  uint32_t y0, y1;
+};
+
+NVFP4_HD uint32_t rotl32(uint32_t v, int r) { return (v << r) | (v >> (32 - r)); }
+
+// jax.extend.random.threefry_2x32's hash of one counter pair (x0, x1).
+NVFP4_HD Words threefry2x32(Seed key, uint32_t x0, uint32_t x1) {
+  const uint32_t ks[3] = {key.k0, key.k1, key.k0 ^ key.k1 ^ 0x1BD11BDAu};
+  const int rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  x0 += ks[0];
+  x1 += ks[1];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < 5; ++i) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int j = 0; j < 4; ++j) {
+      x0 += x1;
+      x1 = rotl32(x1, rot[i % 2][j]);
+      x1 ^= x0;
+    }
+    x0 += ks[(i + 1) % 3];
+    x1 += ks[(i + 2) % 3] + uint32_t(i + 1);
+  }
+  return Words{x0, x1};
+}
+
+// The random word of element `index` (uint32, wrapping) of a copy's `stream`
+// (0 rowwise, 1 columnwise): the hash of (index >> 1, stream), its first word
+// for an even index and its second for an odd one.
+NVFP4_HD uint32_t random_word(Seed key, uint32_t index, uint32_t stream) {
+  const Words w = threefry2x32(key, index >> 1, stream);
+  return (index & 1u) ? w.y1 : w.y0;
+}
+
+// The random words of the 16 consecutive indices base, base + 1, ..., base + 15
+// (wrapping): 9 hashes instead of 16, as consecutive indices share counters in pairs.
+NVFP4_HD void random_words16(Seed key, uint32_t base, uint32_t stream, uint32_t (&w)[kBlock]) {
+  const bool odd = (base & 1u) != 0;
+  const uint32_t c0 = base >> 1;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int k = 0; k <= kBlock / 2; ++k) {
+    // Indices 2 (c0 + k) and 2 (c0 + k) + 1 are elements 2k - odd and 2k + 1 - odd.
+    const Words y = threefry2x32(key, (c0 + uint32_t(k)) & 0x7FFFFFFFu, stream);
+    if (k >= 1) w[2 * k - 1] = odd ? y.y0 : w[2 * k - 1];
+    if (k < kBlock / 2) {
+      w[2 * k] = odd ? y.y1 : y.y0;
+      w[2 * k + 1] = y.y1;  // replaced by the next hash's first word when odd
+    }
+  }
+}
+
+// ---- Random Hadamard Transform of 16 values ----
+
+// Bit i set where the fixed RHT sign i is -1 (formats.RHT_SIGNS):
+// (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1).
+constexpr uint32_t kRhtNegative = 0xD7E8u;
+
+// Signs, four float32 butterfly stages (pairs 1, 2, 4, 8 apart: (a, b) -> (a + b,
+// a - b)), then * 1/4; the caller rounds the result to the input dtype.
+NVFP4_HD void rht16(float (&v)[kBlock]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < kBlock; ++i) v[i] = (kRhtNegative >> i) & 1u ? -v[i] : v[i];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int h = 1; h < kBlock; h *= 2) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int i = 0; i < kBlock; ++i) {
+      if (i & h) continue;
+      const float a = v[i], b = v[i + h];
+      v[i] = a + b;
+      v[i + h] = a - b;
+    }
+  }
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < kBlock; ++i) v[i] = v[i] * 0.25f;
+}
+
 // ---- scales ----
 
 // Per-tensor scales derived from the global amax.
@@ -207,6 +331,10 @@ NVFP4_HD float block_encode_scale(uint8_t scale, const GlobalScales& g) {
 
 NVFP4_HD uint8_t quantize_value(float x, float encode_scale) {
   return float_to_e2m1(x * encode_scale);
+}
+
+NVFP4_HD uint8_t quantize_value_stochastic(float x, float encode_scale, uint32_t word) {
+  return float_to_e2m1_stochastic(x * encode_scale, word);
 }
 
 // Global decode scale of dequantization and of the GEMM: amax / (6 * 448), as the
