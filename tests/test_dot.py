@@ -256,7 +256,7 @@ def test_full_recipe_gemms_use_the_transform_and_stochastic_rounding():
     assert_same_bytes(dw, gemm(transposed(qdy), transposed(qx), w.dtype).T)
     _, dx_plain, dw_plain = _grads(plain_dot, x, w, dy)
     assert not np.array_equal(np.asarray(dx), np.asarray(dx_plain))
-    assert _rel_err(dw, dw_plain) < 0.2
+    assert _rel_err(dw, dw_plain) < 0.35  # two NVFP4 approximations of dW (each ~15% off), not equal
     # The backward pass needs the key; the forward pass does not.
     jax_nvfp4.dot_general(x, w, DENSE)
     with pytest.raises(ValueError, match="rng_key"):
