@@ -33,7 +33,7 @@ void stripe_rht_max(const typename L::T* x, int64_t cols, std::vector<float>& v,
 }
 
 ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht) {
-  int64_t batch, rows, cols;
+  int64_t batch = 0, rows = 0, cols = 0;
   float *amax, *amax_rht;
   if (auto e = check_amax(x, outs, rht, batch, rows, cols, amax, amax_rht); e.failure()) return e;
   const int64_t per_batch = rows * cols;

@@ -85,14 +85,11 @@ inline void encode_stochastic(const float* __restrict v, const float* __restrict
   for (int64_t k = 0; k < n; ++k) codes[k] = quantize_value_stochastic(v[k], enc[k], word[k]);
 }
 
-// Random words of the n (a multiple of 16) consecutive indices base, base + 1, ...
-inline void random_words_run(Seed seed, uint32_t base, uint32_t stream, uint32_t* __restrict w,
-                             int64_t n) {
-  for (int64_t k = 0; k < n; k += kBlock) {
-    uint32_t block[kBlock];
-    random_words16(seed, base + uint32_t(k), stream, block);
-    std::memcpy(w + k, block, sizeof(block));
-  }
+// Random words of the n indices base, base + stride, ... (uint32, wrapping);
+// one hash per word, but the loop vectorizes.
+inline void random_words(Seed seed, uint32_t base, uint32_t stride, uint32_t stream,
+                         uint32_t* __restrict w, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) w[k] = random_word(seed, base + uint32_t(k) * stride, stream);
 }
 
 // Encodes runs of 16 values, each run with its own encode scale.
@@ -130,7 +127,7 @@ void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, int64_t w
     block_scales(st.mag.data(), nb, p.g, o.scale + (m0 + r) * nb, st.enc.data());
     if (p.stochastic) {
       const uint32_t base = (p.b * uint32_t(rows) + uint32_t(m0 + r)) * uint32_t(cols);
-      random_words_run(p.seed, base, 0, st.rand.data(), width);
+      random_words(p.seed, base, 1, 0, st.rand.data(), width);
       encode_blocks_stochastic(v, st.enc.data(), st.rand.data(), st.code.data(), nb);
     } else {
       encode_blocks(v, st.enc.data(), st.code.data(), nb);
@@ -152,16 +149,14 @@ void stripe_words(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t
     const uint32_t rows_padded = uint32_t(num_blocks(rows) * kBlock);
     for (int64_t r = 0; r < kBlock; ++r) {
       const uint32_t base = (p.b * rows_padded + uint32_t(m0 + r)) * uint32_t(cols);
-      random_words_run(p.seed, base, 0, w + r * width, width);
+      random_words(p.seed, base, 1, 0, w + r * width, width);
     }
   } else {
     // The columnwise copy [B, N, M]: element (b, n, m) has index (b N + n) M + m
-    // of stream 1; column n's 16 rows m0.. are 16 consecutive indices.
-    uint32_t block[kBlock];
-    for (int64_t c = 0; c < width; ++c) {
-      random_words16(p.seed, (p.b * uint32_t(cols) + uint32_t(c)) * uint32_t(rows) + uint32_t(m0),
-                     1, block);
-      for (int r = 0; r < kBlock; ++r) w[r * width + c] = block[r];
+    // of stream 1: row m0 + r of the stripe steps by M from column to column.
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const uint32_t base = p.b * uint32_t(cols) * uint32_t(rows) + uint32_t(m0 + r);
+      random_words(p.seed, base, uint32_t(rows), 1, w + r * width, width);
     }
   }
 }
@@ -255,7 +250,7 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
 ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
                          ffi::Buffer<ffi::U32> seed, ffi::RemainingRets outs, bool rowwise,
                          bool columnwise, bool block_2d, bool rht, bool stochastic) {
-  int64_t batch, rows, cols;
+  int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs all;
   if (auto e = check_quantize(x, amax, amax_t, seed, outs, rowwise, columnwise, block_2d, rht,
                               batch, rows, cols, all);

@@ -72,7 +72,7 @@ __global__ void amax_finish(uint32_t* bits, int64_t batch) {
 }
 
 ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht) {
-  int64_t batch, rows, cols;
+  int64_t batch = 0, rows = 0, cols = 0;
   float *amax, *amax_rht;
   if (auto e = check_amax(x, outs, rht, batch, rows, cols, amax, amax_rht); e.failure()) return e;
   if (batch == 0) return ffi::Error::Success();

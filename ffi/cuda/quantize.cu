@@ -145,7 +145,7 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::Buffer<ffi::F32> amax_t, ffi::Buffer<ffi::U32> seed,
                          ffi::RemainingRets outs, bool rowwise, bool columnwise, bool block_2d,
                          bool rht, bool stochastic) {
-  int64_t batch, rows, cols;
+  int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs o;
   if (auto e = check_quantize(x, amax, amax_t, seed, outs, rowwise, columnwise, block_2d, rht,
                               batch, rows, cols, o);

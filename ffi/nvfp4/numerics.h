@@ -178,26 +178,26 @@ NVFP4_HD uint8_t float_to_e2m1(float v) {
 // E2M1 magnitudes lo <= |v| < hi it rounds up iff (word >> 8) < X, X =
 // ceil(2^24 (|v| - lo) / (hi - lo)), computed exactly from the float bits.
 // Magnitudes >= 6 (inf too) give 6; signs, -0.0 and NaN as float_to_e2m1.
+// Branch-free (selects only) so that the CPU loops vectorize.
 NVFP4_HD uint8_t float_to_e2m1_stochastic(float v, uint32_t word) {
   const uint32_t u = float_bits(v);
   const uint32_t mag = u & 0x7FFFFFFFu;
   const uint32_t field = mag >> 23, mant = mag & 0x7FFFFFu;
-  uint32_t lo, x;
-  if (mag >= 0x3F800000u) {  // [1, 6): step 0.5, 1 or 2; X from the 22 low mantissa bits
-    lo = 2u + 2u * (field - 127u) + (mant >> 22);
-    x = (mant & 0x3FFFFFu) << 2;
-  } else if (mag >= 0x3F000000u) {  // [0.5, 1): code 1, step 0.5
-    lo = 1u;
-    x = mant << 1;
-  } else {  // [0, 0.5): code 0, X = ceil(|v| * 2^25)
-    lo = 0u;
-    const uint32_t shift = field >= 125u ? 0u : (125u - field > 24u ? 24u : 125u - field);
-    const uint32_t sig = mant | 0x800000u;
-    x = field == 0u ? uint32_t(mant != 0u) : (sig + (1u << shift) - 1u) >> shift;
-  }
+  // |v| in [1, 6): code 2 + 2e + (upper half of the binade), step 0.5, 1 or 2;
+  // X from the 22 low mantissa bits.
+  const bool big = mag >= 0x3F800000u;
+  const uint32_t lo_big = 2u + 2u * (field - 127u) + (mant >> 22);
+  // |v| in [0.5, 1): code 1, step 0.5.
+  const bool half = mag >= 0x3F000000u;
+  // |v| < 0.5: code 0, X = ceil(|v| * 2^25).
+  const uint32_t shift = field >= 125u ? 0u : (field <= 101u ? 24u : 125u - field);
+  const uint32_t x_small =
+      field == 0u ? uint32_t(mant != 0u) : ((mant | 0x800000u) + (1u << shift) - 1u) >> shift;
+  const uint32_t lo = big ? lo_big : (half ? 1u : 0u);
+  const uint32_t x = big ? (mant & 0x3FFFFFu) << 2 : (half ? mant << 1 : x_small);
   uint32_t code = lo + ((word >> 8) < x ? 1u : 0u);
-  if (mag >= 0x40C00000u) code = 7u;  // clamp to 6 (inf too)
-  if ((u >> 31) && mag != 0u) code |= 8u;
+  code = mag >= 0x40C00000u ? 7u : code;  // clamp to 6 (inf too)
+  code = (u >> 31) != 0u && mag != 0u ? code | 8u : code;
   return uint8_t(mag > 0x7F800000u ? 0u : code);
 }
 
@@ -213,27 +213,49 @@ struct Words {
 
 NVFP4_HD uint32_t rotl32(uint32_t v, int r) { return (v << r) | (v >> (32 - r)); }
 
-// jax.extend.random.threefry_2x32's hash of one counter pair (x0, x1).
+// One Threefry mix: x0 += x1, x1 = rotl(x1, r) ^ x0.
+NVFP4_HD void threefry_mix(uint32_t& x0, uint32_t& x1, int r) {
+  x0 += x1;
+  x1 = rotl32(x1, r) ^ x0;
+}
+
+// jax.extend.random.threefry_2x32's hash of one counter pair (x0, x1): 20
+// rounds (rotations 13 15 26 6 / 17 29 16 24), the key injected every 4 rounds
+// with the injection count. Written out so that the CPU loops vectorize.
 NVFP4_HD Words threefry2x32(Seed key, uint32_t x0, uint32_t x1) {
-  const uint32_t ks[3] = {key.k0, key.k1, key.k0 ^ key.k1 ^ 0x1BD11BDAu};
-  const int rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
-  x0 += ks[0];
-  x1 += ks[1];
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int i = 0; i < 5; ++i) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-    for (int j = 0; j < 4; ++j) {
-      x0 += x1;
-      x1 = rotl32(x1, rot[i % 2][j]);
-      x1 ^= x0;
-    }
-    x0 += ks[(i + 1) % 3];
-    x1 += ks[(i + 2) % 3] + uint32_t(i + 1);
-  }
+  const uint32_t k0 = key.k0, k1 = key.k1, k2 = key.k0 ^ key.k1 ^ 0x1BD11BDAu;
+  x0 += k0;
+  x1 += k1;
+  threefry_mix(x0, x1, 13);
+  threefry_mix(x0, x1, 15);
+  threefry_mix(x0, x1, 26);
+  threefry_mix(x0, x1, 6);
+  x0 += k1;
+  x1 += k2 + 1u;
+  threefry_mix(x0, x1, 17);
+  threefry_mix(x0, x1, 29);
+  threefry_mix(x0, x1, 16);
+  threefry_mix(x0, x1, 24);
+  x0 += k2;
+  x1 += k0 + 2u;
+  threefry_mix(x0, x1, 13);
+  threefry_mix(x0, x1, 15);
+  threefry_mix(x0, x1, 26);
+  threefry_mix(x0, x1, 6);
+  x0 += k0;
+  x1 += k1 + 3u;
+  threefry_mix(x0, x1, 17);
+  threefry_mix(x0, x1, 29);
+  threefry_mix(x0, x1, 16);
+  threefry_mix(x0, x1, 24);
+  x0 += k1;
+  x1 += k2 + 4u;
+  threefry_mix(x0, x1, 13);
+  threefry_mix(x0, x1, 15);
+  threefry_mix(x0, x1, 26);
+  threefry_mix(x0, x1, 6);
+  x0 += k2;
+  x1 += k0 + 5u;
   return Words{x0, x1};
 }
 
