@@ -111,7 +111,7 @@ def main() -> None:
         report.add(f"| {layer} | " + " | ".join(f"{n:,}" for n in row) + f" | {row[2] / row[3]:.0%} |")
     report.add("| **step** | " + " | ".join(f"**{n:,}**" for n in totals) + f" | **{totals[2] / totals[3]:.0%}** |")
     cpu = [sum(sum(by_dtype.values()) for by_dtype in m.values()) for m in (nvfp4, bf16)]
-    cpu_row = f"| {cpu[0]:,} | {cpu[1]:,} | {cpu[0] / cpu[1]:.0%} |"
+    cpu_row = f"{cpu[0]:,} | {cpu[1]:,} | {cpu[0] / cpu[1]:.0%} |"
     report.add("| step, bytes XLA on CPU moves (floats as f32) | | | " + cpu_row)
     report.save()
 
