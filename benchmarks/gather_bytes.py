@@ -30,11 +30,11 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_p
 
 import collections  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from timing import Report, device_name  # noqa: E402
@@ -61,12 +61,13 @@ def gathered_bytes(precision: str, args: argparse.Namespace, mesh: jax.sharding.
     init = lambda: model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
     params = train_lm.sharded_params(init, mesh)
 
-    def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
     batch = jax.device_put(jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), NamedSharding(mesh, P(train_lm.BATCH)))
-    hlo = jax.jit(jax.value_and_grad(loss_fn)).lower(params, batch).compile().as_text()
+    hlo = (
+        jax.jit(jax.value_and_grad(functools.partial(train_lm.next_byte_loss, model)))
+        .lower(params, batch)
+        .compile()
+        .as_text()
+    )
     found: dict[str, dict[str, int]] = collections.defaultdict(collections.Counter)
     for c in collectives(hlo):
         if c.op == "all-gather":

@@ -82,6 +82,12 @@ def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     return data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
 
 
+def next_byte_loss(model: nn.Module, params: Any, batch: jax.Array) -> jax.Array:
+    """Mean cross-entropy of predicting each next byte of the windows ``batch`` [B, seq_len + 1]."""
+    logits = model.apply({"params": params}, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
 def logical(init: Callable[..., jax.Array], *axes: str) -> Callable[..., Any]:
     """``init`` with the logical axis names of the parameter it makes (its values are unchanged)."""
     return nn.with_logical_partitioning(init, axes)
@@ -297,10 +303,7 @@ def train(
     losses and timing."""
     model = build_model(precision, args, mesh)
 
-    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
-        logits = model.apply({"params": params}, batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
+    loss_fn = functools.partial(next_byte_loss, model)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
     decay_mask = functools.partial(jax.tree.map, lambda p: p.ndim >= 2)  # no decay on biases and norms
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decay_mask))

@@ -112,7 +112,7 @@ def amax_fn(backend: Backend) -> Callable:
     return amax
 
 
-def _seed(key) -> jax.Array:
+def seed_words(key) -> jax.Array:
     """The two uint32 words a JAX PRNG key (typed or raw uint32 [2]) gives the kernels' generator."""
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and (key.dtype != jnp.uint32 or key.shape != (2,)):
@@ -122,7 +122,7 @@ def _seed(key) -> jax.Array:
     return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def _times(amax: jax.Array, factor: float) -> jax.Array:
+def amax_times(amax: jax.Array, factor: float) -> jax.Array:
     """fp32(amax * factor), exact IEEE on every backend (subnormals kept)."""
     bits = _bits.mul(_bits.to_bits(amax), np.float32(factor).view(np.uint32))
     return _bits.from_bits(bits)
@@ -214,11 +214,11 @@ def quantize_fn(backend: Backend) -> Callable:
         if fused:
             amax_t = amaxes[1]
         elif rht:
-            amax_t = _times(global_amax, rht_amax_estimate)
+            amax_t = amax_times(global_amax, rht_amax_estimate)
         else:
             amax_t = global_amax
         stochastic = stochastic_rounding_key is not None
-        seed = _seed(stochastic_rounding_key) if stochastic else jnp.zeros(2, jnp.uint32)
+        seed = seed_words(stochastic_rounding_key) if stochastic else jnp.zeros(2, jnp.uint32)
         outs = list(
             backend.quantize(
                 xr,

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4 import _bits
-from jax_nvfp4._frontend import row_axes
+from jax_nvfp4._frontend import amax_times, row_axes, seed_words
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES
 from jax_nvfp4.gemm import Operand, emulated_gemm
 from jax_nvfp4.primitives import amax_p, quantize_p
@@ -60,12 +59,14 @@ def quantize_operand(
     stochastically.
     """
     fused = rht and rht_amax_factor is None
-    amaxes = amax_p.bind(x, mesh_axes=mesh_axes, rht=fused)
-    # The max of per-entry amaxes, as int32 bits: exact for non-negative floats, NaN included.
-    amax, *amax_t = (_max_entry(a) for a in amaxes)
-    if rht and not fused:
-        amax_t = [_bits.from_bits(_bits.mul(_bits.to_bits(amax), np.float32(rht_amax_factor).view(np.uint32)))]
-    amax_t = amax_t[0] if amax_t else amax
+    amaxes = [_max_entry(a) for a in amax_p.bind(x, mesh_axes=mesh_axes, rht=fused)]
+    amax = amaxes[0]
+    if fused:
+        amax_t = amaxes[1]
+    elif rht:
+        amax_t = amax_times(amax, rht_amax_factor)
+    else:
+        amax_t = amax
     entries = x.shape[:1]
     outs = quantize_p.bind(
         x,
@@ -83,6 +84,7 @@ def quantize_operand(
 
 
 def _max_entry(amax: jax.Array) -> jax.Array:
+    """The max of per-entry amaxes, as int32 bits: exact for non-negative floats, NaN included."""
     bits = lax.bitcast_convert_type(amax, jnp.int32)
     return lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
 
@@ -101,7 +103,7 @@ def _seed(key: jax.Array | None, recipe: Recipe) -> jax.Array | None:
             "jax_nvfp4.dot_general (a fresh key each step), give the Flax layers an 'nvfp4' RNG stream "
             "(apply(..., rngs={'nvfp4': key})), or use Recipe(stochastic_rounding=False)"
         )
-    return jax.random.bits(key, (2,), jnp.uint32)
+    return seed_words(key)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

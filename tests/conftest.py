@@ -32,6 +32,13 @@ SPECIAL_VALUES = {
 }
 
 
+def columnwise_as_rowwise(t):
+    """The columnwise copy of a quantized [M, N] tensor as the rowwise tensor of its [N, M] transpose."""
+    import jax_nvfp4
+
+    return jax_nvfp4.NVFP4Tensor(t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype)
+
+
 def random_tensor(rng: np.random.Generator, shape, dtype, *, spread: float, specials: tuple[str, ...], frac: float):
     """Normal values times 10**U(-spread, spread), with a fraction of special values."""
     x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-spread, spread, size=shape)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_tensor
+from conftest import columnwise_as_rowwise, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -248,12 +248,9 @@ def test_full_recipe_gemms_use_the_transform_and_stochastic_rounding():
     qdy = quantize(dy, columnwise=True, rht=True, stochastic_rounding_key=key)
     qx = quantize(x, columnwise=True, rht=True)
 
-    def transposed(t):  # the columnwise copy as a rowwise tensor of x^T
-        return jax_nvfp4.NVFP4Tensor(t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype)
-
     assert_same_bytes(y, gemm(quantize(x), quantize(w.T, block_2d=True), y.dtype))
     assert_same_bytes(dx, gemm(qdy, quantize(w, block_2d=True), x.dtype))
-    assert_same_bytes(dw, gemm(transposed(qdy), transposed(qx), w.dtype).T)
+    assert_same_bytes(dw, gemm(columnwise_as_rowwise(qdy), columnwise_as_rowwise(qx), w.dtype).T)
     _, dx_plain, dw_plain = _grads(plain_dot, x, w, dy)
     assert not np.array_equal(np.asarray(dx), np.asarray(dx_plain))
     assert _rel_err(dw, dw_plain) < 0.35  # two NVFP4 approximations of dW (each ~15% off), not equal

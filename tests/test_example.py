@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import re
 import sys
@@ -11,7 +12,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -39,11 +39,7 @@ def _loss_and_grad(args, mesh):
     if mesh is not None:
         batch = jax.device_put(batch, NamedSharding(mesh, P(train_lm.BATCH)))
 
-    def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-    return jax.jit(jax.value_and_grad(loss_fn)), params, batch
+    return jax.jit(jax.value_and_grad(functools.partial(train_lm.next_byte_loss, model))), params, batch
 
 
 def test_sharded_step_gathers_the_nvfp4_weights_as_packed_bytes():

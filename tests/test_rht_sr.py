@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import SPECIAL_VALUES, random_tensor
+from conftest import SPECIAL_VALUES, columnwise_as_rowwise, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernels import assert_same_tensor
@@ -49,10 +49,7 @@ def test_rht_copy_keeps_the_weight_gradient(impl):
     tx, tdy = q(x, columnwise=True, rht=True), q(dy, columnwise=True, rht=True)
     assert tx.rht and float(tx.amax_t) < float(tx.amax)
 
-    def rowwise(t):  # the columnwise copy as the rowwise one of x^T
-        return jax_nvfp4.NVFP4Tensor(t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype)
-
-    got = np.asarray(jax_nvfp4.gemm(rowwise(tdy), rowwise(tx)))
+    got = np.asarray(jax_nvfp4.gemm(columnwise_as_rowwise(tdy), columnwise_as_rowwise(tx)))
     want = np.asarray(dy.T @ x)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.15
     with pytest.raises(ValueError, match="Random Hadamard"):

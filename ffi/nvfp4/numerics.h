@@ -219,43 +219,28 @@ NVFP4_HD void threefry_mix(uint32_t& x0, uint32_t& x1, int r) {
   x1 = rotl32(x1, r) ^ x0;
 }
 
+// Four rounds with rotations 13 15 26 6 (first) or 17 29 16 24, then a key injection.
+NVFP4_HD void threefry_rounds(uint32_t& x0, uint32_t& x1, bool first, uint32_t ka, uint32_t kb) {
+  threefry_mix(x0, x1, first ? 13 : 17);
+  threefry_mix(x0, x1, first ? 15 : 29);
+  threefry_mix(x0, x1, first ? 26 : 16);
+  threefry_mix(x0, x1, first ? 6 : 24);
+  x0 += ka;
+  x1 += kb;
+}
+
 // jax.extend.random.threefry_2x32's hash of one counter pair (x0, x1): 20
-// rounds (rotations 13 15 26 6 / 17 29 16 24), the key injected every 4 rounds
-// with the injection count. Written out so that the CPU loops vectorize.
+// rounds, the key injected every 4 rounds with the injection count. Straight-line
+// code (no loop over a key schedule array) so that the CPU loops vectorize.
 NVFP4_HD Words threefry2x32(Seed key, uint32_t x0, uint32_t x1) {
   const uint32_t k0 = key.k0, k1 = key.k1, k2 = key.k0 ^ key.k1 ^ 0x1BD11BDAu;
   x0 += k0;
   x1 += k1;
-  threefry_mix(x0, x1, 13);
-  threefry_mix(x0, x1, 15);
-  threefry_mix(x0, x1, 26);
-  threefry_mix(x0, x1, 6);
-  x0 += k1;
-  x1 += k2 + 1u;
-  threefry_mix(x0, x1, 17);
-  threefry_mix(x0, x1, 29);
-  threefry_mix(x0, x1, 16);
-  threefry_mix(x0, x1, 24);
-  x0 += k2;
-  x1 += k0 + 2u;
-  threefry_mix(x0, x1, 13);
-  threefry_mix(x0, x1, 15);
-  threefry_mix(x0, x1, 26);
-  threefry_mix(x0, x1, 6);
-  x0 += k0;
-  x1 += k1 + 3u;
-  threefry_mix(x0, x1, 17);
-  threefry_mix(x0, x1, 29);
-  threefry_mix(x0, x1, 16);
-  threefry_mix(x0, x1, 24);
-  x0 += k1;
-  x1 += k2 + 4u;
-  threefry_mix(x0, x1, 13);
-  threefry_mix(x0, x1, 15);
-  threefry_mix(x0, x1, 26);
-  threefry_mix(x0, x1, 6);
-  x0 += k2;
-  x1 += k0 + 5u;
+  threefry_rounds(x0, x1, true, k1, k2 + 1u);
+  threefry_rounds(x0, x1, false, k2, k0 + 2u);
+  threefry_rounds(x0, x1, true, k0, k1 + 3u);
+  threefry_rounds(x0, x1, false, k1, k2 + 4u);
+  threefry_rounds(x0, x1, true, k2, k0 + 5u);
   return Words{x0, x1};
 }
 
