@@ -101,7 +101,8 @@ def _seed(key: jax.Array | None, recipe: Recipe) -> jax.Array | None:
         raise ValueError(
             "Recipe(stochastic_rounding=True) rounds the gradients with random bits: pass rng_key= to "
             "jax_nvfp4.dot_general (a fresh key each step), give the Flax layers an 'nvfp4' RNG stream "
-            "(apply(..., rngs={'nvfp4': key})), or use Recipe(stochastic_rounding=False)"
+            "(linen: apply(..., rngs={'nvfp4': key}); NNX: dot_general=jax_nvfp4.flax.nnx.NVFP4DotGeneral(rngs=rngs) "
+            "instead of jax_nvfp4.dot_general), or use Recipe(stochastic_rounding=False)"
         )
     return seed_words(key)
 

@@ -15,6 +15,7 @@ from test_kernels import assert_same_bytes
 import jax_nvfp4
 from jax_nvfp4 import Recipe
 from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, NVFP4DotGeneral
+from jax_nvfp4.flax.nnx import NVFP4DotGeneral as NNXDotGeneral
 
 X = jax.random.normal(jax.random.key(0), (2, 24, 64), jnp.bfloat16)
 
@@ -165,3 +166,73 @@ def test_logical_axes_annotate_the_params_without_changing_them():
     )
     # Without axes nothing is boxed.
     assert not nn.get_partition_spec(NVFP4Dense(32).init(jax.random.key(0), x))["params"]["kernel"]
+
+
+# Flax NNX: jax_nvfp4.flax.nnx.NVFP4DotGeneral keeps a forked "nvfp4" stream in the layer's graph.
+
+DIMS = (((2,), (0,)), ((), ()))
+
+
+def _nnx_linear(rngs: nnx.Rngs, recipe: Recipe | None = None) -> nnx.Linear:
+    """The README's usage: one Rngs for the layer and its dot_general."""
+    return nnx.Linear(64, 32, dot_general=NNXDotGeneral(recipe or Recipe(), rngs=rngs), rngs=rngs)
+
+
+def test_nnx_dot_general_is_jax_nvfp4_dot_general():
+    x = X.astype(jnp.float32)
+    for recipe in (Recipe(), Recipe(weight_block_2d=False, stochastic_rounding=False)):
+        layer = _nnx_linear(nnx.Rngs(0), recipe)
+        want = jax_nvfp4.dot_general(x, layer.kernel[...], DIMS, recipe=recipe) + layer.bias[...]
+        assert_same_bytes(layer(x), want)
+    # nnx.Linear keeps dot_general as an attribute: its stream is part of the layer's state.
+    layer = _nnx_linear(nnx.Rngs(0))
+    streams = nnx.state(layer, nnx.RngState)
+    assert set(streams["dot_general"]["rngs"]) == {"key", "count"}
+    assert layer.dot_general.rngs.key.tag == RNG_STREAM
+    # Its own "nvfp4" seed leaves the Linear's initialization as without NVFP4.
+    plain = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    assert_same_bytes(_nnx_linear(nnx.Rngs(0, nvfp4=1)).kernel[...], plain.kernel[...])
+    with pytest.raises(ValueError, match="'nvfp4' stream"):
+        NNXDotGeneral(rngs=nnx.Rngs(params=0))
+
+
+@nnx.jit
+def _nnx_step(model: nnx.Linear, x: jax.Array):
+    """A training step's loss and gradients (parameters unchanged, so steps differ only in their keys)."""
+    return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+
+
+def test_nnx_training_steps_take_new_keys_reproducibly():
+    x = X.astype(jnp.float32)
+    runs = []
+    for _ in range(2):
+        model = _nnx_linear(nnx.Rngs(0))
+        key = model.dot_general.rngs.key[...]
+        runs.append([np.asarray(_nnx_step(model, x)[1]["kernel"][...]) for _ in range(2)])
+        assert int(model.dot_general.rngs.count[...]) == 2
+    (first, second), again = runs
+    assert not np.array_equal(first, second)  # each step rounds with a new key
+    for a, b in zip(runs[0], again, strict=True):
+        np.testing.assert_array_equal(a, b)  # the same seed gives the same steps
+    # The first step's key is the stream's first: fold_in(key, 0).
+    dense = functools.partial(jax_nvfp4.dot_general, rng_key=jax.random.fold_in(key, 0))
+    want = jax.grad(lambda k: jnp.mean((dense(x, k, DIMS) + model.bias[...]) ** 2))(model.kernel[...])
+    np.testing.assert_array_equal(first, np.asarray(want))
+
+
+def test_nnx_dot_general_without_stochastic_rounding_needs_no_rngs():
+    x = X.astype(jnp.float32)
+    recipe = Recipe(stochastic_rounding=False)
+    model = nnx.Linear(64, 32, dot_general=NNXDotGeneral(recipe), rngs=nnx.Rngs(0))
+    grads = [np.asarray(_nnx_step(model, x)[1]["kernel"][...]) for _ in range(2)]
+    np.testing.assert_array_equal(*grads)
+    assert model.dot_general.rngs is None
+    assert NNXDotGeneral(recipe, rngs=nnx.Rngs(0)).rngs is None  # no stream taken
+
+
+def test_nnx_stochastic_rounding_without_rngs_says_what_to_pass():
+    x = X.astype(jnp.float32)
+    model = nnx.Linear(64, 32, dot_general=NNXDotGeneral(), rngs=nnx.Rngs(0))
+    model(x)  # the forward pass needs no key
+    with pytest.raises(ValueError, match=r"NVFP4DotGeneral\(rngs=rngs\)"):
+        _nnx_step(model, x)

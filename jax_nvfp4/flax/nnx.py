@@ -1,0 +1,77 @@
+"""Flax NNX: ``NVFP4DotGeneral``, an NVFP4 ``dot_general`` that keeps its own RNG stream.
+
+Pass it as ``dot_general=`` to ``nnx.Linear`` (or any NNX layer that calls a
+``dot_general`` attribute)::
+
+    from jax_nvfp4.flax.nnx import NVFP4DotGeneral
+
+    rngs = nnx.Rngs(0)
+    layer = nnx.Linear(64, 32, dot_general=NVFP4DotGeneral(rngs=rngs), rngs=rngs)
+
+``nnx.Linear`` stores ``dot_general`` as an attribute, so the module, and its
+stream's key and counter, are part of the layer's graph: under ``nnx.jit`` /
+``nnx.value_and_grad`` the counter advances and each step rounds with a new
+key, and the same seed reproduces the steps. The module is importable apart
+from the linen layers (``jax_nvfp4.flax`` does not import NNX).
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from jax_nvfp4.dot import dot_general
+from jax_nvfp4.flax.linen import RNG_STREAM
+from jax_nvfp4.recipe import Recipe
+
+_DEFAULT_RECIPE = Recipe()
+
+
+class NVFP4DotGeneral(nnx.Module):
+    """``lax.dot_general`` in NVFP4, as an NNX module for ``dot_general=``.
+
+    With ``recipe.stochastic_rounding`` (the default) it forks a stream from
+    ``rngs["nvfp4"]`` (``RNG_STREAM``) at construction, as ``nnx.Dropout``
+    does, and passes a fresh key from it to each call. ``nnx.Rngs`` falls back
+    to its ``default`` stream when it has no ``"nvfp4"`` one (with neither it
+    raises); forking draws one key from that stream, so to leave the other
+    layers' initialization as without NVFP4, give the stream its own seed:
+    ``nnx.Rngs(0, nvfp4=1)``. The forked stream is tagged ``"nvfp4"`` either
+    way, so ``nnx.reseed(model, nvfp4=seed)`` reseeds it.
+
+    Without ``rngs`` the forward pass runs, and taking gradients with
+    stochastic rounding raises an error that says what to pass. An explicit
+    ``rng_key=`` in a call takes precedence over the stream.
+    """
+
+    def __init__(self, recipe: Recipe = _DEFAULT_RECIPE, *, rngs: nnx.Rngs | nnx.RngStream | None = None) -> None:
+        """Args:
+        recipe: the NVFP4 recipe; ``Recipe()`` by default.
+        rngs: an ``nnx.Rngs`` (its ``"nvfp4"`` stream, else its ``default``)
+          or an ``nnx.RngStream``; used only with ``recipe.stochastic_rounding``.
+        """
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+        self.recipe = recipe
+        if not (rngs is None or isinstance(rngs, (nnx.Rngs, nnx.RngStream))):
+            raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None, got {type(rngs).__name__}")
+        self.rngs: nnx.RngStream | None = nnx.data(None)
+        if rngs is not None and recipe.stochastic_rounding:
+            if isinstance(rngs, nnx.Rngs):
+                if RNG_STREAM not in rngs and "default" not in rngs:
+                    raise ValueError(
+                        f"NVFP4DotGeneral takes its stochastic-rounding keys from the {RNG_STREAM!r} stream of "
+                        f"rngs (else its 'default' stream), and rngs has only {sorted(rngs)}: pass e.g. "
+                        f"nnx.Rngs(..., {RNG_STREAM}=seed)"
+                    )
+                rngs = rngs[RNG_STREAM]
+            # A fork of the stream (one key from it), tagged "nvfp4" whichever stream it came from.
+            self.rngs = nnx.RngStream(rngs(), tag=RNG_STREAM)
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+        """``jax_nvfp4.dot_general`` with this module's recipe and, if it rounds stochastically, a new key."""
+        if self.recipe.stochastic_rounding and self.rngs is not None and kwargs.get("rng_key") is None:
+            kwargs["rng_key"] = self.rngs()
+        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
+
+
+__all__ = ["RNG_STREAM", "NVFP4DotGeneral"]
