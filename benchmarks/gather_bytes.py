@@ -82,10 +82,10 @@ def as_bf16(by_dtype: dict[str, int]) -> int:
 
 def main() -> None:
     args = argparse.Namespace(
-        batch=8, seq_len=128, d_model=128, layers=4, heads=4, recipe="2d", mesh=train_lm.parse_mesh(ARGS.mesh)
+        batch=8, seq_len=128, d_model=128, layers=4, heads=4, weight_blocks="16x16", mesh=train_lm.parse_mesh(ARGS.mesh)
     )
     mesh = train_lm.make_mesh(args.mesh, args)
-    nvfp4, bf16 = gathered_bytes("nvfp4", args, mesh), gathered_bytes("bf16", args, mesh)
+    nvfp4, bf16 = gathered_bytes("plain", args, mesh), gathered_bytes("bf16", args, mesh)
     report = Report(
         ARGS.out,
         [
@@ -93,7 +93,7 @@ def main() -> None:
             "",
             f"{datetime.date.today()}, jax {jax.__version__}, mesh {ARGS.mesh}, `python benchmarks/gather_bytes.py`.",
             f"Model of `examples/train_lm.py` (d_model {args.d_model}, {args.layers} layers, batch {args.batch}x"
-            f"{args.seq_len}, NVFP4 with 16x16 weight blocks); loss and gradients, read from the compiled HLO.",
+            f"{args.seq_len}, NVFP4 plain recipe with 16x16 weight blocks); loss and gradients, from the compiled HLO.",
             "NVFP4 u8 = the packed codes and E4M3 scales of quantized weights; float = the weights that are not",
             "quantized (norms, biases, embeddings, head), counted for both models at 2 bytes a value as bf16 gathers",
             "move them (XLA on CPU moves them as f32, twice that: the last line).",

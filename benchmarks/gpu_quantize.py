@@ -6,9 +6,14 @@ once (rowwise+columnwise 1x16 from bf16: 3.125 bytes a value). Reports, as % of
 the copy bandwidth measured in the same run: (a) the quantize kernel alone
 (amax given) and (b) the whole `quantize` with its amax pass (which reads the
 input a second time); and the speed-up of (b) over the jitted pure-JAX reference.
-A last table measures the design's answer to that extra read: when the tensor
+Another table measures the design's answer to that extra read: when the tensor
 comes out of another op (here y = 2x), an amax computed in JAX (max |y|) can be
 fused by XLA into that op, so only the quantize kernel reads y again.
+The last table times the recipe's options on the rowwise+columnwise 1x16
+quantize (amax passes included), each as a multiple of the plain one: the
+Random Hadamard Transform on the columnwise copy (its amax from a fused RHT
+pass, or estimated from the plain amax: one pass fewer), stochastic rounding of
+both copies, and both. Targets: RHT at most 1.25x, stochastic rounding 1.2x.
 
     python benchmarks/gpu_quantize.py [--sizes 1024,4096,8192,16384] [--repeats 20] [--out results.md]
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +97,22 @@ def main() -> None:
         own_s = median_seconds(jax.jit(own_pass), x, repeats=args.repeats)
         fused_s = median_seconds(jax.jit(fused), x, repeats=args.repeats)
         report.add(f"| {size}x{size} | {own_s * 1e3:.3f} | {fused_s * 1e3:.3f} | {100 * (1 - fused_s / own_s):.0f}% |")
+    report.add("")
+    report.add("| size | plain ms | RHT (fused amax) | RHT (amax estimate) | stochastic rounding | RHT + SR |")
+    report.add("|---|---:|---:|---:|---:|---:|")
+    q = functools.partial(jax_nvfp4.quantize, columnwise=True)
+    variants = (  # (x, key) -> quantized; the key is an argument, not a constant folded into the program
+        lambda x, k: q(x, rht=True),
+        lambda x, k: q(x, rht=True, rht_amax_estimate=2.0),
+        lambda x, k: q(x, stochastic_rounding_key=k),
+        lambda x, k: q(x, rht=True, stochastic_rounding_key=k),
+    )
+    key = jax.random.key(1)
+    for size in map(int, args.sizes.split(",")):
+        x = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+        plain_s = median_seconds(jax.jit(q), x, repeats=args.repeats)
+        ratios = [median_seconds(jax.jit(fn), x, key, repeats=args.repeats) / plain_s for fn in variants]
+        report.add(f"| {size}x{size} | {plain_s * 1e3:.3f} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     report.save()
 
 

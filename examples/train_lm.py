@@ -1,12 +1,18 @@
 """Train a small byte-level transformer with NVFP4 linear layers and compare it with bf16.
 
 The corpus is the Python standard library's own source, which every machine has offline: ~4 MB of
-bytes in a fixed order, the last 5% held out for validation. Both runs start from the same initial
-weights and see the same batches; only the linear layers inside the transformer blocks differ
-(NVFP4 or bf16). The embeddings and the output head stay in bf16, as in NVIDIA's NVFP4 recipe.
-Prints a table of final losses and step times and writes a plot of both loss curves.
+bytes in a fixed order, the last 5% held out for validation. Every run starts from the same initial
+weights and sees the same batches; only the linear layers inside the transformer blocks differ
+(NVFP4 with a recipe variant, or bf16). The embeddings and the output head stay in bf16, as in NVIDIA's
+NVFP4 recipe. Prints a table of final losses and step times and writes a plot of the loss curves.
 
-    python examples/train_lm.py [--steps N] [--only both|nvfp4|bf16] [--out train_lm.png]
+    python examples/train_lm.py [--steps N] [--runs full,bf16 | all] [--out train_lm.png]
+
+The NVFP4 recipe variants (``--runs``): plain (round to nearest, no transform), rht (+ the Random
+Hadamard Transform on the weight-gradient operands), sr (+ stochastic rounding of the gradients, no
+RHT), full (both: NVIDIA's recipe, ``jax_nvfp4.Recipe()``), full-est (full, with the post-RHT amax
+estimated from the pre-RHT one). Stochastic rounding draws a fresh key every step from the layers'
+``"nvfp4"`` RNG stream.
 
 `--mesh data=2,fsdp=2,tensor=2` trains sharded over that many devices (on CPU, set
 XLA_FLAGS=--xla_force_host_platform_device_count=8): the batch splits over data x fsdp, the parameters
@@ -16,6 +22,7 @@ and their optimizer state over fsdp (gathered for use), and the attention heads 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -37,7 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
-from jax_nvfp4.flax import NVFP4Dense, NVFP4DenseGeneral
+from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -63,6 +70,16 @@ RULES = (
     ("kv", None),
 )
 
+# The NVFP4 recipe variants --runs can train (their weight blocks come from --weight-blocks).
+RECIPES = {
+    "plain": jax_nvfp4.Recipe(rht=False, stochastic_rounding=False),
+    "rht": jax_nvfp4.Recipe(stochastic_rounding=False),
+    "sr": jax_nvfp4.Recipe(rht=False),
+    "full": jax_nvfp4.Recipe(),
+    "full-est": jax_nvfp4.Recipe(rht_amax_estimate=True),
+}
+RUNS = (*RECIPES, "bf16")
+
 
 def load_corpus(max_bytes: int = 4 << 20) -> np.ndarray:
     """The standard library's .py sources as bytes, in sorted file order, up to max_bytes."""
@@ -82,9 +99,11 @@ def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     return data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
 
 
-def next_byte_loss(model: nn.Module, params: Any, batch: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting each next byte of the windows ``batch`` [B, seq_len + 1]."""
-    logits = model.apply({"params": params}, batch[:, :-1])
+def next_byte_loss(model: nn.Module, params: Any, batch: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of predicting each next byte of the windows ``batch`` [B, seq_len + 1].
+
+    ``key`` feeds the NVFP4 layers' stochastic rounding (needed for gradients when the recipe has it)."""
+    logits = model.apply({"params": params}, batch[:, :-1], rngs=None if key is None else {RNG_STREAM: key})
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
@@ -190,11 +209,10 @@ class TransformerLM(nn.Module):
         return head(x).astype(jnp.float32)
 
 
-def build_model(precision: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None) -> TransformerLM:
-    """The same architecture; only the block's linear layers depend on the precision."""
-    if precision == "nvfp4":
-        # Round to nearest, no Random Hadamard Transform: the recipe the recorded results were made with.
-        recipe = jax_nvfp4.Recipe(weight_block_2d=args.recipe == "2d", rht=False, stochastic_rounding=False)
+def build_model(run: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None) -> TransformerLM:
+    """The same architecture; only the block's linear layers depend on the run (bf16 or an NVFP4 recipe)."""
+    if run in RECIPES:
+        recipe = dataclasses.replace(RECIPES[run], weight_block_2d=args.weight_blocks == "16x16")
         dense_cls = functools.partial(NVFP4Dense, recipe=recipe)
         dense_general_cls = functools.partial(NVFP4DenseGeneral, recipe=recipe)
     else:
@@ -293,15 +311,16 @@ def shard_state(state: train_state.TrainState, mesh: jax.sharding.Mesh) -> tuple
 
 
 def train(
-    precision: str,
+    run: str,
     args: argparse.Namespace,
     train_starts: np.ndarray,
     data: dict[str, Any],
     mesh: jax.sharding.Mesh | None = None,
+    on_eval: Callable[[int, Any], None] | None = None,
 ) -> dict[str, Any]:
-    """Train one model from the shared seed on the shared batches, sharded over mesh if one is given; return its
-    losses and timing."""
-    model = build_model(precision, args, mesh)
+    """Train one model (bf16 or an NVFP4 recipe of RECIPES) from the shared seed on the shared batches, sharded
+    over mesh if one is given; return its losses and timing. ``on_eval(step, params)`` runs at each evaluation."""
+    model = build_model(run, args, mesh)
 
     loss_fn = functools.partial(next_byte_loss, model)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
@@ -317,9 +336,12 @@ def train(
         jit_step = functools.partial(jit_step, out_shardings=(shardings, NamedSharding(mesh, P())))
         put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(BATCH)))
 
+    rounding_key = jax.random.key(args.seed + 1)  # stochastic rounding: a fresh key each step, folded in below
+
     @jit_step
     def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        key = jax.random.fold_in(rounding_key, state.step)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
         return state.apply_gradients(grads=grads), loss
 
     eval_step = jax.jit(loss_fn)
@@ -327,7 +349,7 @@ def train(
     def evaluate(params: Any) -> float:
         return float(np.mean([eval_step(params, put(b)) for b in data["val_batches"]]))
 
-    label = f"{precision:>5}"
+    label = f"{run:>8}"
     progress, losses, val, eval_time = Progress(label, args.steps), [], [], 0.0
     for step in range(1, args.steps + 1):
         state, loss = train_step(state, put(windows(data["train"], train_starts[step - 1], args.seq_len)))
@@ -343,6 +365,8 @@ def train(
             jax.block_until_ready(state)  # finish the training step first, so it is not timed as evaluation
             t_eval = time.perf_counter()
             val.append((step, evaluate(state.params)))
+            if on_eval is not None:
+                on_eval(step, state.params)
             progress.clear()
             print(f"{label} step {step:5d}  train {float(loss):.4f}  val {val[-1][1]:.4f}", flush=True)
             eval_time += time.perf_counter() - t_eval
@@ -353,7 +377,7 @@ def train(
     losses = np.asarray(jnp.stack(losses))
     tail = max(1, args.steps // 10)
     return {
-        "precision": precision,
+        "run": run,
         "mesh": mesh_name(args.mesh),
         "train_loss": losses.tolist(),
         "val_loss": val,
@@ -361,6 +385,18 @@ def train(
         "final_val_loss": val[-1][1],
         "ms_per_step": 1e3 * elapsed / max(args.steps - 1, 1),
     }
+
+
+COLORS = {"plain": "tab:orange", "rht": "tab:green", "sr": "tab:purple", "full": "tab:red", "full-est": "tab:brown"}
+COLORS["bf16"] = "tab:blue"
+
+
+def parse_runs(text: str) -> tuple[str, ...]:
+    """``full,bf16`` or ``all`` -> the runs' names, for argparse."""
+    runs = RUNS if text == "all" else tuple(dict.fromkeys(r.strip() for r in text.split(",")))
+    if not runs or any(r not in RUNS for r in runs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'all' or a comma-separated list of {', '.join(RUNS)}")
+    return runs
 
 
 def smooth(x: np.ndarray, window: int) -> np.ndarray:
@@ -372,7 +408,7 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     window = max(1, args.steps // 50)
     for name, r in results.items():
-        color = {"nvfp4": "tab:red", "bf16": "tab:blue"}[name]
+        color = COLORS[name]
         x = np.arange(window, args.steps + 1)
         y = smooth(np.asarray(r["train_loss"]), window)
         vs, vl = zip(*r["val_loss"], strict=True)
@@ -387,7 +423,7 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     axes[0].legend()
     fig.suptitle(
         f"byte-level LM on stdlib source: d_model {args.d_model}, {args.layers} layers, "
-        f"batch {args.batch}x{args.seq_len}, NVFP4 recipe {args.recipe}"
+        f"batch {args.batch}x{args.seq_len}, NVFP4 weight blocks {args.weight_blocks}"
         + (f", mesh {mesh_name(args.mesh)}" if args.mesh else "")
     )
     fig.tight_layout()
@@ -395,7 +431,35 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def prepare_data(args: argparse.Namespace) -> tuple[np.ndarray, dict[str, Any]]:
+    """The training windows' starts [steps, batch] and the data ({"train": bytes, "val_batches": [...]}), the
+    same for every run: one numpy RNG for training, evenly spaced fixed windows for validation."""
+    corpus = load_corpus()
+    split = int(0.95 * len(corpus))
+    train_data, val_data = corpus[:split], corpus[split:]
+    train_starts = np.random.default_rng(args.seed).integers(0, split - args.seq_len - 1, (args.steps, args.batch))
+    val_starts = np.linspace(0, len(val_data) - args.seq_len - 1, EVAL_WINDOWS).astype(np.int64)
+    val_windows = windows(val_data, val_starts, args.seq_len)
+    val_batches = [jnp.asarray(w) for w in np.split(val_windows, EVAL_WINDOWS // EVAL_BATCH)]
+    print(f"corpus: {len(corpus) / 1e6:.2f} MB of stdlib source ({len(train_data)} train / {len(val_data)} val bytes)")
+    return train_starts, {"train": train_data, "val_batches": val_batches}
+
+
+def describe(run: str, args: argparse.Namespace) -> str:
+    """What a run's linear layers do, for the results table."""
+    if run == "bf16":
+        return "bf16"
+    recipe = RECIPES[run]
+    parts = [f"NVFP4, {args.weight_blocks} weights"]
+    if recipe.rht:
+        parts.append("RHT" + (" (amax estimated)" if recipe.rht_amax_estimate else ""))
+    if recipe.stochastic_rounding:
+        parts.append("SR")
+    return " + ".join(parts)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The example's command line (its defaults are the recorded runs' settings)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1400)
     parser.add_argument("--batch", type=int, default=8)
@@ -405,8 +469,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="init and data seed, shared by both runs")
-    parser.add_argument("--recipe", choices=("2d", "1d"), default="2d", help="weight blocks 16x16 (2d) or 1x16 (1d)")
-    parser.add_argument("--only", choices=("both", "nvfp4", "bf16"), default="both")
+    parser.add_argument("--weight-blocks", choices=("16x16", "1x16"), default="16x16", help="NVFP4 weight blocks")
+    parser.add_argument(
+        "--runs",
+        type=parse_runs,
+        default=("full", "bf16"),
+        help=f"comma-separated runs of {', '.join(RUNS)}, or 'all' (default: full,bf16)",
+    )
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--out", default="train_lm.png", help="where to write the loss plot")
     parser.add_argument("--json", default=None, help="optionally, where to write the results as JSON")
@@ -417,6 +486,11 @@ def main() -> None:
         help="train sharded on a device mesh, e.g. data=2,fsdp=2,tensor=2 (axes not named: 1); the sizes' product "
         "must be the device count (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)",
     )
+    return parser
+
+
+def main() -> None:
+    parser = make_parser()
     args = parser.parse_args()
     if args.d_model % args.heads or min(args.steps, args.eval_every, args.batch) < 1:
         parser.error("--d-model must be a multiple of --heads; --steps, --eval-every and --batch at least 1")
@@ -434,32 +508,21 @@ def main() -> None:
             f"attention heads and MLP {t}-way (tensor)"
         )
 
-    corpus = load_corpus()
-    split = int(0.95 * len(corpus))
-    train_data, val_data = corpus[:split], corpus[split:]
-    # Same windows for both runs: one numpy RNG for training, evenly spaced fixed windows for validation.
-    train_starts = np.random.default_rng(args.seed).integers(0, split - args.seq_len - 1, (args.steps, args.batch))
-    val_starts = np.linspace(0, len(val_data) - args.seq_len - 1, EVAL_WINDOWS).astype(np.int64)
-    val_windows = windows(val_data, val_starts, args.seq_len)
-    val_batches = [jnp.asarray(w) for w in np.split(val_windows, EVAL_WINDOWS // EVAL_BATCH)]
-    data = {"train": train_data, "val_batches": val_batches}
-    print(f"corpus: {len(corpus) / 1e6:.2f} MB of stdlib source ({len(train_data)} train / {len(val_data)} val bytes)")
+    train_starts, data = prepare_data(args)
     shapes = jax.eval_shape(build_model("bf16", args).init, jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))
     n_params = sum(p.size for p in jax.tree.leaves(shapes))
     print(f"model: {n_params / 1e6:.2f}M params, {args.steps} steps of {args.batch}x{args.seq_len} bytes\n")
 
     t0 = time.perf_counter()
-    runs = ("nvfp4", "bf16") if args.only == "both" else (args.only,)
-    results = {p: train(p, args, train_starts, data, mesh) for p in runs}
+    results = {run: train(run, args, train_starts, data, mesh) for run in args.runs}
 
-    names = {"nvfp4": f"NVFP4 ({'16x16' if args.recipe == '2d' else '1x16'} weight blocks)", "bf16": "bf16"}
-    print("\n| precision | train loss | val loss | val gap vs bf16 | ms/step |\n|---|---|---|---|---|")
-    for p, r in results.items():
+    print("\n| run | recipe | train loss | val loss | val gap vs bf16 | ms/step |\n|---|---|---|---|---|---|")
+    for run, r in results.items():
         gap = "-"
-        if p == "nvfp4" and "bf16" in results:
+        if run != "bf16" and "bf16" in results:
             gap = f"{100 * (r['final_val_loss'] / results['bf16']['final_val_loss'] - 1):+.2f}%"
         losses = f"{r['final_train_loss']:.4f} | {r['final_val_loss']:.4f}"
-        print(f"| {names[p]} | {losses} | {gap} | {r['ms_per_step']:.1f} |")
+        print(f"| {run} | {describe(run, args)} | {losses} | {gap} | {r['ms_per_step']:.1f} |")
     tail = max(1, args.steps // 10)
     print(f"\ntrain loss: mean of the last {tail} steps; total time {time.perf_counter() - t0:.0f}s")
 

@@ -26,13 +26,14 @@ pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU
 
 def _args(mesh: str) -> argparse.Namespace:
     return argparse.Namespace(
-        batch=8, seq_len=32, d_model=64, layers=1, heads=2, recipe="2d", mesh=train_lm.parse_mesh(mesh)
+        batch=8, seq_len=32, d_model=64, layers=1, heads=2, weight_blocks="16x16", mesh=train_lm.parse_mesh(mesh)
     )
 
 
-def _loss_and_grad(args, mesh):
-    """The jitted loss and gradients of the NVFP4 model on a fixed batch, sharded over mesh (None: not)."""
-    model = train_lm.build_model("nvfp4", args, mesh)
+def _loss_and_grad(args, mesh, run: str):
+    """The jitted loss and gradients of the NVFP4 model (recipe ``run``) on a fixed batch, sharded over mesh (None:
+    not), as a function of (params, batch, stochastic-rounding key)."""
+    model = train_lm.build_model(run, args, mesh)
     init = lambda: model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
     params = nn.unbox(init()) if mesh is None else train_lm.sharded_params(init, mesh)
     batch = np.random.default_rng(0).integers(0, train_lm.VOCAB, (args.batch, args.seq_len + 1), np.int32)
@@ -44,8 +45,9 @@ def _loss_and_grad(args, mesh):
 
 def test_sharded_step_gathers_the_nvfp4_weights_as_packed_bytes():
     args = _args("data=2,fsdp=2,tensor=2")
-    step, params, batch = _loss_and_grad(args, train_lm.make_mesh(args.mesh, args))
-    gathers = [c for c in collectives(step.lower(params, batch).compile().as_text()) if c.op == "all-gather"]
+    step, params, batch = _loss_and_grad(args, train_lm.make_mesh(args.mesh, args), "full")
+    hlo = step.lower(params, batch, jax.random.key(0)).compile().as_text()
+    gathers = [c for c in collectives(hlo) if c.op == "all-gather"]
     in_gemms = [c for c in gathers if "NVFP4DotGeneral" in c.op_name]
     # Each of the 6 NVFP4 layers gathers its FSDP-sharded weight, codes and scales, in the forward and backward.
     assert {re.search(r"/(block0/\w+)/NVFP4DotGeneral", c.op_name).group(1) for c in in_gemms} == {
@@ -60,11 +62,15 @@ def test_sharded_step_gathers_the_nvfp4_weights_as_packed_bytes():
 @pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=4"])
 def test_data_and_fsdp_sharding_give_the_unsharded_step(mesh, monkeypatch):
     """In float32 (no bf16 fusion differences) data and FSDP sharding change no value: each NVFP4 GEMM sees the
-    same bytes, and the amax is reduced over the mesh."""
+    same bytes, and the amax is reduced over the mesh. The plain recipe: with stochastic rounding each shard
+    draws its own random bits. With the RHT, one column of mlp_up's weight gradient differed by a block-scale
+    step: the layers' float32 inputs and gradients, read out of the sharded program, differ from the unsharded
+    ones in last bits, and a sum of 16 of them moved a block scale. tests/test_sharding.py checks the RHT's
+    sharded step on an MLP whose intermediates it controls."""
     monkeypatch.setattr(train_lm, "DTYPE", jnp.float32)
     args = _args(mesh)
-    want_loss, want_grads = (lambda f, p, b: f(p, b))(*_loss_and_grad(args, None))
-    got_loss, got_grads = (lambda f, p, b: f(p, b))(*_loss_and_grad(args, train_lm.make_mesh(args.mesh, args)))
+    want_loss, want_grads = (lambda f, p, b: f(p, b))(*_loss_and_grad(args, None, "plain"))
+    got_loss, got_grads = (lambda f, p, b: f(p, b))(*_loss_and_grad(args, train_lm.make_mesh(args.mesh, args), "plain"))
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)  # its mean sums the shards in another order
     # Gradients: their f32 sums over the batch shards are added in another order. (The key bias's gradient is 0
     # but for rounding, so the tolerance is relative to the largest gradient.)
