@@ -11,11 +11,16 @@ smaller error is kept, ties keep map-6. Numerics as ``tests/golden/README.md``:
 - Per element, with q the candidate's E2M1 value and s its decoded scale (q * s
   is exact: at most 8 significant bits, within [2^-10, 2688]):
   exact mode: d = fp32(fp32(q * s * amax) / fp32(6 E)) - x;
-  fast_math:  d = q * s - fp32(x * ges) (the kernel's FP16 product, exact too).
+  fast_math:  d = q * s - fp32(x * ges). The kernel forms q * s in FP16, where
+  every such product is exact too (normal or subnormal), so it is the exact
+  product. Only a NaN scale differs (TransformerEngine's FP16 decode reads it as
+  98304, here it is NaN); the choice is the same, since a NaN scale means a NaN
+  in the block or in amax, so the block's fp32(x * ges) and its error are NaN.
 - A 1x16 chunk's error is the fp32 sum of |d| ("mae") or d * d ("mse") over its
-  16 elements, added one by one in element order.
+  16 elements, added one by one in element order. A NaN error on either side keeps map-6.
 - 16x16 blocks: the 16 chunk errors are summed as a tree (r_i + r_{i+8}, then
-  +4, +2, +1) and the choice is the whole block's.
+  +4, +2, +1) and the choice is the whole block's. The columnwise copy is the
+  quantization of x^T, whose chunks are x's columns: it picks on its own.
 """
 
 from __future__ import annotations
