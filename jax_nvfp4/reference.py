@@ -17,39 +17,14 @@ from jax.extend import random as jex_random
 
 from jax_nvfp4 import _bits as b
 from jax_nvfp4 import _frontend
+from jax_nvfp4 import _reference_4over6 as _fos
+from jax_nvfp4._codecs import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode
 from jax_nvfp4.formats import BLOCK, RHT_SIGNS
 
 # float32 bit patterns of the constants the spec uses.
-_F32_2688 = 0x45280000  # 6 * 448
 _F32_ONE_SIXTH = int(np.float32(1.0 / 6.0).view(np.uint32))
 _F32_ONE = 0x3F800000
 _F32_448 = 0x43E00000
-# E2M1 decision thresholds (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5); `True` where a
-# value equal to the threshold rounds up (ties to even).
-_E2M1_STEPS = (
-    (0x3E800000, False),
-    (0x3F400000, True),
-    (0x3FA00000, False),
-    (0x3FE00000, True),
-    (0x40200000, False),
-    (0x40600000, True),
-    (0x40A00000, False),
-)
-_E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
-def e2m1_encode(u: jnp.ndarray) -> jnp.ndarray:
-    """E2M1 code (uint8) of float32 bits: clamp to +-6, round to nearest even.
-
-    -0.0 gives 0, negative values that round to zero give 8, NaN gives 0.
-    """
-    mag = b.magnitude(u)
-    code = jnp.zeros(u.shape, jnp.uint8)
-    for threshold, inclusive in _E2M1_STEPS:
-        code = code + (mag >= threshold if inclusive else mag > threshold).astype(jnp.uint8)
-    negative = ((u >> 31) == 1) & (mag != 0)
-    code = jnp.where(negative, code | 8, code)
-    return jnp.where(b.is_nan(u), jnp.uint8(0), code)
 
 
 def e2m1_encode_stochastic(u: jnp.ndarray, word: jnp.ndarray) -> jnp.ndarray:
@@ -124,60 +99,39 @@ def rht_columns(u: jnp.ndarray, dtype) -> jnp.ndarray:
     return v.reshape(bsz, cols, rows)
 
 
-def e2m1_decode(code: jnp.ndarray) -> jnp.ndarray:
-    """float32 bits of an E2M1 code."""
-    return b.u32(_E2M1_VALUES.view(np.uint32))[code.astype(jnp.int32)]
-
-
-def e4m3_encode(u: jnp.ndarray) -> jnp.ndarray:
-    """E4M3 code of float32 bits already clamped to +-448, RNE; NaN -> 0xFF."""
-    sign = ((u >> 24) & 0x80).astype(jnp.uint8)
-    mag = b.magnitude(u)
-    exp = (mag >> 23).astype(jnp.int32) - 127
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-    sig = (mag & 0x7FFFFF) | 0x800000
-    shift = jnp.clip(14 - exp, 21, 31).astype(jnp.uint32)
-    q = sig >> shift
-    rem = sig & ((b.u32(1) << shift) - 1)
-    half = b.u32(1) << (shift - 1)
-    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.uint32)
-    code = jnp.where(exp >= -6, normal, jnp.where(exp < -11, 0, sub))
-    code = sign | code.astype(jnp.uint8)
-    return jnp.where(b.is_nan(u), jnp.uint8(0xFF), code)
-
-
-def e4m3_decode(code: jnp.ndarray) -> jnp.ndarray:
-    """float32 bits of E4M3 codes (uint8)."""
-    c = code.astype(jnp.uint32)
-    sign = (c & 0x80) << 24
-    exp = (c >> 3) & 0xF
-    mant = c & 0x7
-    normal = ((exp + 120) << 23) | (mant << 20)
-    # Subnormal: mant * 2^-9 is a float32 normal with the leading one of mant on top.
-    lead = jnp.where(mant >= 4, 2, jnp.where(mant >= 2, 1, 0)).astype(jnp.uint32)
-    sub = ((lead + 118) << 23) | (((mant << (3 - lead)) & 0x7) << 20)
-    out = jnp.where(exp == 0, jnp.where(mant == 0, 0, sub), normal)
-    out = sign | out
-    return jnp.where((c & 0x7F) == 0x7F, b.u32(b.NAN) | sign, out)
+def _six_times(e4m3_max: int) -> int:
+    """float32 bits of 6 * e4m3_max: the global encode scale's numerator and the dequantize divisor."""
+    return int(np.float32(6 * e4m3_max).view(np.uint32))
 
 
 class GlobalScales:
-    """Per-tensor scales from the global amax (float32 bits, shape [B])."""
+    """Global scales from amax bits: one per tensor ([B, 1, 1]) or per row (row-scaled, [B, R, 1]).
 
-    def __init__(self, amax_bits: jnp.ndarray):
-        ges = b.minimum(b.div(_F32_2688, amax_bits), b.FLT_MAX)
+    Shaped to broadcast against the block amaxes [B, R, blocks]. ``e4m3_max`` (E,
+    448 or 256 with 4over6) is the block-scale range the global scale aims at:
+    ges = fp32(6 E) / amax; the blocks' clamp stays 448.
+    """
+
+    def __init__(self, amax_bits: jnp.ndarray, e4m3_max: int = 448):
+        self.amax = amax_bits
+        self.divisor = _six_times(e4m3_max)
+        ges = b.minimum(b.div(self.divisor, amax_bits), b.FLT_MAX)
         self.encode = jnp.where(ges == 0, b.u32(_F32_ONE), ges)  # only when amax is inf
         self.encode_div6 = b.mul(self.encode, _F32_ONE_SIXTH)
         self.decode = b.div(_F32_ONE, self.encode)
 
+    def block_encode(self, scale: jnp.ndarray) -> jnp.ndarray:
+        """Encode scales (bits) of E4M3 block scale codes shaped like the block amaxes."""
+        return block_encode_scale(scale, self.decode)
 
-def dequantize_scale(amax_bits: jnp.ndarray) -> jnp.ndarray:
-    """Global decode scale of dequantization and of the GEMM: amax / (6 * 448), as bits.
+
+def dequantize_scale(amax_bits: jnp.ndarray, e4m3_max: int = 448) -> jnp.ndarray:
+    """Global decode scale of dequantization and of the GEMM: amax / (6 * e4m3_max), as bits.
 
     The reference GEMM's scale; unlike the quantizer's 1 / ges it stays inf for an
     infinite amax, so a tensor that held inf never dequantizes to finite values.
     """
-    return b.div(amax_bits, _F32_2688)
+    return b.div(amax_bits, _six_times(e4m3_max))
 
 
 def block_scale(block_amax: jnp.ndarray, g_encode_div6: jnp.ndarray) -> jnp.ndarray:
@@ -222,78 +176,154 @@ def _encode(v: jnp.ndarray, seed: jnp.ndarray | None, cols: int, stream: int) ->
     return e2m1_encode_stochastic(v, random_words(seed, v.shape, cols, stream))
 
 
-def _quantize_1d(u: jnp.ndarray, g: GlobalScales, seed=None, stream: int = 0):
-    """Rowwise 1x16 quantization of bits [B, R, C] -> (data, scale)."""
+def _quantize_1d(u: jnp.ndarray, g: GlobalScales, seed=None, stream: int = 0, fos: tuple[str, bool] | None = None):
+    """Rowwise 1x16 quantization of bits [B, R, C] -> (data, scale); ``fos``: 4over6 (mode, fast_math)."""
     bsz, rows, cols = u.shape
     blocks = _pad_to(u, 2, BLOCK).reshape(bsz, rows, -1, BLOCK)
-    scale = block_scale(_amax_bits(blocks, -1), g.encode_div6[:, None, None])
-    enc = block_encode_scale(scale, g.decode[:, None, None])
+    if fos is not None:
+        codes, scale = _fos.quantize_blocks(blocks[..., None, :], g, *fos)
+        return _pack(codes.reshape(bsz, rows, -1), cols), scale
+    scale = block_scale(_amax_bits(blocks, -1), g.encode_div6)
+    enc = g.block_encode(scale)
     codes = _encode(b.mul(blocks, enc[..., None]).reshape(bsz, rows, -1), seed, cols, stream)
     return _pack(codes, cols), scale
 
 
-def _quantize_2d(u: jnp.ndarray, g: GlobalScales, seed=None):
+def _tiles_4over6(padded: jnp.ndarray, g: GlobalScales, fos: tuple[str, bool]):
+    """4over6 16x16 quantization of padded bits [B, R, C] and of their transpose, which picks on its own.
+
+    -> codes [B, R, C], scale [B, R/16, C/16], codes_t [B, C, R], scale_t [B, C/16, R/16].
+    """
+    bsz, rows, cols = padded.shape
+    tiles = jnp.swapaxes(padded.reshape(bsz, rows // BLOCK, BLOCK, -1, BLOCK), 2, 3)  # [B, R/16, C/16, 16, 16]
+    # x^T's block (j, i) is x's block (i, j) transposed: both copies in one call.
+    codes, scale = _fos.quantize_blocks(jnp.stack([tiles, jnp.swapaxes(tiles, -1, -2)]), g, *fos)
+    codes_t = jnp.transpose(codes[1], (0, 2, 3, 1, 4)).reshape(bsz, cols, rows)
+    return jnp.swapaxes(codes[0], 2, 3).reshape(padded.shape), scale[0], codes_t, jnp.swapaxes(scale[1], 1, 2)
+
+
+def _quantize_2d(u: jnp.ndarray, g: GlobalScales, seed=None, fos: tuple[str, bool] | None = None):
     """16x16 quantization of bits [B, R, C] -> (data, scale, data_t, scale_t).
 
     Both copies are one quantization (data_t is data transposed), so stochastic
-    rounding draws once per element, from the rowwise stream."""
+    rounding draws once per element, from the rowwise stream. Not with 4over6:
+    the columnwise copy is the quantization of x^T, whose error sums run in the
+    other order, so a near tie may pick the other candidate for a block."""
     bsz, rows, cols = u.shape
     padded = _pad_to(_pad_to(u, 1, BLOCK), 2, BLOCK)
-    tiles = padded.reshape(bsz, padded.shape[1] // BLOCK, BLOCK, -1, BLOCK)
-    scale = block_scale(_amax_bits(tiles, (2, 4)), g.encode_div6[:, None, None])
-    enc = block_encode_scale(scale, g.decode[:, None, None])
-    codes = _encode(b.mul(tiles, enc[:, :, None, :, None]).reshape(padded.shape), seed, cols, 0)
+    if fos is not None:
+        codes, scale, codes_t, scale_t = _tiles_4over6(padded, g, fos)
+    else:
+        tiles = padded.reshape(bsz, padded.shape[1] // BLOCK, BLOCK, -1, BLOCK)
+        scale = block_scale(_amax_bits(tiles, (2, 4)), g.encode_div6)
+        enc = g.block_encode(scale)
+        codes = _encode(b.mul(tiles, enc[:, :, None, :, None]).reshape(padded.shape), seed, cols, 0)
+        codes_t, scale_t = jnp.swapaxes(codes, 1, 2), jnp.swapaxes(scale, 1, 2)
     row_scale = jnp.repeat(scale, BLOCK, axis=1)[:, :rows]
-    col_scale = jnp.repeat(jnp.swapaxes(scale, 1, 2), BLOCK, axis=1)[:, :cols]
-    data = _pack(codes[:, :rows], cols)
-    data_t = _pack(jnp.swapaxes(codes, 1, 2)[:, :cols], rows)
-    return data, row_scale, data_t, col_scale
+    col_scale = jnp.repeat(scale_t, BLOCK, axis=1)[:, :cols]
+    return _pack(codes[:, :rows], cols), row_scale, _pack(codes_t[:, :cols], rows), col_scale
 
 
 # ---- the three core ops on canonical [B, R, C] arrays (the kernels' contract) ----
 
 
-def amax_core(x: jnp.ndarray, *, rht: bool = False) -> tuple[jnp.ndarray, ...]:
+def amax_core(x: jnp.ndarray, *, rht: bool = False, row_scaled: bool = False) -> tuple[jnp.ndarray, ...]:
     """Global amax per batch entry: [B, R, C] -> (float32 [B],), NaN canonical; with ``rht`` also the amax
-    of the Random Hadamard Transform of x^T (R a multiple of 16)."""
+    of the Random Hadamard Transform of x^T (R a multiple of 16).
+
+    ``row_scaled``: the per-row amaxes of both copies instead, (float32 [B, R], float32 [B, C]): of the
+    rows of x and of the rows of x^T (of its transform with ``rht``)."""
     u = b.to_bits(x)
+    if row_scaled:
+        u_t = rht_columns(u, x.dtype) if rht else jnp.swapaxes(u, 1, 2)
+        return b.from_bits(_amax_bits(u, 2)), b.from_bits(_amax_bits(u_t, 2))
     amax = b.from_bits(_amax_bits(u, (1, 2)))
     if not rht:
         return (amax,)
     return amax, b.from_bits(_amax_bits(rht_columns(u, x.dtype), (1, 2)))
 
 
+def check_options(*, block_2d: bool, stochastic: bool, row_scaled: bool, four_over_six, e4m3_max: int) -> None:
+    """Raise ValueError for option combinations the spec does not define."""
+    if row_scaled and block_2d:
+        raise ValueError("row-scaled NVFP4 has 1x16 blocks only (block_2d=False)")
+    if four_over_six is not None and four_over_six not in _fos.ERROR_MODES:
+        raise ValueError(f"four_over_six must be None or one of {_fos.ERROR_MODES}, got {four_over_six!r}")
+    if four_over_six is not None and stochastic:
+        raise ValueError("4over6 picks between round-to-nearest candidates: no stochastic rounding with it")
+    if e4m3_max not in (448, 256):
+        raise ValueError(f"e4m3_max must be 448 or 256, got {e4m3_max!r}")
+    if e4m3_max != 448 and four_over_six is None:
+        # TransformerEngine's reference silently uses 448 here; an explicit error instead.
+        raise ValueError("e4m3_max=256 applies only with 4over6 (four_over_six='mae' or 'mse')")
+
+
+def _global_scales(amax: jnp.ndarray, e4m3_max: int) -> GlobalScales:
+    """GlobalScales of amaxes [B] or per row [B, R], shaped [B, 1, 1] / [B, R, 1] for the blocks."""
+    bits = b.to_bits(amax.astype(jnp.float32))
+    return GlobalScales(bits.reshape(*bits.shape, *(1,) * (3 - bits.ndim)), e4m3_max)
+
+
 def quantize_core(
-    x, amax, amax_t, seed, *, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic: bool
+    x,
+    amax,
+    amax_t,
+    seed,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    block_2d: bool,
+    rht: bool,
+    stochastic: bool,
+    row_scaled: bool = False,
+    four_over_six: str | None = None,
+    four_over_six_fast_math: bool = False,
+    e4m3_max: int = 448,
 ):
     """[B, R, C] input, [B] amaxes, uint32 [2] seed -> (data, scale) if rowwise + (data_t, scale_t) if columnwise.
 
     ``amax`` scales the rowwise copy (and 16x16 blocks), ``amax_t`` the columnwise
     1x16 copy, which with ``rht`` is the quantization of the transform of x^T.
     ``stochastic`` rounds the codes stochastically, drawing from ``seed``.
+    ``row_scaled`` (1x16 only): ``amax`` is per row of x, [B, R], and ``amax_t``
+    per row of x^T, [B, C] (``amax_core(..., row_scaled=True)``); each row has its
+    own global scales. ``four_over_six`` ("mae" / "mse"): 4over6 adaptive block
+    scaling with that error, in the kernel's fast-math form with
+    ``four_over_six_fast_math`` (see ``_reference_4over6``). ``e4m3_max`` 256
+    (4over6 only) aims the global scale at block scales up to 256, not 448.
     """
+    check_options(
+        block_2d=block_2d, stochastic=stochastic, row_scaled=row_scaled, four_over_six=four_over_six, e4m3_max=e4m3_max
+    )
+    bsz, rows, cols = x.shape
+    if row_scaled and ((rowwise and amax.shape != (bsz, rows)) or (columnwise and amax_t.shape != (bsz, cols))):
+        raise ValueError(f"row-scaled amax / amax_t must be [B, R] / [B, C], got {amax.shape} / {amax_t.shape}")
     u = b.to_bits(x)
-    g = GlobalScales(b.to_bits(amax.astype(jnp.float32)))
+    g = _global_scales(amax, e4m3_max)
     seed = seed if stochastic else None
+    fos = None if four_over_six is None else (four_over_six, four_over_six_fast_math)
     if block_2d:
-        data, scale, data_t, scale_t = _quantize_2d(u, g, seed)
+        data, scale, data_t, scale_t = _quantize_2d(u, g, seed, fos)
         copies = [(data, scale)] * rowwise + [(data_t, scale_t)] * columnwise
     else:
-        copies = [_quantize_1d(u, g, seed, 0)] if rowwise else []
+        copies = [_quantize_1d(u, g, seed, 0, fos)] if rowwise else []
         if columnwise:
-            g_t = GlobalScales(b.to_bits(amax_t.astype(jnp.float32)))
             u_t = rht_columns(u, x.dtype) if rht else jnp.swapaxes(u, 1, 2)
-            copies.append(_quantize_1d(u_t, g_t, seed, 1))
+            copies.append(_quantize_1d(u_t, _global_scales(amax_t, e4m3_max), seed, 1, fos))
     return tuple(out for data, scale in copies for out in (data, _as_e4m3(scale)))
 
 
-def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
-    """Packed [B, R, ceil(C/2)] codes and [B, R, ceil(C/16)] scales -> [B, R, C] values."""
+def dequantize_core(data, scale, amax, *, cols: int, dtype, e4m3_max: int = 448) -> jnp.ndarray:
+    """Packed [B, R, ceil(C/2)] codes and [B, R, ceil(C/16)] scales -> [B, R, C] values.
+
+    value = fp32(E2M1 * scale) * (amax / (6 * e4m3_max)), with ``amax`` [B] or per row [B, R] (row-scaled).
+    """
     codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:2], -1)[..., :cols]
     scales = jnp.repeat(lax.bitcast_convert_type(scale, jnp.uint8), BLOCK, axis=-1)[..., :cols]
-    gds = dequantize_scale(b.to_bits(amax.astype(jnp.float32)))
+    gds = dequantize_scale(b.to_bits(amax.astype(jnp.float32)), e4m3_max)
+    gds = gds.reshape(*gds.shape, *(1,) * (3 - gds.ndim))
     # b.mul makes any NaN canonical.
-    value = b.mul(b.mul(e2m1_decode(codes), e4m3_decode(scales)), gds[:, None, None])
+    value = b.mul(b.mul(e2m1_decode(codes), e4m3_decode(scales)), gds)
     if dtype == jnp.bfloat16:
         return b.f32_to_bf16(value)
     if dtype == jnp.float16:
@@ -302,12 +332,22 @@ def dequantize_core(data, scale, amax, *, cols: int, dtype) -> jnp.ndarray:
 
 
 # Jitted so that eager calls run as one compiled program, not op by op.
-_amax_jit = jax.jit(amax_core, static_argnames="rht")
-_QUANTIZE_FLAGS = ("rowwise", "columnwise", "block_2d", "rht", "stochastic")
+_amax_jit = jax.jit(amax_core, static_argnames=("rht", "row_scaled"))
+_QUANTIZE_FLAGS = (
+    "rowwise",
+    "columnwise",
+    "block_2d",
+    "rht",
+    "stochastic",
+    "row_scaled",
+    "four_over_six",
+    "four_over_six_fast_math",
+    "e4m3_max",
+)
 _BACKEND = _frontend.Backend(
     amax=lambda x, mesh_axes=None, rht=False: _amax_jit(_frontend.flat_rows(x), rht=rht),  # always global
     quantize=_frontend.on_rows(jax.jit(quantize_core, static_argnames=_QUANTIZE_FLAGS)),
-    dequantize=jax.jit(dequantize_core, static_argnames=("cols", "dtype")),
+    dequantize=jax.jit(dequantize_core, static_argnames=("cols", "dtype", "e4m3_max")),
 )
 amax = _frontend.amax_fn(_BACKEND)
 quantize = _frontend.quantize_fn(_BACKEND)

@@ -11,15 +11,25 @@ GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 
 
 def applicable(g) -> bool:
-    """Cases this library's options cover so far: plain 1x16 / 16x16 NVFP4, and the RHT."""
+    """Cases the public quantize covers so far: plain 1x16 / 16x16 NVFP4, and the RHT."""
     return not (bool(g["row_scaled"]) or bool(g["use_4over6"]))
 
 
+def _inputs() -> list[str]:
+    return sorted(p.name for p in GOLDEN_DIR.glob("*.npz") if "x" in np.load(p))
+
+
 def cases() -> list[str]:
-    return sorted(p.name for p in GOLDEN_DIR.glob("*.npz") if "x" in np.load(p) and applicable(np.load(p)))
+    return [name for name in _inputs() if applicable(np.load(GOLDEN_DIR / name))]
+
+
+def option_cases() -> list[str]:
+    """Row-scaled and 4over6 cases (so far checked through the reference's core ops)."""
+    return [name for name in _inputs() if not applicable(np.load(GOLDEN_DIR / name))]
 
 
 def load(name: str):
+    """(the file, x in its input dtype, quantize options); options beyond the plain ones only where set."""
     g = np.load(GOLDEN_DIR / name)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[str(g["input_dtype"])]
     options = {
@@ -29,4 +39,11 @@ def load(name: str):
     }
     if bool(g["with_rht"]):
         options["rht"] = True
+    if bool(g["row_scaled"]):
+        options["row_scaled"] = True
+    if bool(g["use_4over6"]):
+        # err_mode, fast_math and e4m3_max take effect only with 4over6 (the reference forces 448 without).
+        options["four_over_six"] = str(g["err_mode"]).lower()
+        options["four_over_six_fast_math"] = bool(g["fast_math"])
+        options["e4m3_max"] = int(g["e4m3_max"])
     return g, jnp.asarray(g["x"]).astype(dtype), options

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from golden_files import GOLDEN_DIR, cases, load
+from golden_files import GOLDEN_DIR, cases, load, option_cases
 
 import jax_nvfp4
 from jax_nvfp4 import reference
@@ -29,9 +32,30 @@ def test_rht_transform_is_the_golden_one():
         np.testing.assert_array_equal(np.asarray(_bits.from_bits(got)), g["x_t_rht"])
 
 
+def test_every_row_scaled_and_4over6_case_is_present():
+    names = option_cases()
+    assert len(names) == 36
+    families = ("rowscaled_", "4o6_1d_", "4o6_2d_", "4o6_rowscaled_", "4o6sel_1d_", "4o6sel_2d_")
+    assert [sum(n.startswith(f) for n in names) for f in families] == [2, 8, 8, 2, 8, 8]
+
+
 def _bytes(a) -> np.ndarray:
     a = np.asarray(a)
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def _assert_golden(g, columnwise: bool, data, scale, amax, data_t=None, scale_t=None, amax_t=None):
+    m, n = g["x"].shape
+    # The reference crops data to N//2 bytes and keeps padded scale rows; the
+    # goldens all have even N, and padded 2D scale rows repeat the last block.
+    np.testing.assert_array_equal(_bytes(data), g["data"])
+    np.testing.assert_array_equal(_bytes(scale), g["scale"][:m])
+    # One float32 (a [1] array in the file), or one per row when row-scaled.
+    assert np.asarray(amax, np.float32).tobytes() == g["amax_row"].astype(np.float32).tobytes()
+    if columnwise:
+        np.testing.assert_array_equal(_bytes(data_t), g["data_t"])
+        np.testing.assert_array_equal(_bytes(scale_t), g["scale_t"][:n])
+        assert np.asarray(amax_t, np.float32).tobytes() == g["amax_col"].astype(np.float32).tobytes()
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -39,16 +63,20 @@ def _bytes(a) -> np.ndarray:
 def test_golden(name, impl):
     g, x, options = load(name)
     t = jax.jit(lambda x: IMPLEMENTATIONS[impl].quantize(x, **options))(x)
-    m, n = x.shape
-    # The reference crops data to N//2 bytes and keeps padded scale rows; the
-    # goldens all have even N, and padded 2D scale rows repeat the last block.
-    np.testing.assert_array_equal(_bytes(t.data), g["data"])
-    np.testing.assert_array_equal(_bytes(t.scale), g["scale"][:m])
-    assert np.asarray(t.amax, np.float32).tobytes() == g["amax_row"].astype(np.float32).tobytes()
-    if options["columnwise"]:
-        np.testing.assert_array_equal(_bytes(t.data_t), g["data_t"])
-        np.testing.assert_array_equal(_bytes(t.scale_t), g["scale_t"][:n])
-        assert np.asarray(t.amax_t, np.float32).tobytes() == g["amax_col"].astype(np.float32).tobytes()
+    _assert_golden(g, options["columnwise"], t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)
+
+
+@pytest.mark.parametrize("name", option_cases())
+def test_golden_row_scaled_and_4over6_reference(name):
+    """Row-scaled and 4over6 files, byte for byte, through the reference's core ops on [1, M, N]."""
+    g, x, options = load(name)
+    row_scaled = options.get("row_scaled", False)
+    amax_core = jax.jit(reference.amax_core, static_argnames=("rht", "row_scaled"))
+    amaxes = amax_core(x[None], row_scaled=row_scaled)  # ([1, M], [1, N]) or ([1],)
+    amax, amax_t = amaxes if row_scaled else (amaxes[0], amaxes[0])
+    core = jax.jit(functools.partial(reference.quantize_core, rht=False, stochastic=False, **options))
+    data, scale, *columnwise = (o[0] for o in core(x[None], amax, amax_t, jnp.zeros(2, jnp.uint32)))
+    _assert_golden(g, options["columnwise"], data, scale, amax[0], *(columnwise or (None, None)), amax_t[0])
 
 
 def test_rht_signs_are_the_golden_ones():
