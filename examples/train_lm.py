@@ -404,23 +404,33 @@ def smooth(x: np.ndarray, window: int) -> np.ndarray:
 
 
 def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
-    """Smoothed training loss of each run with its validation points: whole run, and the last half zoomed."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    """Smoothed training loss (solid) and validation loss (dashed, dots) of each run, the last half zoomed,
+    and each NVFP4 run's validation loss relative to bf16's."""
+    panels = 3 if "bf16" in results and len(results) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
     window = max(1, args.steps // 50)
     for name, r in results.items():
         color = COLORS[name]
         x = np.arange(window, args.steps + 1)
         y = smooth(np.asarray(r["train_loss"]), window)
-        vs, vl = zip(*r["val_loss"], strict=True)
-        for ax, first in zip(axes, (0, args.steps // 2), strict=True):
-            ax.plot(x[x >= first], y[x >= first], color=color, label=f"{name} train (moving avg {window})")
-            keep = np.asarray(vs) >= first
-            ax.plot(np.asarray(vs)[keep], np.asarray(vl)[keep], "o--", color=color, alpha=0.7, label=f"{name} val")
-    for ax, title in zip(axes, ("training loss", "second half"), strict=True):
+        vs, vl = (np.asarray(v) for v in zip(*r["val_loss"], strict=True))
+        for ax, first in zip(axes[:2], (0, args.steps // 2), strict=True):
+            ax.plot(x[x >= first], y[x >= first], color=color, lw=1.2, label=name)
+            ax.plot(vs[vs >= first], vl[vs >= first], "o--", color=color, alpha=0.7)
+        if panels == 3 and name != "bf16":
+            bf16 = np.asarray([v for _, v in results["bf16"]["val_loss"]])
+            axes[2].plot(vs, 100 * (vl / bf16 - 1), "o-", color=color, label=name)
+    titles = (f"training loss (moving avg {window}); dashed: validation", "second half")
+    for ax, title in zip(axes[:2], titles, strict=True):
         ax.set(xlabel="step", ylabel="loss (nats/byte)", title=title)
         ax.grid(alpha=0.3)
     axes[1].set_xlim(args.steps // 2, args.steps * 1.02)
     axes[0].legend()
+    if panels == 3:
+        axes[2].axhline(0, color=COLORS["bf16"], lw=1)
+        axes[2].set(xlabel="step", ylabel="% above bf16", title="validation loss vs bf16")
+        axes[2].grid(alpha=0.3)
+        axes[2].legend()
     fig.suptitle(
         f"byte-level LM on stdlib source: d_model {args.d_model}, {args.layers} layers, "
         f"batch {args.batch}x{args.seq_len}, NVFP4 weight blocks {args.weight_blocks}"
