@@ -478,7 +478,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="init and data seed, shared by both runs")
+    parser.add_argument("--seed", type=int, default=0, help="init and data seed, shared by every run")
     parser.add_argument("--weight-blocks", choices=("16x16", "1x16"), default="16x16", help="NVFP4 weight blocks")
     parser.add_argument(
         "--runs",
