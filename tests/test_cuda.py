@@ -85,6 +85,33 @@ def test_large_and_ragged_shapes(shape, dtype):
         assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
 
 
+# The recipe's options on the quantize kernels; "stochastic" takes a fixed key.
+RECIPE_OPTIONS = {
+    "rht": {"rht": True},
+    "rht-estimate": {"rht": True, "rht_amax_estimate": 2.0},
+    "sr": {"stochastic": True},
+    "rht-sr": {"rht": True, "stochastic": True},
+    "sr-16x16": {"block_2d": True, "stochastic": True},
+}
+
+
+@pytest.mark.parametrize("shape", [(64, 80), (2, 48, 33)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", RECIPE_OPTIONS)
+def test_rht_and_stochastic_rounding_gpu_equals_cpu(shape, dtype, name):
+    """The same key and input give the same bytes on both (the transform's amax pass included)."""
+    opts = dict(RECIPE_OPTIONS[name])
+    stochastic = opts.pop("stochastic", False)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(random_tensor(rng, shape, dtype, spread=3, specials=("zero", "subnormal"), frac=0.05))
+
+    def quantize(x):
+        key = jax.random.key(11) if stochastic else None
+        return jax_nvfp4.quantize(x, columnwise=True, stochastic_rounding_key=key, **opts)
+
+    assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
+
+
 def test_the_training_step_runs_on_the_gpu():
     x = jnp.asarray(
         random_tensor(np.random.default_rng(1), (256, 128), ml_dtypes.bfloat16, spread=1, specials=(), frac=0)
