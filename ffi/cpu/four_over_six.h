@@ -14,12 +14,14 @@ namespace nvfp4::cpu {
 
 // Per-thread scratch of the 4over6 choice, reused across stripes.
 struct FosScratch {
-  std::vector<uint8_t> s6, s4;      // [n] candidate scales (E4M3 codes)
-  std::vector<float> enc6, enc4;    // [n] their element encode scales
-  std::vector<float> dec6, dec4;    // [n] their decoded values
-  std::vector<float> e6, e4;        // [16][n] element error terms
-  std::vector<float> err6, err4;    // [n] column sums: chunk errors
-  std::vector<float> rows6, rows4;  // [16] a 16x16 tile's row errors
+  std::vector<uint8_t> s6, s4;        // [n] candidate scales (E4M3 codes)
+  std::vector<float> enc6, enc4;      // [n] their element encode scales
+  std::vector<float> dec6, dec4;      // [n] their decoded values
+  std::vector<float> e6, e4;          // [16][n] element error terms
+  std::vector<float> err6, err4;      // [n] column sums: chunk errors
+  std::vector<GlobalScales> g;        // [n] one set of global scales, repeated (16x16)
+  std::vector<uint8_t> tile6, tile4;  // [tiles] 16x16 candidates before spreading
+  std::vector<float> tile_enc6, tile_enc4;
 };
 
 // Calls fn(mse, fast_math) with both as compile-time constants.
@@ -112,13 +114,15 @@ inline void choose_2d(const float* v, int64_t width, const uint32_t* tile_mag,
                       const GlobalScales& g, FourOverSix fos, FosScratch& f, uint8_t* scale_row,
                       float* enc_row, uint8_t* scale_col, float* enc_col) {
   const int64_t tiles = width / kBlock;
-  const std::vector<GlobalScales> gs(width, g);
-  candidates(tile_mag, gs.data(), tiles, f);
-  const std::vector<uint8_t> s6(f.s6.begin(), f.s6.end()), s4(f.s4.begin(), f.s4.end());
-  const std::vector<float> enc6(f.enc6.begin(), f.enc6.end()), enc4(f.enc4.begin(), f.enc4.end());
+  f.g.assign(width, g);
+  candidates(tile_mag, f.g.data(), tiles, f);
+  f.tile6.assign(f.s6.begin(), f.s6.end());
+  f.tile4.assign(f.s4.begin(), f.s4.end());
+  f.tile_enc6.assign(f.enc6.begin(), f.enc6.end());
+  f.tile_enc4.assign(f.enc4.begin(), f.enc4.end());
   for (auto* a : {&f.enc6, &f.enc4, &f.dec6, &f.dec4}) spread_tiles(*a, tiles);
   with_error_mode(fos,
-                  [&](auto mse, auto fast) { error_terms<mse, fast>(v, width, gs.data(), f); });
+                  [&](auto mse, auto fast) { error_terms<mse, fast>(v, width, f.g.data(), f); });
   column_sums(f.e6, width, f.err6);
   column_sums(f.e4, width, f.err4);
   float r6[kBlock], r4[kBlock];
@@ -136,16 +140,16 @@ inline void choose_2d(const float* v, int64_t width, const uint32_t* tile_mag,
       r4[r] = a4;
     }
     const bool row4 = prefer_map4(tree_sum16(r4), tree_sum16(r6));
-    scale_row[t] = row4 ? s4[t] : s6[t];
-    enc_row[t] = row4 ? enc4[t] : enc6[t];
+    scale_row[t] = row4 ? f.tile4[t] : f.tile6[t];
+    enc_row[t] = row4 ? f.tile_enc4[t] : f.tile_enc6[t];
     // Columnwise: x^T's rows are the tile's columns, their errors summed down the rows.
     for (int k = 0; k < kBlock; ++k) {
       r6[k] = f.err6[t * kBlock + k];
       r4[k] = f.err4[t * kBlock + k];
     }
     const bool col4 = prefer_map4(tree_sum16(r4), tree_sum16(r6));
-    scale_col[t] = col4 ? s4[t] : s6[t];
-    enc_col[t] = col4 ? enc4[t] : enc6[t];
+    scale_col[t] = col4 ? f.tile4[t] : f.tile6[t];
+    enc_col[t] = col4 ? f.tile_enc4[t] : f.tile_enc6[t];
   }
 }
 
