@@ -17,6 +17,7 @@ struct FosScratch {
   std::vector<uint8_t> s6, s4;        // [n] candidate scales (E4M3 codes)
   std::vector<float> enc6, enc4;      // [n] their element encode scales
   std::vector<float> dec6, dec4;      // [n] their decoded values
+  std::vector<float> ges, amax;       // [n] the blocks' global encode scales and amaxes
   std::vector<float> e6, e4;          // [16][n] element error terms
   std::vector<float> err6, err4;      // [n] column sums: chunk errors
   std::vector<GlobalScales> g;        // [n] one set of global scales, repeated (16x16)
@@ -39,7 +40,7 @@ void with_error_mode(FourOverSix fos, Fn&& fn) {
 // global scales g[j].
 inline void candidates(const uint32_t* __restrict mag, const GlobalScales* __restrict g, int64_t n,
                        FosScratch& f) {
-  for (auto* v : {&f.enc6, &f.enc4, &f.dec6, &f.dec4}) v->resize(n);
+  for (auto* v : {&f.enc6, &f.enc4, &f.dec6, &f.dec4, &f.ges, &f.amax}) v->resize(n);
   f.s6.resize(n);
   f.s4.resize(n);
   for (int64_t j = 0; j < n; ++j) {
@@ -50,26 +51,34 @@ inline void candidates(const uint32_t* __restrict mag, const GlobalScales* __res
     f.enc4[j] = block_encode_scale(c.s4, g[j]);
     f.dec6[j] = e4m3_to_float(c.s6);
     f.dec4[j] = e4m3_to_float(c.s4);
+    f.ges[j] = g[j].encode;
+    f.amax[j] = g[j].amax;
+  }
+}
+
+// Both candidates' error terms of n values x, value j with the candidates at j.
+// Every operand an array of its own (restrict), so that the loop vectorizes.
+template <bool kMse, bool kFast>
+void error_row(const float* __restrict x, int64_t n, float divisor, const float* __restrict enc6,
+               const float* __restrict enc4, const float* __restrict dec6,
+               const float* __restrict dec4, const float* __restrict ges,
+               const float* __restrict amax, float* __restrict e6, float* __restrict e4) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t c6 = quantize_value(x[j], enc6[j]), c4 = quantize_value(x[j], enc4[j]);
+    e6[j] = element_error(c6, dec6[j], x[j], ges[j], amax[j], divisor, kMse, kFast);
+    e4[j] = element_error(c4, dec4[j], x[j], ges[j], amax[j], divisor, kMse, kFast);
   }
 }
 
 // Both candidates' error terms of v [16][n], column j with the candidates at j.
 template <bool kMse, bool kFast>
-void error_terms(const float* __restrict v, int64_t n, const GlobalScales* __restrict g,
-                 FosScratch& f) {
+void error_terms(const float* v, int64_t n, float divisor, FosScratch& f) {
   f.e6.resize(kBlock * n);
   f.e4.resize(kBlock * n);
-  const float *enc6 = f.enc6.data(), *enc4 = f.enc4.data();
-  const float *dec6 = f.dec6.data(), *dec4 = f.dec4.data();
-  for (int r = 0; r < kBlock; ++r) {
-    const float* __restrict x = v + r * n;
-    float* __restrict e6 = f.e6.data() + r * n;
-    float* __restrict e4 = f.e4.data() + r * n;
-    for (int64_t j = 0; j < n; ++j) {
-      e6[j] = element_error(quantize_value(x[j], enc6[j]), dec6[j], x[j], g[j], kMse, kFast);
-      e4[j] = element_error(quantize_value(x[j], enc4[j]), dec4[j], x[j], g[j], kMse, kFast);
-    }
-  }
+  for (int r = 0; r < kBlock; ++r)
+    error_row<kMse, kFast>(v + r * n, n, divisor, f.enc6.data(), f.enc4.data(), f.dec6.data(),
+                           f.dec4.data(), f.ges.data(), f.amax.data(), f.e6.data() + r * n,
+                           f.e4.data() + r * n);
 }
 
 // Sums of the columns of e [16][n], row 0 first: the chunk errors.
@@ -88,7 +97,8 @@ inline void choose_1d(const float* v, int64_t n, const uint32_t* mag, const Glob
                       FourOverSix fos, FosScratch& f, uint8_t* __restrict scale,
                       float* __restrict enc) {
   candidates(mag, g, n, f);
-  with_error_mode(fos, [&](auto mse, auto fast) { error_terms<mse, fast>(v, n, g, f); });
+  const float divisor = n > 0 ? g[0].divisor : 0.0f;  // one e4m3_max per call
+  with_error_mode(fos, [&](auto mse, auto fast) { error_terms<mse, fast>(v, n, divisor, f); });
   column_sums(f.e6, n, f.err6);
   column_sums(f.e4, n, f.err4);
   for (int64_t j = 0; j < n; ++j) {
@@ -120,9 +130,9 @@ inline void choose_2d(const float* v, int64_t width, const uint32_t* tile_mag,
   f.tile4.assign(f.s4.begin(), f.s4.end());
   f.tile_enc6.assign(f.enc6.begin(), f.enc6.end());
   f.tile_enc4.assign(f.enc4.begin(), f.enc4.end());
-  for (auto* a : {&f.enc6, &f.enc4, &f.dec6, &f.dec4}) spread_tiles(*a, tiles);
+  for (auto* a : {&f.enc6, &f.enc4, &f.dec6, &f.dec4, &f.ges, &f.amax}) spread_tiles(*a, tiles);
   with_error_mode(fos,
-                  [&](auto mse, auto fast) { error_terms<mse, fast>(v, width, f.g.data(), f); });
+                  [&](auto mse, auto fast) { error_terms<mse, fast>(v, width, g.divisor, f); });
   column_sums(f.e6, width, f.err6);
   column_sums(f.e4, width, f.err4);
   float r6[kBlock], r4[kBlock];

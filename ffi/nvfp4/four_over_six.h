@@ -50,11 +50,16 @@ NVFP4_HD Candidates candidate_scales(float bamax, const GlobalScales& g) {
 //   fast_math: d = q s - fp32(x * ges)
 // -> |d| (MAE) or d * d (MSE). The caller sums the 16 terms of a 1x16 chunk in
 // element order, from 0 (the terms are never -0).
+NVFP4_HD float element_error(uint8_t code, float scale, float x, float ges, float amax,
+                             float divisor, bool mse, bool fast_math) {
+  const float qs = e2m1_to_float(code) * scale;
+  const float d = fast_math ? qs - x * ges : (qs * amax) / divisor - x;
+  return mse ? d * d : fabsf(d);
+}
+
 NVFP4_HD float element_error(uint8_t code, float scale, float x, const GlobalScales& g, bool mse,
                              bool fast_math) {
-  const float qs = e2m1_to_float(code) * scale;
-  const float d = fast_math ? qs - x * g.encode : (qs * g.amax) / g.divisor - x;
-  return mse ? d * d : fabsf(d);
+  return element_error(code, scale, x, g.encode, g.amax, g.divisor, mse, fast_math);
 }
 
 // map-4 iff its error is smaller; ties and NaN (every comparison false) keep map-6.
