@@ -79,34 +79,48 @@ def _row_factors(nrows: int) -> list[str]:
     return [f"r{i}" for i in range(nrows)]
 
 
-# nvfp4_amax: x [B, *R, N] -> [B]
+# nvfp4_amax: x [B, *R, N] -> [B] (row-scaled: [B, *R] and [B, N])
 
 
-def _amax_rule(axis_sizes, in_shapes, out_shapes, *, mesh_axes, rht):
+def _amax_rule(axis_sizes, in_shapes, out_shapes, *, mesh_axes, rht, row_scaled):
     rows = _row_factors(len(in_shapes[0]) - 2)
+    x = " ".join(["b", *rows, "n"])
+    if row_scaled:  # each result keeps its own dimension; the other is reduced by the partition
+        return f"{x} -> " + " ".join(["b", *rows]) + ", b n", {}
     outs = ", ".join(["b"] * len(out_shapes))
-    return " ".join(["b", *rows, "n"]) + " -> " + outs, {"reduction_factors": (*rows, "n")}
+    return x + " -> " + outs, {"reduction_factors": (*rows, "n")}
 
 
-def _amax_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, mesh_axes, rht):
+def _amax_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, mesh_axes, rht, row_scaled):
     # With rht the transform mixes 16 consecutive rows: the last row axis stays in whole chunks.
     blocks = [1] * (len(in_shapes[0]) - 2) + [BLOCK if rht else 1, 1]
     dims = tuple(_fits(mesh, n, d, k) for n, d, k in zip(in_shapes[0], in_dims[0], blocks, strict=True))
-    reduce = tuple(a for d in dims[1:] for a in d if mesh_axes is None or a in mesh_axes)
+
+    def scope(dim_axes) -> tuple[str, ...]:
+        return tuple(a for d in dim_axes for a in d if mesh_axes is None or a in mesh_axes)
+
+    if row_scaled:
+        # A row's amax is reduced over the shards of its columns, a column's over the shards of the rows.
+        reduces = (scope(dims[-1:]), scope(dims[1:-1]))
+        outs = [dims[:-1], (dims[0], dims[-1])]
+    else:
+        reduces = (scope(dims[1:]),) * (2 if rht else 1)
+        outs = [dims[:1]] * (2 if rht else 1)
 
     def local(x):
-        return tuple(_pmax_bits(amax, reduce) if reduce else amax for amax in kernel(x))
+        return tuple(_pmax_bits(a, r) if r else a for a, r in zip(kernel(x), reduces, strict=True))
 
-    return [dims], [dims[:1]] * (2 if rht else 1), local
+    return [dims], outs, local
 
 
 AMAX = Partitioning(_amax_rule, _amax_partition)
 
 
-# nvfp4_quantize: x [B, *R, N], amax [B] -> rowwise (data, scale), columnwise (data_t, scale_t)
+# nvfp4_quantize: x [B, *R, N], amax [B] (row-scaled: [B, *R]), amax_t [B] (row-scaled: [B, N])
+# -> rowwise (data, scale), columnwise (data_t, scale_t)
 
 
-def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, rowwise, columnwise, block_2d, rht, stochastic):
+def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, rowwise, columnwise, block_2d, rht, row_scaled, **_):
     *_, m, n = in_shapes[0]
     lead = _row_factors(len(in_shapes[0]) - 3)
     f = _Factors(axis_sizes)
@@ -119,16 +133,28 @@ def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, rowwise, columnwise, bl
     if columnwise:
         cols = " ".join(["b", nv, *lead])
         outs += [f"{cols} {mp}", f"{cols} {ms}"]
-    return f.rule(f"{rows} {mv} {nv}, b, b, seed -> " + ", ".join(outs))
+    # A row-scaled amax goes with its rows, amax_t with the columns.
+    amax = f"{rows} {mv}" if _per_row(row_scaled, in_shapes[1]) else "b"
+    amax_t = f"b {nv}" if _per_row(row_scaled, in_shapes[2]) else "b"
+    return f.rule(f"{rows} {mv} {nv}, {amax}, {amax_t}, seed -> " + ", ".join(outs))
 
 
-def _quantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, rowwise, columnwise, block_2d, rht, stochastic):
+def _per_row(row_scaled: bool, amax_shape: tuple[int, ...]) -> bool:
+    """Whether a quantize amax operand is per row ([B, *R] or [B, N]) rather than [B]."""
+    return row_scaled and len(amax_shape) > 1
+
+
+def _quantize_partition(
+    mesh, in_dims, out_dims, in_shapes, kernel, *, rowwise, columnwise, block_2d, rht, stochastic, row_scaled, **_
+):
     (*lead_sizes, m, n), (*lead, dm, dn) = in_shapes[0], in_dims[0]
     lead = [_fits(mesh, size, d) for size, d in zip(lead_sizes, lead, strict=True)]  # B and all rows but M
     dm = _fits(mesh, m, dm, BLOCK if columnwise or block_2d else 1)
     dn = _fits(mesh, n, dn, BLOCK if rowwise or block_2d else 1)
     rows = (*lead, dm, dn)
     outs = [rows] * 2 * rowwise + [(lead[0], dn, *lead[1:], dm)] * 2 * columnwise
+    amax = rows[:-1] if _per_row(row_scaled, in_shapes[1]) else (lead[0],)
+    amax_t = (lead[0], dn) if _per_row(row_scaled, in_shapes[2]) else (lead[0],)
     sharded = tuple(a for d in rows for a in d)
     local = kernel
     if stochastic and sharded:
@@ -138,26 +164,28 @@ def _quantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, rowwise, 
             count = jnp.stack([lax.axis_index(sharded).astype(jnp.uint32), jnp.uint32(0x5EED)])
             return kernel(x, amax, amax_t, jex_random.threefry_2x32(seed, count))
 
-    return [rows, (lead[0],), (lead[0],), ()], outs, local
+    return [rows, amax, amax_t, ()], outs, local
 
 
 QUANTIZE = Partitioning(_quantize_rule, _quantize_partition)
 
 
-# nvfp4_dequantize: data [B, M, ceil(N/2)], scale [B, M, ceil(N/16)], amax [B] -> [B, M, N]
+# nvfp4_dequantize: data [B, M, ceil(N/2)], scale [B, M, ceil(N/16)], amax [B] or [B, M] -> [B, M, N]
 
 
-def _dequantize_rule(axis_sizes, in_shapes, out_shapes, *, cols, dtype):
+def _dequantize_rule(axis_sizes, in_shapes, out_shapes, *, cols, dtype, e4m3_max):
     f = _Factors(axis_sizes)
     nv, np_, ns = f.dim("n", cols, blocked=True)
-    return f.rule(f"b m {np_}, b m {ns}, b -> b m {nv}")
+    amax = "b m" if len(in_shapes[2]) == 2 else "b"
+    return f.rule(f"b m {np_}, b m {ns}, {amax} -> b m {nv}")
 
 
-def _dequantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, cols, dtype):
+def _dequantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, cols, dtype, e4m3_max):
     (bsz, m, _), (b, dm, dn) = in_shapes[0], in_dims[0]
     b, dm, dn = _fits(mesh, bsz, b), _fits(mesh, m, dm), _fits(mesh, cols, dn, BLOCK)
     local_cols = cols // _size(mesh, dn)
-    return [(b, dm, dn)] * 2 + [(b,)], [(b, dm, dn)], lambda *a: kernel(*a, cols=local_cols)
+    amax = (b, dm) if len(in_shapes[2]) == 2 else (b,)
+    return [(b, dm, dn)] * 2 + [amax], [(b, dm, dn)], lambda *a: kernel(*a, cols=local_cols)
 
 
 DEQUANTIZE = Partitioning(_dequantize_rule, _dequantize_partition)

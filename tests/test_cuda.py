@@ -17,9 +17,12 @@ from conftest import random_tensor
 from hypothesis import given
 from hypothesis import strategies as st
 from test_kernels import DTYPES, assert_same_bytes, assert_same_tensor, options, tensors
+from test_kernels_4over6 import COMBINATIONS, SEED, quantize_cases
+from test_kernels_4over6 import options as fos_options
 
 import jax_nvfp4
 from jax_nvfp4 import _ffi
+from jax_nvfp4.primitives import KERNELS
 
 
 def _devices(platform: str) -> list:
@@ -110,6 +113,68 @@ def test_rht_and_stochastic_rounding_gpu_equals_cpu(shape, dtype, name):
         return jax_nvfp4.quantize(x, columnwise=True, stochastic_rounding_key=key, **opts)
 
     assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
+
+
+def _quantize_with_options(opts: dict, scale=None):
+    """x [B, M, N] -> (amax, amax_t, *quantize outputs) through the kernel backend, with these options."""
+
+    def run(x):
+        amaxes = KERNELS.amax(x, None, opts["rht"], opts["row_scaled"])
+        amax, amax_t = amaxes if len(amaxes) == 2 else amaxes * 2
+        if scale is not None:
+            amax, amax_t = amax * np.float32(scale[0]), amax_t * np.float32(scale[1])
+        return amax, amax_t, *KERNELS.quantize(x, amax, amax_t, SEED, **opts)
+
+    return run
+
+
+def _assert_same_outputs(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert_same_bytes(g, w)
+
+
+@given(case=quantize_cases())
+def test_row_scaled_and_4over6_gpu_equal_cpu(case):
+    x, opts, scale = case
+    run = _quantize_with_options(opts, scale)
+    _assert_same_outputs(on(GPUS[0], run, x), on(CPU, run, x))
+
+
+@pytest.mark.parametrize("layout,fos", COMBINATIONS)
+@pytest.mark.parametrize("shape", [(1, 4096, 4096), (2, 1000, 4100), (3, 17, 33), (1, 2049, 7), (1, 16, 1)])
+def test_row_scaled_and_4over6_large_and_ragged_shapes(shape, layout, fos):
+    x = random_tensor(np.random.default_rng(0), shape, ml_dtypes.bfloat16, spread=3.0, specials=("zero",), frac=0.01)
+    run = _quantize_with_options(fos_options(layout, fos))
+    _assert_same_outputs(on(GPUS[0], run, x), on(CPU, run, x))
+
+
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("shape", [(1, 4096, 4096), (2, 1008, 4100), (3, 32, 33), (1, 16, 1)])
+def test_row_scaled_amax_gpu_equals_cpu(shape, rht):
+    x = random_tensor(np.random.default_rng(1), shape, np.float32, spread=6.0, specials=("nan", "inf"), frac=1e-4)
+
+    def amax(x):
+        return KERNELS.amax(x, None, rht, True)
+
+    _assert_same_outputs(on(GPUS[0], amax, x), on(CPU, amax, x))
+
+
+@pytest.mark.parametrize("e4m3_max", [448, 256])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_row_scaled_dequantize_gpu_equals_cpu(out_dtype, e4m3_max):
+    x = random_tensor(np.random.default_rng(2), (2, 45, 67), np.float32, spread=4.0, specials=("zero",), frac=0.05)
+    fos = ("mse", True, e4m3_max) if e4m3_max != 448 else None
+    amax, amax_t, data, scale, data_t, scale_t = on(CPU, _quantize_with_options(fos_options("row_scaled", fos)), x)
+
+    def dequantize(data, scale, amax, data_t, scale_t, amax_t):
+        return (
+            KERNELS.dequantize(data, scale, amax, cols=67, dtype=out_dtype, e4m3_max=e4m3_max),
+            KERNELS.dequantize(data_t, scale_t, amax_t, cols=45, dtype=out_dtype, e4m3_max=e4m3_max),
+        )
+
+    args = (data, scale, amax, data_t, scale_t, amax_t)
+    _assert_same_outputs(on(GPUS[0], dequantize, *args), on(CPU, dequantize, *args))
 
 
 def test_the_training_step_runs_on_the_gpu():

@@ -33,7 +33,7 @@ def _platform() -> str:
 def kernel_amax(x, *, rht: bool):
     _platform()
     out = [jax.ShapeDtypeStruct((x.shape[0],), jnp.float32)] * (2 if rht else 1)
-    return jax.jit(lambda x: jax.ffi.ffi_call("nvfp4_amax", out)(x, rht=rht))(x)
+    return jax.jit(lambda x: jax.ffi.ffi_call("nvfp4_amax", out)(x, rht=rht, row_scaled=False))(x)
 
 
 def kernel_quantize(x, amax, amax_t, seed, **opts):
@@ -51,7 +51,8 @@ def kernel_quantize(x, amax, amax_t, seed, **opts):
             jax.ShapeDtypeStruct((bsz, cols, -(-rows // 16)), jnp.float8_e4m3fn),
         ]
     call = jax.ffi.ffi_call("nvfp4_quantize", out)
-    return jax.jit(lambda *a: call(*a, **opts))(x, amax, amax_t, seed)
+    attrs = {"row_scaled": False, "four_over_six": np.int32(0), "four_over_six_fast_math": False} | opts
+    return jax.jit(lambda *a: call(*a, e4m3_max=np.int32(448), **attrs))(x, amax, amax_t, seed)
 
 
 _reference_amax = jax.jit(reference.amax_core, static_argnames=("rht",))

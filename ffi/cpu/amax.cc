@@ -2,7 +2,9 @@
 // (exact, and any NaN wins and comes out canonical). With `rht`, the same pass
 // also gives the amax of the Random Hadamard Transform of x^T (16-row chunks of
 // each column, rounded to the input dtype).
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "cpu/common.h"
 #include "cpu/handlers.h"
@@ -32,15 +34,61 @@ void stripe_rht_max(const typename L::T* x, int64_t cols, std::vector<float>& v,
     m_rht = std::max(m_rht, magnitude_bits(L::narrow(v[i])));
 }
 
-ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht) {
+// Row-scaled amax of one [rows, cols] matrix: the max of each row (amax_rows)
+// and of each column, or with rht of each column's transformed chunks (amax_cols).
+template <typename L>
+void row_scaled_amax(const typename L::T* x, int64_t rows, int64_t cols, bool rht, float* amax_rows,
+                     float* amax_cols) {
+  const int64_t cost = rows * cols * int64_t(sizeof(typename L::T)) * (rht ? 8 : 1);
+  parallel_for(rows, cost, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      amax_rows[r] = amax_from_bits(max_magnitude_bits<L>(x + r * cols, cols));
+  });
+  // Columns in chunks of kWidth, each chunk down all the rows (16 at a time with rht).
+  constexpr int64_t kWidth = 256;
+  const int64_t chunks = (cols + kWidth - 1) / kWidth;
+  parallel_for(chunks, cost, [&](int64_t lo, int64_t hi) {
+    std::vector<uint32_t> m(kWidth);
+    std::vector<float> v(kBlock * kWidth);
+    for (int64_t chunk = lo; chunk < hi; ++chunk) {
+      const int64_t c0 = chunk * kWidth, width = std::min(kWidth, cols - c0);
+      std::fill(m.begin(), m.end(), 0u);
+      if (rht) {
+        for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
+          for (int64_t r = 0; r < kBlock; ++r)
+            for (int64_t c = 0; c < width; ++c)
+              v[r * width + c] = L::load(x[(r0 + r) * cols + c0 + c]);
+          rht_rows(v.data(), width);
+          for (int64_t r = 0; r < kBlock; ++r)
+            for (int64_t c = 0; c < width; ++c)
+              m[c] = std::max(m[c], magnitude_bits(L::narrow(v[r * width + c])));
+        }
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          const typename L::T* xr = x + r * cols + c0;
+          for (int64_t c = 0; c < width; ++c) m[c] = std::max(m[c], magnitude_bits(L::load(xr[c])));
+        }
+      }
+      for (int64_t c = 0; c < width; ++c) amax_cols[c0 + c] = amax_from_bits(m[c]);
+    }
+  });
+}
+
+ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht, bool row_scaled) {
   int64_t batch = 0, rows = 0, cols = 0;
   float *amax, *amax_rht;
-  if (auto e = check_amax(x, outs, rht, batch, rows, cols, amax, amax_rht); e.failure()) return e;
+  if (auto e = check_amax(x, outs, rht, row_scaled, batch, rows, cols, amax, amax_rht); e.failure())
+    return e;
   const int64_t per_batch = rows * cols;
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     for (int64_t b = 0; b < batch; ++b) {
+      if (row_scaled) {
+        row_scaled_amax<L>(data + b * per_batch, rows, cols, rht, amax + b * rows,
+                           amax_rht + b * cols);
+        continue;
+      }
       const auto* xb = data + b * per_batch;
       // Split the tensor into chunks, reduce each on its own thread, then combine.
       constexpr int64_t kChunks = 64;
@@ -85,4 +133,5 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     Nvfp4AmaxCpu, nvfp4::cpu::amax_impl,
-    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingRets().Attr<bool>("rht"));
+    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingRets().Attr<bool>("rht").Attr<bool>(
+        "row_scaled"));

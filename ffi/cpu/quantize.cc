@@ -3,10 +3,12 @@
 // transposed), with 1x16 or 16x16 blocks. Each 16-row stripe is converted to
 // float32 once and stays in cache for both copies. Options: the columnwise copy
 // of the Random Hadamard Transform of x^T (rht), and stochastic rounding with
-// counter-based Threefry random words (stochastic).
+// counter-based Threefry random words (stochastic); row-scaled global scales
+// (one amax per row of x and per row of x^T) and 4over6 block scaling.
 #include <cstring>
 
 #include "cpu/common.h"
+#include "cpu/four_over_six.h"
 #include "cpu/handlers.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -17,22 +19,37 @@ namespace {
 
 // Per-thread scratch for one 16-row stripe, reused across stripes.
 struct Stripe {
-  std::vector<float> value;    // [16][width]: the stripe as float32, zero-padded
-  std::vector<uint8_t> code;   // [16][width]: codes with per-column encode scales
-  std::vector<uint32_t> mag;   // [width]: column max magnitude (bits)
-  std::vector<float> enc;      // [width]: encode scale of each column's block
-  std::vector<uint8_t> scale;  // [width]: E4M3 scale of each column's block
-  std::vector<uint64_t> word;  // [width]: a column's 8 packed bytes of the columnwise copy
-  std::vector<uint32_t> rand;  // [16][width]: random words of stochastic rounding
+  std::vector<float> value;      // [16][width]: the stripe as float32, zero-padded
+  std::vector<uint8_t> code;     // [16][width]: codes with per-column encode scales
+  std::vector<uint32_t> mag;     // [width]: column max magnitude (bits)
+  std::vector<float> enc;        // [width]: encode scale of each column's block
+  std::vector<uint8_t> scale;    // [width]: E4M3 scale of each column's block
+  std::vector<uint64_t> word;    // [width]: a column's 8 packed bytes of the columnwise copy
+  std::vector<uint32_t> rand;    // [16][width]: random words of stochastic rounding
+  std::vector<GlobalScales> g;   // [width]: the global scales of each block (4over6, row-scaled)
+  std::vector<float> rowt;       // [16][blocks]: one row's 1x16 chunks as columns (4over6)
+  std::vector<uint8_t> scale_t;  // [width]: the columnwise copy's scales (16x16 4over6)
+  std::vector<float> enc_t;      // [width]: the columnwise copy's encode scales (16x16 4over6)
+  FosScratch fos;
 };
 
 // The options of one quantize call and one batch entry's global scales.
 struct Options {
-  GlobalScales g;    // from amax: the rowwise copy and 16x16 blocks
-  GlobalScales g_t;  // from amax_t: the columnwise 1x16 copy
-  bool block_2d, rht, stochastic;
+  QuantizeAttrs a;
+  GlobalScales g;          // from amax: the rowwise copy and 16x16 blocks (not row-scaled)
+  GlobalScales g_t;        // from amax_t: the columnwise 1x16 copy (not row-scaled)
+  const float* amax_rows;  // row-scaled: the entry's amax per row of x [M] (rowwise)
+  const float* amax_cols;  // row-scaled: the entry's amax per row of x^T [N] (columnwise)
   Seed seed;
   uint32_t b;  // the batch entry (random word indices)
+
+  // Global scales of row m of the rowwise copy and of row n of the columnwise one.
+  GlobalScales row(int64_t m) const {
+    return a.row_scaled ? global_scales(amax_rows[m], a.e4m3_max) : g;
+  }
+  GlobalScales column(int64_t n) const {
+    return a.row_scaled ? global_scales(amax_cols[n], a.e4m3_max) : g_t;
+  }
 };
 
 // Packs codes into bytes, element 2i in the low nibble.
@@ -66,6 +83,16 @@ inline void block_scales(const uint32_t* __restrict mag, int64_t n, const Global
   for (int64_t i = 0; i < n; ++i) {
     scale[i] = block_scale(amax_from_bits(mag[i]), g);
     enc[i] = block_encode_scale(scale[i], g);
+  }
+}
+
+// Scales and encode scales of blocks, block i with global scales g[i] (vectorizes).
+inline void block_scales_each(const uint32_t* __restrict mag, int64_t n,
+                              const GlobalScales* __restrict g, uint8_t* __restrict scale,
+                              float* __restrict enc) {
+  for (int64_t i = 0; i < n; ++i) {
+    scale[i] = block_scale(amax_from_bits(mag[i]), g[i]);
+    enc[i] = block_encode_scale(scale[i], g[i]);
   }
 }
 
@@ -112,6 +139,17 @@ inline void encode_blocks_stochastic(const float* __restrict v, const float* __r
   }
 }
 
+// 4over6 scales and encode scales of one row's nb 1x16 chunks: the chunks are
+// transposed into columns of st.rowt [16][nb] for the vector loops.
+void row_4over6(Stripe& st, const float* v, int64_t nb, const GlobalScales& g, FourOverSix fos,
+                uint8_t* scale) {
+  st.rowt.resize(kBlock * nb);
+  for (int64_t j = 0; j < nb; ++j)
+    for (int k = 0; k < kBlock; ++k) st.rowt[k * nb + j] = v[j * kBlock + k];
+  st.g.assign(nb, g);
+  choose_1d(st.rowt.data(), nb, st.mag.data(), st.g.data(), fos, st.fos, scale, st.enc.data());
+}
+
 // Rowwise 1x16: each row's blocks get their own scale. Element (b, m, n) draws
 // the word of index (b M + m) N + n of stream 0.
 void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, int64_t width, int64_t m0,
@@ -120,12 +158,17 @@ void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, int64_t w
   st.code.resize(width);
   st.mag.resize(nb);
   st.enc.resize(nb);
-  if (p.stochastic) st.rand.resize(width);
+  if (p.a.stochastic) st.rand.resize(width);
   for (int64_t r = 0; r < nrows; ++r) {
     const float* v = st.value.data() + r * width;
+    uint8_t* scale = o.scale + (m0 + r) * nb;
+    const GlobalScales g = p.row(m0 + r);
     block_max(v, st.mag.data(), nb);
-    block_scales(st.mag.data(), nb, p.g, o.scale + (m0 + r) * nb, st.enc.data());
-    if (p.stochastic) {
+    if (p.a.fos.on())
+      row_4over6(st, v, nb, g, p.a.fos, scale);
+    else
+      block_scales(st.mag.data(), nb, g, scale, st.enc.data());
+    if (p.a.stochastic) {
       const uint32_t base = (p.b * uint32_t(rows) + uint32_t(m0 + r)) * uint32_t(cols);
       random_words(p.seed, base, 1, 0, st.rand.data(), width);
       encode_blocks_stochastic(v, st.enc.data(), st.rand.data(), st.code.data(), nb);
@@ -142,7 +185,7 @@ void stripe_words(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t
                   const Options& p) {
   st.rand.resize(kBlock * width);
   uint32_t* __restrict w = st.rand.data();
-  if (p.block_2d) {
+  if (p.a.block_2d) {
     // One quantization for both copies, drawn from the rowwise stream: element
     // (b, m, n) has index (b Mp + m) N + n, Mp = M padded to 16 (the reference
     // indexes the padded [B, Mp, Np] tile array).
@@ -161,53 +204,12 @@ void stripe_words(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t
   }
 }
 
-// Quantizes the 16-row stripe starting at row m0 of one [rows, cols] matrix.
-// Columnwise 1x16 blocks (16 rows of one column) and 16x16 blocks both take
-// one encode scale per column of the stripe, so they share one vector loop.
-template <typename L>
-void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t m0,
-                     const Options& p, const QuantizeOutputs& o, Stripe& st) {
-  const bool block_2d = p.block_2d;
-  const int64_t nrows = std::min<int64_t>(kBlock, rows - m0);
-  const int64_t width = num_blocks(cols) * kBlock;
-  st.value.resize(kBlock * width);
-  load_stripe<L>(x + m0 * cols, cols, nrows, width, st.value.data());
-  if (o.data && !block_2d) rowwise_1d(st, rows, nrows, cols, width, m0, p, o);
-  if (!block_2d && !o.data_t) return;
-
-  // Columnwise 1x16 or 16x16: one encode scale per column of the stripe.
-  if (p.rht && !block_2d) {
-    // The columnwise copy of the RHT of x^T (M % 16 == 0: no padded rows);
-    // the rowwise copy is done, so the stripe is transformed in place.
-    rht_rows(st.value.data(), width);
-    for (int64_t k = 0; k < kBlock * width; ++k) st.value[k] = L::narrow(st.value[k]);
-  }
-  const GlobalScales& g = block_2d ? p.g : p.g_t;
+// Codes of the stripe st.value [16][width] with one encode scale per column
+// (st.enc): the columnwise 1x16 or 16x16 codes.
+void encode_columns(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t m0,
+                    const Options& p) {
   st.code.resize(kBlock * width);
-  st.mag.assign(width, 0);
-  st.enc.resize(width);
-  st.scale.resize(width);
-  for (int64_t r = 0; r < kBlock; ++r) {
-    const float* v = st.value.data() + r * width;
-    for (int64_t c = 0; c < width; ++c) st.mag[c] = std::max(st.mag[c], magnitude_bits(v[c]));
-  }
-  if (block_2d) {
-    // One block per 16 columns: fold the column maxima, then spread the scales.
-    const int64_t nb = width / kBlock;
-    for (int64_t b = 0; b < nb; ++b) {
-      uint32_t m = 0;
-      for (int k = 0; k < kBlock; ++k) m = std::max(m, st.mag[b * kBlock + k]);
-      st.mag[b] = m;
-    }
-    block_scales(st.mag.data(), nb, g, st.scale.data(), st.enc.data());
-    for (int64_t c = width - 1; c >= 0; --c) {
-      st.scale[c] = st.scale[c / kBlock];
-      st.enc[c] = st.enc[c / kBlock];
-    }
-  } else {
-    block_scales(st.mag.data(), width, g, st.scale.data(), st.enc.data());
-  }
-  if (p.stochastic) {
+  if (p.a.stochastic) {
     stripe_words(st, rows, cols, width, m0, p);
     for (int64_t r = 0; r < kBlock; ++r)
       encode_stochastic(st.value.data() + r * width, st.enc.data(), st.rand.data() + r * width,
@@ -216,45 +218,139 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
     for (int64_t r = 0; r < kBlock; ++r)
       encode(st.value.data() + r * width, st.enc.data(), st.code.data() + r * width, width);
   }
+}
 
-  const int64_t mb = m0 / kBlock;
-  if (o.data && block_2d) {
-    const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
-    for (int64_t r = 0; r < nrows; ++r) {
-      const uint8_t* code = st.code.data() + r * width;
-      uint8_t* data = o.data + (m0 + r) * data_cols;
-      pack(code, data, data_cols);
-      for (int64_t b = 0; b < scale_cols; ++b)
-        o.scale[(m0 + r) * scale_cols + b] = st.scale[b * kBlock];
-    }
+// Writes the rowwise 16x16 copy of the stripe: st.code, one scale per tile (st.scale per column).
+void store_rows_2d(const Stripe& st, int64_t nrows, int64_t cols, int64_t width, int64_t m0,
+                   const QuantizeOutputs& o) {
+  const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
+  for (int64_t r = 0; r < nrows; ++r) {
+    pack(st.code.data() + r * width, o.data + (m0 + r) * data_cols, data_cols);
+    for (int64_t b = 0; b < scale_cols; ++b)
+      o.scale[(m0 + r) * scale_cols + b] = st.scale[b * kBlock];
   }
-  if (o.data_t) {
-    const int64_t data_t_cols = packed_size(rows), scale_t_cols = num_blocks(rows);
-    const int64_t nbytes = std::min<int64_t>(kBlock / 2, data_t_cols - m0 / 2);
-    // Byte k of column c packs the codes of rows 2k and 2k+1: build each
-    // column's 8 bytes as one little-endian word, row pair by row pair.
-    st.word.assign(width, 0);
-    uint64_t* __restrict word = st.word.data();
-    for (int64_t k = 0; k < kBlock / 2; ++k) {
-      const uint8_t* __restrict lo = st.code.data() + 2 * k * width;
-      const uint8_t* __restrict hi = lo + width;
-      for (int64_t c = 0; c < width; ++c) word[c] |= uint64_t(lo[c] | (hi[c] << 4)) << (8 * k);
-    }
-    for (int64_t c = 0; c < cols; ++c) {
-      std::memcpy(o.data_t + c * data_t_cols + m0 / 2, &word[c], size_t(nbytes));
-      o.scale_t[c * scale_t_cols + mb] = st.scale[c];
-    }
+}
+
+// Writes the stripe's codes st.code and per-column scales st.scale to the columnwise copy.
+void store_columns(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t m0,
+                   const QuantizeOutputs& o) {
+  const int64_t data_t_cols = packed_size(rows), scale_t_cols = num_blocks(rows);
+  const int64_t nbytes = std::min<int64_t>(kBlock / 2, data_t_cols - m0 / 2);
+  // Byte k of column c packs the codes of rows 2k and 2k+1: build each
+  // column's 8 bytes as one little-endian word, row pair by row pair.
+  st.word.assign(width, 0);
+  uint64_t* __restrict word = st.word.data();
+  for (int64_t k = 0; k < kBlock / 2; ++k) {
+    const uint8_t* __restrict lo = st.code.data() + 2 * k * width;
+    const uint8_t* __restrict hi = lo + width;
+    for (int64_t c = 0; c < width; ++c) word[c] |= uint64_t(lo[c] | (hi[c] << 4)) << (8 * k);
   }
+  for (int64_t c = 0; c < cols; ++c) {
+    std::memcpy(o.data_t + c * data_t_cols + m0 / 2, &word[c], size_t(nbytes));
+    o.scale_t[c * scale_t_cols + m0 / kBlock] = st.scale[c];
+  }
+}
+
+// Scales and encode scales of the 16x16 tiles of the stripe from the column
+// maxima st.mag, spread to the tiles' columns; with 4over6 also the columnwise
+// copy's (st.scale_t, st.enc_t), whose choice may differ.
+void tile_scales(Stripe& st, int64_t width, const Options& p) {
+  // One block per 16 columns: fold the column maxima.
+  const int64_t nb = width / kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint32_t m = 0;
+    for (int k = 0; k < kBlock; ++k) m = std::max(m, st.mag[b * kBlock + k]);
+    st.mag[b] = m;
+  }
+  if (p.a.fos.on()) {
+    st.scale_t.resize(width);
+    st.enc_t.resize(width);
+    choose_2d(st.value.data(), width, st.mag.data(), p.g, p.a.fos, st.fos, st.scale.data(),
+              st.enc.data(), st.scale_t.data(), st.enc_t.data());
+    spread_tiles(st.scale_t, nb);
+    spread_tiles(st.enc_t, nb);
+  } else {
+    block_scales(st.mag.data(), nb, p.g, st.scale.data(), st.enc.data());
+  }
+  spread_tiles(st.scale, nb);
+  spread_tiles(st.enc, nb);
+}
+
+// Scales and encode scales of the columnwise 1x16 blocks (one per column of the
+// stripe) from the column maxima st.mag.
+void column_scales(Stripe& st, int64_t cols, int64_t width, const Options& p) {
+  if (!p.a.fos.on() && !p.a.row_scaled) {
+    block_scales(st.mag.data(), width, p.g_t, st.scale.data(), st.enc.data());
+    return;
+  }
+  st.g.resize(width);
+  for (int64_t c = 0; c < width; ++c) st.g[c] = c < cols ? p.column(c) : p.g_t;  // padding: unused
+  if (p.a.fos.on())
+    choose_1d(st.value.data(), width, st.mag.data(), st.g.data(), p.a.fos, st.fos, st.scale.data(),
+              st.enc.data());
+  else
+    block_scales_each(st.mag.data(), width, st.g.data(), st.scale.data(), st.enc.data());
+}
+
+// Quantizes the 16-row stripe starting at row m0 of one [rows, cols] matrix.
+// Columnwise 1x16 blocks (16 rows of one column) and 16x16 blocks both take
+// one encode scale per column of the stripe, so they share one vector loop.
+template <typename L>
+void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t m0,
+                     const Options& p, const QuantizeOutputs& o, Stripe& st) {
+  const bool block_2d = p.a.block_2d;
+  const int64_t nrows = std::min<int64_t>(kBlock, rows - m0);
+  const int64_t width = num_blocks(cols) * kBlock;
+  st.value.resize(kBlock * width);
+  load_stripe<L>(x + m0 * cols, cols, nrows, width, st.value.data());
+  if (o.data && !block_2d) rowwise_1d(st, rows, nrows, cols, width, m0, p, o);
+  if (!block_2d && !o.data_t) return;
+
+  // Columnwise 1x16 or 16x16: one encode scale per column of the stripe.
+  if (p.a.rht && !block_2d) {
+    // The columnwise copy of the RHT of x^T (M % 16 == 0: no padded rows);
+    // the rowwise copy is done, so the stripe is transformed in place.
+    rht_rows(st.value.data(), width);
+    for (int64_t k = 0; k < kBlock * width; ++k) st.value[k] = L::narrow(st.value[k]);
+  }
+  st.mag.assign(width, 0);
+  st.enc.resize(width);
+  st.scale.resize(width);
+  for (int64_t r = 0; r < kBlock; ++r) {
+    const float* v = st.value.data() + r * width;
+    for (int64_t c = 0; c < width; ++c) st.mag[c] = std::max(st.mag[c], magnitude_bits(v[c]));
+  }
+  if (block_2d)
+    tile_scales(st, width, p);
+  else
+    column_scales(st, cols, width, p);
+  encode_columns(st, rows, cols, width, m0, p);
+  if (o.data && block_2d) store_rows_2d(st, nrows, cols, width, m0, o);
+  if (!o.data_t) return;
+  if (block_2d && p.a.fos.on()) {
+    // x^T's own 4over6 choice: re-encode with the columnwise copy's scales.
+    st.scale.swap(st.scale_t);
+    st.enc.swap(st.enc_t);
+    encode_columns(st, rows, cols, width, m0, p);
+  }
+  store_columns(st, rows, cols, width, m0, o);
 }
 
 ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
                          ffi::Buffer<ffi::U32> seed, ffi::RemainingRets outs, bool rowwise,
-                         bool columnwise, bool block_2d, bool rht, bool stochastic) {
+                         bool columnwise, bool block_2d, bool rht, bool stochastic, bool row_scaled,
+                         int32_t four_over_six, bool four_over_six_fast_math, int32_t e4m3_max) {
   int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs all;
-  if (auto e = check_quantize(x, amax, amax_t, seed, outs, rowwise, columnwise, block_2d, rht,
-                              batch, rows, cols, all);
-      e.failure())
+  const QuantizeAttrs a{rowwise,
+                        columnwise,
+                        block_2d,
+                        rht,
+                        stochastic,
+                        row_scaled,
+                        FourOverSix{four_over_six, four_over_six_fast_math},
+                        e4m3_max};
+  if (auto e = check_quantize(x, amax, amax_t, seed, outs, a, batch, rows, cols, all); e.failure())
     return e;
   const float* amax_data = amax.typed_data();
   const float* amax_t_data = amax_t.typed_data();
@@ -263,19 +359,20 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buff
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
-    const int64_t cost =
-        batch * rows * cols * int64_t(sizeof(typename L::T)) * (stochastic ? 8 : 1) * (rht ? 2 : 1);
+    const int64_t cost = batch * rows * cols * int64_t(sizeof(typename L::T)) *
+                         (stochastic || a.fos.on() ? 8 : 1) * (rht ? 2 : 1);
     parallel_for(batch * stripes, cost, [&](int64_t lo, int64_t hi) {
       Stripe st;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t b = i / stripes, stripe = i % stripes;
-        const Options p{global_scales(amax_data[b]),
-                        global_scales(amax_t_data[b]),
-                        block_2d,
-                        rht,
-                        stochastic,
-                        key,
-                        uint32_t(b)};
+        Options p{a, GlobalScales{}, GlobalScales{}, nullptr, nullptr, key, uint32_t(b)};
+        if (row_scaled) {
+          p.amax_rows = amax_data + b * rows;
+          p.amax_cols = amax_t_data + b * cols;
+        } else {
+          p.g = global_scales(amax_data[b], e4m3_max);
+          p.g_t = global_scales(amax_t_data[b], e4m3_max);
+        }
         quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock, p,
                            all.entry(b, rows, cols), st);
       }
@@ -299,4 +396,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCpu, nvfp4::cpu::quantize_impl,
                                   .Attr<bool>("columnwise")
                                   .Attr<bool>("block_2d")
                                   .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic"));
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("row_scaled")
+                                  .Attr<int32_t>("four_over_six")
+                                  .Attr<bool>("four_over_six_fast_math")
+                                  .Attr<int32_t>("e4m3_max"));

@@ -2,7 +2,8 @@
 // magnitude bits (exact, and any NaN wins and comes out canonical), like the
 // CPU kernel. With `rht` the same pass also gives the amax of the Random
 // Hadamard Transform of x^T: each thread reads 16 rows of one column (a chunk),
-// keeps them in registers and transforms them.
+// keeps them in registers and transforms them. Row-scaled, the amax of each row
+// of x and of each row of x^T (or of its transform).
 #include "cuda/common.cuh"
 #include "cuda/handlers.h"
 
@@ -65,16 +66,71 @@ __global__ void __launch_bounds__(kThreads)
   block_max_into(m_rht, bits_rht + b);
 }
 
+// Row-scaled: block (b, stripe, tile) owns 16 rows x kThreads columns, a
+// thread one column. Each row's max is a warp max folded atomically into
+// row_bits; each column's max (of its transformed chunk with rht) into col_bits.
+template <typename L>
+__global__ void __launch_bounds__(kThreads)
+    row_scaled_amax_kernel(const typename L::T* x, int64_t rows, int64_t cols, int64_t stripes,
+                           int64_t tiles, bool rht, uint32_t* row_bits, uint32_t* col_bits) {
+  const int64_t tile = blockIdx.x % tiles, stripe = (blockIdx.x / tiles) % stripes;
+  const int64_t b = blockIdx.x / (tiles * stripes);
+  const int64_t c = tile * kThreads + threadIdx.x, m0 = stripe * kBlock;
+  const int64_t nrows = min(int64_t(kBlock), rows - m0);
+  const typename L::T* xc = x + (b * rows + m0) * cols + c;
+  float v[kBlock];
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) {
+    v[r] = (r < nrows && c < cols) ? L::load(xc[r * cols]) : 0.0f;
+    uint32_t m = magnitude_bits(v[r]);
+    for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(~0u, m, offset));
+    if (threadIdx.x % 32 == 0 && r < nrows) atomicMax(row_bits + b * rows + m0 + r, m);
+  }
+  if (c >= cols) return;
+  if (rht) rht16_narrow<L>(v);  // M % 16 == 0: all 16 rows are real
+  uint32_t m = 0;
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) m = max(m, magnitude_bits(v[r]));
+  atomicMax(col_bits + b * cols + c, m);
+}
+
 // Turns the max magnitude bits into the amax float in place.
 __global__ void amax_finish(uint32_t* bits, int64_t batch) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i < batch) reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
 }
 
-ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht) {
+ffi::Error row_scaled_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rht, int64_t batch,
+                           int64_t rows, int64_t cols, float* amax, float* amax_t) {
+  auto* row_bits = reinterpret_cast<uint32_t*>(amax);
+  auto* col_bits = reinterpret_cast<uint32_t*>(amax_t);
+  if (batch * rows > 0) cudaMemsetAsync(row_bits, 0, batch * rows * sizeof(uint32_t), stream);
+  if (batch * cols > 0) cudaMemsetAsync(col_bits, 0, batch * cols * sizeof(uint32_t), stream);
+  const int64_t stripes = num_blocks(rows), tiles = (cols + kThreads - 1) / kThreads;
+  const int64_t blocks = batch * stripes * tiles;
+  if (blocks > INT32_MAX) return invalid("amax input is too large for one launch");
+  const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
+    using L = decltype(loader);
+    if (blocks <= 0) return;
+    row_scaled_amax_kernel<L><<<unsigned(blocks), kThreads, 0, stream>>>(
+        static_cast<const typename L::T*>(x.untyped_data()), rows, cols, stripes, tiles, rht,
+        row_bits, col_bits);
+  });
+  if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
+  if (batch * rows > 0)
+    amax_finish<<<unsigned((batch * rows + 255) / 256), 256, 0, stream>>>(row_bits, batch * rows);
+  if (batch * cols > 0)
+    amax_finish<<<unsigned((batch * cols + 255) / 256), 256, 0, stream>>>(col_bits, batch * cols);
+  return launch_status("amax");
+}
+
+ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht,
+                     bool row_scaled) {
   int64_t batch = 0, rows = 0, cols = 0;
   float *amax, *amax_rht;
-  if (auto e = check_amax(x, outs, rht, batch, rows, cols, amax, amax_rht); e.failure()) return e;
+  if (auto e = check_amax(x, outs, rht, row_scaled, batch, rows, cols, amax, amax_rht); e.failure())
+    return e;
+  if (row_scaled) return row_scaled_amax(stream, x, rht, batch, rows, cols, amax, amax_rht);
   if (batch == 0) return ffi::Error::Success();
   auto* bits = reinterpret_cast<uint32_t*>(amax);
   auto* bits_rht = reinterpret_cast<uint32_t*>(amax_rht);
@@ -110,4 +166,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4AmaxCuda, nvfp4::cuda::amax_impl,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .RemainingRets()
-                                  .Attr<bool>("rht"));
+                                  .Attr<bool>("rht")
+                                  .Attr<bool>("row_scaled"));

@@ -1,5 +1,6 @@
-// NVFP4 dequantization on the GPU: value = fp32(E2M1 * E4M3 scale) * amax / 2688,
-// written as float32, bfloat16 or float16; bit-identical to the CPU kernel.
+// NVFP4 dequantization on the GPU: value = fp32(E2M1 * E4M3 scale) * amax / (6 E),
+// E = e4m3_max, with one amax per batch entry or per row (row-scaled), written as
+// float32, bfloat16 or float16; bit-identical to the CPU kernel.
 #include "cuda/common.cuh"
 #include "cuda/handlers.h"
 
@@ -12,12 +13,13 @@ constexpr int kThreads = 256;
 template <typename S>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* data, const uint8_t* scale, const float* amax, int64_t rows,
-                      int64_t cols, int64_t bytes, typename S::T* out) {
+                      int64_t cols, int64_t bytes, bool row_scaled, int e4m3_max,
+                      typename S::T* out) {
   const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < bytes;
        i += int64_t(gridDim.x) * kThreads) {
     const int64_t row = i / data_cols, c = 2 * (i % data_cols);  // row spans the batch
-    const float gds = dequantize_scale(amax[row / rows]);
+    const float gds = dequantize_scale(amax[row_scaled ? row : row / rows], e4m3_max);
     const uint8_t s = scale[row * scale_cols + c / kBlock];  // c and c + 1 share a block
     out[row * cols + c] = S::store(dequantize_value(data[i] & 0xF, s, gds));
     if (c + 1 < cols) out[row * cols + c + 1] = S::store(dequantize_value(data[i] >> 4, s, gds));
@@ -25,9 +27,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 ffi::Error dequantize_impl(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
-                           ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out) {
-  int64_t batch, rows, cols;
-  if (auto e = check_dequantize(data, scale, amax, *out, batch, rows, cols); e.failure()) return e;
+                           ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out,
+                           int32_t e4m3_max) {
+  int64_t batch = 0, rows = 0, cols = 0;
+  bool row_scaled = false;
+  if (auto e = check_dequantize(data, scale, amax, *out, e4m3_max, batch, rows, cols, row_scaled);
+      e.failure())
+    return e;
   const int64_t bytes = batch * rows * packed_size(cols);
   const bool ok =
       dispatch_float<StoreF32, StoreBF16, StoreF16>(out->element_type(), [&](auto storer) {
@@ -35,7 +41,7 @@ ffi::Error dequantize_impl(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::
         if (bytes > 0)
           dequantize_kernel<S><<<grid_stride_blocks(bytes, kThreads), kThreads, 0, stream>>>(
               data.typed_data(), static_cast<const uint8_t*>(scale.untyped_data()),
-              amax.typed_data(), rows, cols, bytes,
+              amax.typed_data(), rows, cols, bytes, row_scaled, e4m3_max,
               static_cast<typename S::T*>(out->untyped_data()));
       });
   if (!ok) return invalid("dequantize output must be float32, bfloat16 or float16");
@@ -51,4 +57,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4DequantizeCuda, nvfp4::cuda::dequantize_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int32_t>("e4m3_max"));

@@ -5,8 +5,11 @@
 // thread-local and the rowwise blocks (16 consecutive columns) are 16 lanes of
 // a warp, reduced with shuffles. Every input value is read once. With rht the
 // thread transforms its column's 16 values in registers for the columnwise
-// copy; with stochastic rounding each code draws a Threefry random word.
+// copy; with stochastic rounding each code draws a Threefry random word; with
+// 4over6 each block picks between two candidate scales (four_over_six.cuh);
+// row-scaled, each row of either copy has its own global scales.
 #include "cuda/common.cuh"
+#include "cuda/four_over_six.cuh"
 #include "cuda/handlers.h"
 
 namespace nvfp4::cuda {
@@ -44,32 +47,84 @@ __device__ __forceinline__ void store_column(const uint8_t (&code)[kBlock], uint
 
 // The kernel's operands and options (by value).
 struct Params {
-  const float* amax;     // [B]: the rowwise copy and 16x16 blocks
-  const float* amax_t;   // [B]: the columnwise 1x16 copy
+  const float* amax;     // [B] (row-scaled: [B, M]): the rowwise copy and 16x16 blocks
+  const float* amax_t;   // [B] (row-scaled: [B, N]): the columnwise 1x16 copy
   const uint32_t* seed;  // [2]: the Threefry key of stochastic rounding (device memory)
   int64_t rows, cols, stripes, tiles;
-  bool block_2d, rht;
+  bool block_2d, rht, row_scaled;
+  FourOverSix fos;
+  int32_t e4m3_max;
   QuantizeOutputs o;
 };
 
+// How the codes round: to nearest, stochastically, or to nearest with the
+// 4over6 choice of the block scale (a kernel each, so that each keeps its registers).
+enum class Mode { kNearest, kStochastic, kFourOverSix };
+
 // E2M1 code of v * enc: round to nearest even, or stochastically by `word`.
-template <bool kStochastic>
+template <Mode kMode>
 __device__ __forceinline__ uint8_t encode(float v, float enc, uint32_t word) {
-  if constexpr (kStochastic) return quantize_value_stochastic(v, enc, word);
+  if constexpr (kMode == Mode::kStochastic) return quantize_value_stochastic(v, enc, word);
   return quantize_value(v, enc);
 }
 
-template <typename L, bool kStochastic>
-__global__ void __launch_bounds__(kTile) quantize_kernel(const typename L::T* x, Params p) {
+// The 16x16 blocks of the thread's column: one quantization for both copies
+// (with 4over6 each copy makes its own choice).
+template <Mode kMode>
+__device__ __forceinline__ void quantize_tile(const float (&v)[kBlock], uint32_t column_mag,
+                                              const GlobalScales& g, int64_t b, int64_t m0,
+                                              int64_t c, int64_t nrows, const Params& p,
+                                              Seed seed) {
+  const int64_t rows = p.rows, cols = p.cols, row0 = b * rows + m0;
+  const QuantizeOutputs& o = p.o;
+  const float bamax = amax_from_bits(group16_max(column_mag));
+  uint8_t code[kBlock];
+  if constexpr (kMode == Mode::kFourOverSix) {
+    Candidate row, col;
+    tile(v, bamax, g, p.fos, row, col);
+    if (o.data) {
+#pragma unroll
+      for (int r = 0; r < kBlock; ++r)
+        store_row(quantize_value(v[r], row.enc), row.scale, row0 + r, c, cols, r < nrows, o);
+    }
+    if (o.data_t) {
+#pragma unroll
+      for (int r = 0; r < kBlock; ++r) code[r] = quantize_value(v[r], col.enc);
+      store_column(code, col.scale, b, m0, c, rows, cols, o);
+    }
+    return;
+  }
+  // Stochastic words are drawn from the rowwise stream. The reference indexes
+  // the padded [B, Mp, Np] tile array: row stride Mp = M padded to 16.
+  const uint8_t s = block_scale(bamax, g);
+  const float enc = block_encode_scale(s, g);
+  const uint32_t rows_padded = uint32_t(p.stripes * kBlock);
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) {
+    uint32_t word = 0;
+    if constexpr (kMode == Mode::kStochastic)
+      word = random_word(
+          seed, (uint32_t(b) * rows_padded + uint32_t(m0 + r)) * uint32_t(cols) + uint32_t(c), 0);
+    code[r] = encode<kMode>(v[r], enc, word);
+  }
+  if (o.data) {
+#pragma unroll
+    for (int r = 0; r < kBlock; ++r) store_row(code[r], s, row0 + r, c, cols, r < nrows, o);
+  }
+  if (o.data_t) store_column(code, s, b, m0, c, rows, cols, o);
+}
+
+template <typename L, Mode kMode>
+__device__ __forceinline__ void quantize_stripe(const typename L::T* x, const Params& p) {
   const int64_t rows = p.rows, cols = p.cols;
   const QuantizeOutputs& o = p.o;
   const int64_t tile = blockIdx.x % p.tiles, stripe = (blockIdx.x / p.tiles) % p.stripes;
   const int64_t b = blockIdx.x / (p.tiles * p.stripes);
   const int64_t c = tile * kTile + threadIdx.x, m0 = stripe * kBlock;
   const int64_t nrows = min(int64_t(kBlock), rows - m0);
-  const GlobalScales g = global_scales(p.amax[b]);
+  const GlobalScales g = p.row_scaled ? GlobalScales{} : global_scales(p.amax[b], p.e4m3_max);
   Seed seed{0, 0};
-  if constexpr (kStochastic) seed = Seed{p.seed[0], p.seed[1]};
+  if constexpr (kMode == Mode::kStochastic) seed = Seed{p.seed[0], p.seed[1]};
 
   // The thread's column of the stripe, zero-padded, as the reference pads.
   float v[kBlock];
@@ -80,43 +135,34 @@ __global__ void __launch_bounds__(kTile) quantize_kernel(const typename L::T* x,
     v[r] = (r < nrows && c < cols) ? L::load(xc[r * cols]) : 0.0f;
     column_mag = max(column_mag, magnitude_bits(v[r]));
   }
-  uint8_t code[kBlock];
+  if (p.block_2d) {
+    quantize_tile<kMode>(v, column_mag, g, b, m0, c, nrows, p, seed);
+    return;
+  }
   const int64_t row0 = b * rows + m0;  // first output row of the stripe
   // Random word indices (uint32, wrapping): rowwise element (b, m, n) is
   // (b M + m) N + n, stream 0; columnwise element (b, n, m) is (b N + n) M + m, stream 1.
   const uint32_t ucols = uint32_t(cols), ub = uint32_t(b);
-
-  if (p.block_2d) {
-    // One scale for the 16x16 block, shared by both copies, and one code per
-    // element for both, drawn from the rowwise stream. The reference indexes
-    // the padded [B, Mp, Np] tile array: row stride Mp = M padded to 16.
-    const uint8_t s = block_scale(amax_from_bits(group16_max(column_mag)), g);
-    const float enc = block_encode_scale(s, g);
-    const uint32_t rows_padded = uint32_t(p.stripes * kBlock);
-#pragma unroll
-    for (int r = 0; r < kBlock; ++r) {
-      uint32_t word = 0;
-      if constexpr (kStochastic)
-        word = random_word(seed, (ub * rows_padded + uint32_t(m0 + r)) * ucols + uint32_t(c), 0);
-      code[r] = encode<kStochastic>(v[r], enc, word);
-    }
-    if (o.data) {
-#pragma unroll
-      for (int r = 0; r < kBlock; ++r) store_row(code[r], s, row0 + r, c, cols, r < nrows, o);
-    }
-    if (o.data_t) store_column(code, s, b, m0, c, rows, cols, o);
-    return;
-  }
   if (o.data) {
     // 1x16 rowwise: each row's block spans the 16 lanes of a group.
 #pragma unroll
     for (int r = 0; r < kBlock; ++r) {
-      const uint8_t s = block_scale(amax_from_bits(group16_max(magnitude_bits(v[r]))), g);
-      uint32_t word = 0;
-      if constexpr (kStochastic)
-        word = random_word(seed, uint32_t(row0 + r) * ucols + uint32_t(c), 0);
-      store_row(encode<kStochastic>(v[r], block_encode_scale(s, g), word), s, row0 + r, c, cols,
-                r < nrows, o);
+      const GlobalScales g_r =
+          p.row_scaled ? global_scales(r < nrows ? p.amax[row0 + r] : 0.0f, p.e4m3_max) : g;
+      const float bamax = amax_from_bits(group16_max(magnitude_bits(v[r])));
+      uint8_t s, code;
+      if constexpr (kMode == Mode::kFourOverSix) {
+        const Candidate chosen = row_chunk(v[r], bamax, g_r, p.fos);
+        s = chosen.scale;
+        code = quantize_value(v[r], chosen.enc);
+      } else {
+        s = block_scale(bamax, g_r);
+        uint32_t word = 0;
+        if constexpr (kMode == Mode::kStochastic)
+          word = random_word(seed, uint32_t(row0 + r) * ucols + uint32_t(c), 0);
+        code = encode<kMode>(v[r], block_encode_scale(s, g_r), word);
+      }
+      store_row(code, s, row0 + r, c, cols, r < nrows, o);
     }
   }
   if (o.data_t) {
@@ -128,28 +174,58 @@ __global__ void __launch_bounds__(kTile) quantize_kernel(const typename L::T* x,
 #pragma unroll
       for (int r = 0; r < kBlock; ++r) column_mag = max(column_mag, magnitude_bits(v[r]));
     }
-    const GlobalScales g_t = global_scales(p.amax_t[b]);
-    const uint8_t s = block_scale(amax_from_bits(column_mag), g_t);
-    const float enc = block_encode_scale(s, g_t);
+    const float amax_t = p.row_scaled ? (c < cols ? p.amax_t[b * cols + c] : 0.0f) : p.amax_t[b];
+    const GlobalScales g_t = global_scales(amax_t, p.e4m3_max);
+    uint8_t s;
+    float enc;
+    if constexpr (kMode == Mode::kFourOverSix) {
+      const Candidate chosen = column_chunk(v, amax_from_bits(column_mag), g_t, p.fos);
+      s = chosen.scale;
+      enc = chosen.enc;
+    } else {
+      s = block_scale(amax_from_bits(column_mag), g_t);
+      enc = block_encode_scale(s, g_t);
+    }
     uint32_t word[kBlock];
-    if constexpr (kStochastic)
+    if constexpr (kMode == Mode::kStochastic)
       random_words16(seed, (ub * ucols + uint32_t(c)) * uint32_t(rows) + uint32_t(m0), 1, word);
+    uint8_t code[kBlock];
 #pragma unroll
     for (int r = 0; r < kBlock; ++r)
-      code[r] = encode<kStochastic>(v[r], enc, kStochastic ? word[r] : 0u);
+      code[r] = encode<kMode>(v[r], enc, kMode == Mode::kStochastic ? word[r] : 0u);
     store_column(code, s, b, m0, c, rows, cols, o);
   }
+}
+
+template <typename L, Mode kMode>
+__global__ void __launch_bounds__(kTile) quantize_kernel(const typename L::T* x, Params p) {
+  quantize_stripe<L, kMode>(x, p);
+}
+
+// 4over6 keeps two candidates per block live: at least one block per SM lets
+// ptxas use the registers it needs, where its default heuristic spills (f16, sm_90).
+template <typename L>
+__global__ void __launch_bounds__(kTile, 1)
+    quantize_4over6_kernel(const typename L::T* x, Params p) {
+  quantize_stripe<L, Mode::kFourOverSix>(x, p);
 }
 
 ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
                          ffi::Buffer<ffi::F32> amax_t, ffi::Buffer<ffi::U32> seed,
                          ffi::RemainingRets outs, bool rowwise, bool columnwise, bool block_2d,
-                         bool rht, bool stochastic) {
+                         bool rht, bool stochastic, bool row_scaled, int32_t four_over_six,
+                         bool four_over_six_fast_math, int32_t e4m3_max) {
   int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs o;
-  if (auto e = check_quantize(x, amax, amax_t, seed, outs, rowwise, columnwise, block_2d, rht,
-                              batch, rows, cols, o);
-      e.failure())
+  const QuantizeAttrs a{rowwise,
+                        columnwise,
+                        block_2d,
+                        rht,
+                        stochastic,
+                        row_scaled,
+                        FourOverSix{four_over_six, four_over_six_fast_math},
+                        e4m3_max};
+  if (auto e = check_quantize(x, amax, amax_t, seed, outs, a, batch, rows, cols, o); e.failure())
     return e;
   const int64_t stripes = num_blocks(rows), tiles = (cols + kTile - 1) / kTile;
   const int64_t blocks = batch * stripes * tiles;
@@ -163,15 +239,20 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                  tiles,
                  block_2d,
                  rht && columnwise && !block_2d,
+                 row_scaled,
+                 a.fos,
+                 e4m3_max,
                  o};
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     if (blocks <= 0) return;
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     if (stochastic)
-      quantize_kernel<L, true><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
+      quantize_kernel<L, Mode::kStochastic><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
+    else if (a.fos.on())
+      quantize_4over6_kernel<L><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
     else
-      quantize_kernel<L, false><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
+      quantize_kernel<L, Mode::kNearest><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
   });
   if (!ok) return invalid("quantize input must be bfloat16, float16 or float32");
   return launch_status("quantize");
@@ -192,4 +273,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCuda, nvfp4::cuda::quantize_impl,
                                   .Attr<bool>("columnwise")
                                   .Attr<bool>("block_2d")
                                   .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic"));
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("row_scaled")
+                                  .Attr<int32_t>("four_over_six")
+                                  .Attr<bool>("four_over_six_fast_math")
+                                  .Attr<int32_t>("e4m3_max"));
