@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from golden_files import load
+from jax import lax
 from test_api import _canonical_zero_codes
 from test_gemm import E2M1, _values64
 from test_kernels import assert_same_bytes, assert_same_tensor
@@ -326,3 +327,37 @@ def test_gemm_checks_a_row_scaled_operands_amax_shape():
     op = Operand(t.data[None], t.scale[None], t.amax, row_scaled=True)  # amax [16], not [1, 16]
     with pytest.raises(ValueError, match=r"amax must be \[B, \*R\]"):
         emulated_gemm(op, op, 32, jnp.float32)
+
+
+# ---- all_gather in shard_map ----
+
+
+@pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (XLA_FLAGS, set in conftest.py)")
+@pytest.mark.parametrize("axis", [0, 1])
+def test_all_gather_of_a_row_scaled_tensor(axis):
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("x",), devices=jax.devices("cpu")[:8], axis_types=(AxisType.Auto,))
+    x = _x((128, 8 * 16), seed=11) * jnp.logspace(-4, 4, 128).reshape(128, 1)
+
+    def gather(x):
+        amax = reference.amax(x, row_scaled=True)
+        if axis == 1:  # each row is split over the shards: share its amax
+            amax = lax.pmax(amax, "x")
+        g = jax_nvfp4.all_gather(reference.quantize(x, row_scaled=True, amax=amax), "x", axis=axis)
+        # The columnwise copy with each shard's own per-column amaxes.
+        c = jax_nvfp4.all_gather(reference.quantize(x, columnwise=True, row_scaled=True), "x", axis=axis)
+        return g.data, g.scale, g.amax, c.data_t, c.amax_t
+
+    spec = P("x", None) if axis == 0 else P(None, "x")
+    f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=spec, out_specs=(P(),) * 5, check_vma=False))
+    data, scale, amax, data_t, amax_t = f(x)
+    want = reference.quantize(x, columnwise=True, row_scaled=True)
+    for got, expected in ((data, want.data), (scale, want.scale), (amax, want.amax)):
+        assert_same_bytes(got, expected)
+    if axis == 1:  # each column's rows are all on its shard
+        assert_same_bytes(data_t, want.data_t)
+        assert_same_bytes(amax_t, want.amax_t)
+    else:  # the shards' per-column amaxes differ: NaN, not wrongly scaled values
+        assert np.isnan(np.asarray(amax_t)).all()
