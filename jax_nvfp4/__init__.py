@@ -1,9 +1,10 @@
 """jax_nvfp4: NVFP4 (4-bit E2M1 + E4M3 block scales) quantization for JAX.
 
 Public API:
-  quantize(x, *, rowwise=True, columnwise=False, block_2d=False, amax=None) -> NVFP4Tensor
+  quantize(x, *, rowwise=True, columnwise=False, block_2d=False, amax=None, ..., row_scaled=False,
+           four_over_six=None, four_over_six_fast_math=False, e4m3_max=448) -> NVFP4Tensor
   dequantize(t, dtype=jnp.float32, columnwise=False) -> jax.Array
-  amax(x) -> float32 scalar
+  amax(x, *, row_scaled=False) -> float32 scalar (per row: x.shape[:-1])
   NVFP4Tensor, and ``reference``: the pure-JAX spec with the same signatures.
   gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
   dot_general(lhs, rhs, dimension_numbers, ..., recipe=None): lax.dot_general in NVFP4

@@ -1,9 +1,10 @@
 """Public quantize / dequantize / amax, built once over a backend.
 
 A backend (the FFI kernels or the pure-JAX reference) implements three core
-ops on canonical [B, M, N] arrays with a float32 amax per batch entry [B].
-This module owns input validation and the reshapes between a user's [..., N]
-array and that canonical form, so both backends share one public contract.
+ops on canonical [B, M, N] arrays with float32 amaxes per batch entry [B] (per
+row [B, M] when row-scaled). This module owns input validation and the
+reshapes between a user's [..., N] array and that canonical form, so both
+backends share one public contract.
 """
 
 from __future__ import annotations
@@ -17,16 +18,43 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import _bits
+from jax_nvfp4._options import check_options
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES, num_blocks, packed_size
 from jax_nvfp4.tensor import NVFP4Tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    amax: Callable  # (x [B, *R, N], mesh_axes, rht) -> (float32 [B],) or with rht (amax, amax of the RHT)
-    # (x [B, *R, N], amax [B], amax_t [B], seed uint32 [2], *, rowwise, columnwise, block_2d, rht, stochastic)
-    quantize: Callable  # -> tuple of arrays
-    dequantize: Callable  # (data, scale, amax[B], *, cols, dtype) -> [B, M, cols]
+    """The three core ops of a backend, on B independent problems (x [B, *R, N], M = prod(R) rows).
+
+    amax(x, mesh_axes, rht, row_scaled=False) -> tuple of float32 arrays:
+        ``(amax [B],)``, with ``rht`` ``(amax [B], amax_t [B])``, amax_t that of
+        the Random Hadamard Transform of x^T; ``row_scaled``: ``(amax [B, M],
+        amax_t [B, N])``, the amax of each row of x and of each row of x^T (of
+        its transform with ``rht``).
+    quantize(x, amax, amax_t, seed uint32 [2], *, rowwise, columnwise, block_2d,
+             rht, stochastic, row_scaled=False, four_over_six=None,
+             four_over_six_fast_math=False, e4m3_max=448) -> tuple of arrays:
+        ``(data, scale)`` if rowwise, then ``(data_t, scale_t)`` if columnwise;
+        amax / amax_t shaped as ``amax`` returns them.
+    dequantize(data, scale, amax [B] or [B, M], *, cols, dtype, e4m3_max=448) -> [B, M, cols]
+
+    The frontend passes the keyword options of issue 7 (``row_scaled``,
+    ``four_over_six``, ``four_over_six_fast_math``, ``e4m3_max``) only where
+    they differ from their defaults (see ``_extra_options``).
+    """
+
+    amax: Callable
+    quantize: Callable
+    dequantize: Callable
+
+
+_OPTION_DEFAULTS = {"row_scaled": False, "four_over_six": None, "four_over_six_fast_math": False, "e4m3_max": 448}
+
+
+def _extra_options(**options) -> dict:
+    """The options that differ from their defaults: a backend that only knows plain NVFP4 serves the rest."""
+    return {k: v for k, v in options.items() if v != _OPTION_DEFAULTS[k]}
 
 
 def _check_input(x) -> jax.Array:
@@ -94,8 +122,12 @@ def _as_rows(x: jax.Array, blocked_rows: bool) -> jax.Array:
 
 
 def amax_fn(backend: Backend) -> Callable:
-    def amax(x: jax.Array, *, mesh_axes: Sequence[str] | None = None) -> jax.Array:
+    def amax(x: jax.Array, *, mesh_axes: Sequence[str] | None = None, row_scaled: bool = False) -> jax.Array:
         """max |x| over the whole tensor as float32; NaN anywhere gives NaN.
+
+        ``row_scaled=True``: the amax of each row instead (max |x| over the
+        last axis), float32 ``x.shape[:-1]``, as ``quantize(x, row_scaled=True)``
+        computes it for the rowwise copy.
 
         Under ``jit`` with a sharded ``x``, the local maxima are reduced over
         the mesh axes ``x`` is sharded on, so the amax (and a quantization
@@ -107,7 +139,11 @@ def amax_fn(backend: Backend) -> Callable:
         the global view of the result shows one shard's value. The pure-JAX
         reference ignores ``mesh_axes`` (always the global amax).
         """
-        return backend.amax(_as_rows(_check_input(x), blocked_rows=False), _check_mesh_axes(mesh_axes))[0][0]
+        x = _check_input(x)
+        xr, mesh_axes = _as_rows(x, blocked_rows=False), _check_mesh_axes(mesh_axes)
+        if row_scaled:
+            return backend.amax(xr, mesh_axes, False, row_scaled=True)[0].reshape(x.shape[:-1])
+        return backend.amax(xr, mesh_axes)[0][0]
 
     return amax
 
@@ -145,6 +181,56 @@ def _check_rht(rht: bool, estimate, columnwise: bool, block_2d: bool, rows: int)
         )
 
 
+def _check_fast_math(four_over_six, fast_math: bool) -> None:
+    if fast_math and four_over_six is None:
+        raise ValueError("four_over_six_fast_math applies only with 4over6 (four_over_six='mae' or 'mse')")
+
+
+def _given_amax(amax, shape: tuple[int, ...], mesh_axes, row_scaled: bool) -> jax.Array:
+    """A user's amax as float32 of ``shape`` ([] per tensor, the rows' shape when row-scaled)."""
+    if mesh_axes is not None:
+        raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
+    amax = jnp.asarray(amax, jnp.float32)
+    if amax.shape != shape:
+        if row_scaled:
+            raise ValueError(f"row-scaled amax= holds one amax per row, shape x.shape[:-1] = {shape}, got {amax.shape}")
+        raise ValueError(f"amax must be a scalar, got shape {amax.shape}")
+    return amax
+
+
+def _tensor_amaxes(backend: Backend, xr, amax, mesh_axes, rht: bool, estimate) -> tuple[jax.Array, jax.Array]:
+    """One amax per tensor: (amax [1], amax_t [1]) of the rows view ``xr`` [1, *R, N]."""
+    fused = rht and estimate is None  # the transform's amax comes from a pass over x
+    if amax is None:
+        amaxes = backend.amax(xr, mesh_axes, fused)
+        amax = amaxes[0]
+    else:
+        amax = _given_amax(amax, (), mesh_axes, False).reshape(1)
+        amaxes = backend.amax(xr, None, True) if fused else (amax,)
+    if fused:
+        return amax, amaxes[1]
+    return amax, amax_times(amax, estimate) if rht else amax
+
+
+def _row_amaxes(backend: Backend, xr, amax, mesh_axes, lead, columnwise: bool, rht: bool, estimate):
+    """Row-scaled: (amax [1, M], amax_t [1, N]): per row of x (``lead``), and per row of x^T (of its transform
+    with ``rht``)."""
+    n = xr.shape[-1]
+    if amax is not None:
+        if columnwise:
+            raise ValueError(
+                "row-scaled amax= holds the rows' amaxes, and the columnwise copy needs one per column: "
+                "pass amax=None (quantize computes both) or columnwise=False"
+            )
+        amax = _given_amax(amax, lead, mesh_axes, True)
+        return amax.reshape(1, -1), jnp.zeros((1, n), jnp.float32)  # amax_t: no columnwise copy reads it
+    fused = rht and estimate is None
+    amax, amax_t = backend.amax(xr, mesh_axes, fused, row_scaled=True)
+    if rht and not fused:
+        amax_t = amax_times(amax_t, estimate)  # each column's amax times the factor
+    return amax, amax_t
+
+
 def quantize_fn(backend: Backend) -> Callable:
     def quantize(
         x: jax.Array,
@@ -157,6 +243,10 @@ def quantize_fn(backend: Backend) -> Callable:
         rht: bool = False,
         rht_amax_estimate: float | None = None,
         stochastic_rounding_key: jax.Array | None = None,
+        row_scaled: bool = False,
+        four_over_six: str | None = None,
+        four_over_six_fast_math: bool = False,
+        e4m3_max: int = 448,
     ) -> NVFP4Tensor:
         """Quantize ``x`` [..., N] (rank >= 2) to NVFP4.
 
@@ -167,7 +257,8 @@ def quantize_fn(backend: Backend) -> Callable:
             [N, M] transpose (blocks along the rows), stored transposed.
           block_2d: 16x16 blocks (for weights) instead of 1x16.
           amax: a global amax computed elsewhere (e.g. reduced across a mesh),
-            a float32 scalar; by default ``max|x|``.
+            a float32 scalar; by default ``max|x|``. Row-scaled: the amax of
+            each row, float32 ``x.shape[:-1]`` (rowwise copy only).
           amax_mesh_axes: where ``amax`` is None, the mesh axes the amax is
             reduced over when ``x`` is sharded (None: all the axes ``x`` is
             sharded on); see ``amax``.
@@ -187,6 +278,21 @@ def quantize_fn(backend: Backend) -> Callable:
             generator so that the CPU and CUDA kernels give the same bytes for
             a key. Block scales stay round-to-nearest. Under ``jit`` on a mesh
             each shard draws from its own key (the shard index folded in).
+          row_scaled: per-token NVFP4: each row of x gets its own global amax
+            (``t.amax`` of shape ``x.shape[:-1]``) and each row of x^T, i.e.
+            each column of x, its own for the columnwise copy (``t.amax_t``
+            [N]; of the transform with ``rht``, or each column's amax times
+            ``rht_amax_estimate``). 1x16 blocks only.
+          four_over_six: "mae" or "mse": 4over6 adaptive block scaling. Each
+            block is quantized with its max on E2M1 6 and, with a 1.5x larger
+            scale, on 4; the candidate with the smaller absolute / squared
+            error is kept. Round-to-nearest only (no stochastic rounding).
+          four_over_six_fast_math: 4over6 measures the errors in the scaled
+            domain (the CUDA kernel's fast path) instead of on the dequantized
+            values; a few near ties pick the other candidate.
+          e4m3_max: 448, or 256 with 4over6: the global scale aims the block
+            scales at E4M3 values up to E (6 E / amax), leaving map-4's 1.5x
+            headroom below 448; the tensor records it and decodes with amax / (6 E).
 
         Dimensions that are not multiples of 16 are zero-padded to the block,
         as the reference does; every element is kept (an odd N gives
@@ -195,34 +301,29 @@ def quantize_fn(backend: Backend) -> Callable:
         x = _check_input(x)
         if not (rowwise or columnwise):
             raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+        stochastic = stochastic_rounding_key is not None
+        check_options(
+            block_2d=block_2d,
+            stochastic=stochastic,
+            row_scaled=row_scaled,
+            four_over_six=four_over_six,
+            e4m3_max=e4m3_max,
+        )
+        _check_fast_math(four_over_six, four_over_six_fast_math)
+        row_scaled, e4m3_max = bool(row_scaled), int(e4m3_max)
         lead, n, m = x.shape[:-1], x.shape[-1], math.prod(x.shape[:-1])
         _check_rht(rht, rht_amax_estimate, columnwise, block_2d, m)
         xr = _as_rows(x, blocked_rows=columnwise or block_2d)
         mesh_axes = _check_mesh_axes(amax_mesh_axes)
-        fused = rht and rht_amax_estimate is None  # the transform's amax comes from a pass over x
-        if amax is None:
-            amaxes = backend.amax(xr, mesh_axes, fused)
-            global_amax = amaxes[0]
+        if row_scaled:
+            amax_v, amax_t = _row_amaxes(backend, xr, amax, mesh_axes, lead, columnwise, rht, rht_amax_estimate)
         else:
-            if mesh_axes is not None:
-                raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
-            global_amax = jnp.asarray(amax, jnp.float32)
-            if global_amax.shape != ():
-                raise ValueError(f"amax must be a scalar, got shape {global_amax.shape}")
-            global_amax = global_amax.reshape(1)
-            amaxes = backend.amax(xr, None, True) if fused else (global_amax,)
-        if fused:
-            amax_t = amaxes[1]
-        elif rht:
-            amax_t = amax_times(global_amax, rht_amax_estimate)
-        else:
-            amax_t = global_amax
-        stochastic = stochastic_rounding_key is not None
+            amax_v, amax_t = _tensor_amaxes(backend, xr, amax, mesh_axes, rht, rht_amax_estimate)
         seed = seed_words(stochastic_rounding_key) if stochastic else jnp.zeros(2, jnp.uint32)
         outs = list(
             backend.quantize(
                 xr,
-                global_amax,
+                amax_v,
                 amax_t,
                 seed,
                 rowwise=rowwise,
@@ -230,6 +331,12 @@ def quantize_fn(backend: Backend) -> Callable:
                 block_2d=block_2d,
                 rht=rht,
                 stochastic=stochastic,
+                **_extra_options(
+                    row_scaled=row_scaled,
+                    four_over_six=four_over_six,
+                    four_over_six_fast_math=four_over_six_fast_math,
+                    e4m3_max=e4m3_max,
+                ),
             )
         )
         data = scale = data_t = scale_t = None
@@ -242,14 +349,16 @@ def quantize_fn(backend: Backend) -> Callable:
         return NVFP4Tensor(
             data=data,
             scale=scale,
-            amax=global_amax[0],
+            amax=amax_v.reshape(lead) if row_scaled else amax_v[0],
             data_t=data_t,
             scale_t=scale_t,
-            amax_t=amax_t[0] if columnwise else None,
+            amax_t=(amax_t.reshape(n) if row_scaled else amax_t[0]) if columnwise else None,
             shape=tuple(x.shape),
             dtype=x.dtype,
             block_2d=block_2d,
             rht=rht,
+            row_scaled=row_scaled,
+            e4m3_max=e4m3_max,
         )
 
     return quantize
@@ -257,15 +366,18 @@ def quantize_fn(backend: Backend) -> Callable:
 
 def dequantize_fn(backend: Backend) -> Callable:
     def dequantize(t: NVFP4Tensor, dtype=jnp.float32, columnwise: bool = False) -> jax.Array:
-        """Dequantize to ``dtype``: value = fp32(E2M1 * scale) * (amax / 2688).
+        """Dequantize to ``dtype``: value = fp32(E2M1 * scale) * (amax / (6 E)).
 
-        amax / (6 * 448) is the global decode scale the reference GEMM applies;
-        an infinite amax gives no finite value back. ``columnwise=True`` dequantizes the
-        columnwise copy and transposes it back, so both give ``t.shape``.
+        E = ``t.e4m3_max`` (448: amax / 2688); ``amax`` is the tensor's, or
+        each row's for a row-scaled tensor. amax / (6 E) is the global decode
+        scale the reference GEMM applies; an infinite amax gives no finite
+        value back. ``columnwise=True`` dequantizes the columnwise copy
+        (with ``amax_t``) and transposes it back, so both give ``t.shape``.
         A NaN scale (NaN input) gives NaN for its whole block.
         """
         dtype = _check_out_dtype(dtype)
         m, n = t.rows, t.cols
+        options = _extra_options(e4m3_max=t.e4m3_max)
         if columnwise:
             if t.data_t is None:
                 raise ValueError("this NVFP4Tensor has no columnwise copy (quantize with columnwise=True)")
@@ -274,12 +386,14 @@ def dequantize_fn(backend: Backend) -> Callable:
                     "this columnwise copy holds the Random Hadamard Transform of x^T (rht=True), not x^T: it is "
                     "meant for GEMMs with another transformed copy; dequantize the rowwise copy instead"
                 )
-            out = backend.dequantize(t.data_t[None], t.scale_t[None], t.amax_t.reshape(1), cols=m, dtype=dtype)
+            amax_t = t.amax_t.reshape(1, n) if t.row_scaled else t.amax_t.reshape(1)
+            out = backend.dequantize(t.data_t[None], t.scale_t[None], amax_t, cols=m, dtype=dtype, **options)
             return out[0].T.reshape(t.shape)
         if t.data is None:
             raise ValueError("this NVFP4Tensor has no rowwise copy (quantize with rowwise=True)")
+        amax = t.amax.reshape(1, m) if t.row_scaled else t.amax.reshape(1)
         out = backend.dequantize(
-            t.data.reshape(1, m, -1), t.scale.reshape(1, m, -1), t.amax.reshape(1), cols=n, dtype=dtype
+            t.data.reshape(1, m, -1), t.scale.reshape(1, m, -1), amax, cols=n, dtype=dtype, **options
         )
         return out.reshape(t.shape)
 

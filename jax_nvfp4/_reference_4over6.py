@@ -30,8 +30,7 @@ from jax import lax
 
 from jax_nvfp4 import _bits as b
 from jax_nvfp4._codecs import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode
-
-ERROR_MODES = ("mae", "mse")
+from jax_nvfp4._options import FOUR_OVER_SIX_MODES as ERROR_MODES
 
 _F32_SIX = 0x40C00000
 _F32_THREE_HALVES = 0x3FC00000

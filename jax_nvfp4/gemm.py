@@ -4,20 +4,33 @@ Every operand contracts over its last, packed axis: y[b, i, j] = sum_k a[b, i, k
 An E2M1 value times an E4M3 scale has at most 6 significant bits and lies in
 [2^-10, 2688], so ``code * block_scale`` is exact in bfloat16; the bf16 products
 are exact in float32, and only the float32 accumulation rounds, as on FP4 tensor
-cores. The float32 result is multiplied by the product of the two global decode
-scales ``amax / (6 * 448)``: the reference GEMM's alpha, amax_a * amax_c / 2688^2,
-rounded in an order that cannot overflow or underflow for ordinary amaxes.
+cores. The float32 sum ``acc`` is then multiplied by the global decode scales
+``fp32(amax / (6 E))`` (E = 448, or 256 for 4over6 tensors), each product rounded
+to float32, in this order:
+
+  1. g = fp32(s_a * s_c), the product of the per-tensor scales (the reference
+     GEMM's alpha, amax_a * amax_c / 2688^2 for E = 448; only the per-tensor
+     one where one operand is row-scaled, none where both are): y = fp32(acc * g);
+  2. a row-scaled ``a``: y[i, j] = fp32(y[i, j] * s_a[i]) (each output row by its row scale);
+  3. a row-scaled ``c``: y[i, j] = fp32(y[i, j] * s_c[j]) (each output column);
+  4. the cast to the output dtype.
+
+So a row-scaled GEMM runs with a neutral global scale and scales the rows of
+its float32 result afterwards, as a GEMM whose epilogue applies per-token scales.
+With two per-tensor operands, one product of the two scales keeps a.c^T and c.a^T
+transposes of each other, bit for bit.
 
 The GEMM is one primitive (``nvfp4_gemm``) so that it partitions as a whole:
 under ``jit`` on a mesh, whatever collective brings the operands to the layout
 of the output moves their packed codes and scales, never dequantized values.
+Row scales are applied to its float32 result, elementwise ops XLA shards itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +43,23 @@ from jax_nvfp4.primitives import dequantize_p
 from jax_nvfp4.tensor import NVFP4Tensor
 
 
-class Operand(NamedTuple):
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["data", "scale", "amax"], meta_fields=["row_scaled", "e4m3_max"]
+)
+@dataclasses.dataclass(frozen=True)
+class Operand:
     """One quantized GEMM operand, [B, *R, *L] blocked along the last axis (contracting).
 
     data  uint8 [B, *R, *L[:-1], ceil(L[-1]/2)], scale float8_e4m3fn [..., ceil(L[-1]/16)],
-    amax float32 [].
+    amax  float32 [] or [B] (one per tensor), or [B, *R] with ``row_scaled`` (one per row).
+    e4m3_max: E of the global decode scale amax / (6 E) (448, or 256 for 4over6 tensors).
     """
 
     data: jax.Array
     scale: jax.Array
     amax: jax.Array
+    row_scaled: bool = False
+    e4m3_max: int = 448
 
 
 def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
@@ -51,9 +71,14 @@ def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
     return dequantize_p.bind(data, scale, unit, cols=length, dtype=jnp.dtype(jnp.bfloat16))[0]
 
 
-def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
-    """fp32(amax_a / 2688) * fp32(amax_c / 2688), rounded exactly and symmetric in a and c."""
-    a, c = (reference.dequantize_scale(b.to_bits(jnp.asarray(x, jnp.float32))) for x in (amax_a, amax_c))
+def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
+    """fp32(amax / (6 E)), rounded exactly: an operand's global decode scale (per tensor or per row)."""
+    return b.from_bits(reference.dequantize_scale(b.to_bits(jnp.asarray(amax, jnp.float32)), e4m3_max))
+
+
+def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array, e4m3_max_a: int = 448, e4m3_max_c: int = 448):
+    """fp32(amax_a / (6 E_a)) * fp32(amax_c / (6 E_c)), rounded exactly and symmetric in a and c."""
+    a, c = (b.to_bits(decode_scale(x, e)) for x, e in ((amax_a, e4m3_max_a), (amax_c, e4m3_max_c)))
     return b.from_bits(b.mul(a, c))
 
 
@@ -90,27 +115,58 @@ gemm_p = _primitive.define(
 )
 
 
-@functools.partial(jax.jit, static_argnames=("length", "out_dtype", "contract_ndim"))
-def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype, contract_ndim: int = 1) -> jax.Array:
-    """[B, *Ra, *L] x [B, *Rc, *L] -> [B, *Ra, *Rc] of ``out_dtype``, contracting the L axes.
-
-    ``contract_ndim`` axes L are contracted; ``length`` is the size of the last
-    (packed) one.
-    """
+def _bind(a: Operand, c: Operand, amax_a, amax_c, length: int, out_dtype, contract_ndim: int) -> jax.Array:
     batch = (a.data.shape[0],)
     # Scales travel as their E4M3 bytes: XLA on CPU widens float8 collectives to f16.
     (y,) = gemm_p.bind(
         a.data,
         lax.bitcast_convert_type(a.scale, jnp.uint8),
-        jnp.broadcast_to(a.amax, batch),
+        jnp.broadcast_to(amax_a, batch),
         c.data,
         lax.bitcast_convert_type(c.scale, jnp.uint8),
-        jnp.broadcast_to(c.amax, batch),
+        jnp.broadcast_to(amax_c, batch),
         contract_ndim=contract_ndim,
         length=length,
         out_dtype=jnp.dtype(out_dtype),
     )
     return y
+
+
+def _row_scale(op: Operand, contract_ndim: int, before: int, after: int) -> jax.Array:
+    """A row-scaled operand's decode scales [B, *R], shaped to broadcast over the output's axes."""
+    rows = _split(op.data.shape, contract_ndim)[0]
+    if op.amax.shape != (op.data.shape[0], *rows):
+        raise ValueError(
+            f"a row-scaled operand's amax must be [B, *R] = {(op.data.shape[0], *rows)}, got {op.amax.shape}"
+        )
+    s = decode_scale(op.amax, op.e4m3_max)
+    return s.reshape(s.shape[0], *(1,) * before, *rows, *(1,) * after)
+
+
+@functools.partial(jax.jit, static_argnames=("length", "out_dtype", "contract_ndim"))
+def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype, contract_ndim: int = 1) -> jax.Array:
+    """[B, *Ra, *L] x [B, *Rc, *L] -> [B, *Ra, *Rc] of ``out_dtype``, contracting the L axes.
+
+    ``contract_ndim`` axes L are contracted; ``length`` is the size of the last
+    (packed) one. The global decode scales apply in the order of the module docstring.
+    """
+    if not (a.row_scaled or c.row_scaled) and a.e4m3_max == c.e4m3_max == 448:
+        return _bind(a, c, a.amax, c.amax, length, out_dtype, contract_ndim)  # the scale product inside
+    # Global decode scale 1 in the primitive (amax = 6 * 448); the scales apply to its float32 result.
+    unit = jnp.float32(E2M1_MAX * E4M3_MAX)
+    y = _bind(a, c, unit, unit, length, jnp.float32, contract_ndim)
+    ra, rc = len(_split(a.data.shape, contract_ndim)[0]), len(_split(c.data.shape, contract_ndim)[0])
+    per_tensor = [
+        jnp.broadcast_to(decode_scale(op.amax, op.e4m3_max), y.shape[:1]) for op in (a, c) if not op.row_scaled
+    ]
+    if per_tensor:
+        g = per_tensor[0] if len(per_tensor) == 1 else b.from_bits(b.mul(*(b.to_bits(s) for s in per_tensor)))
+        y = y * g.reshape(-1, *(1,) * (ra + rc))
+    if a.row_scaled:
+        y = y * _row_scale(a, contract_ndim, 0, rc)
+    if c.row_scaled:
+        y = y * _row_scale(c, contract_ndim, ra, 0)
+    return y.astype(out_dtype)
 
 
 def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32) -> jax.Array:
@@ -123,7 +179,10 @@ def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32) -> jax.Array:
 
     Returns:
       [*a.shape[:-1], *c.shape[:-1]]: sum_k a[..., k] * c[..., k] of the
-      dequantized values, exact up to the float32 accumulation.
+      dequantized values, exact up to the float32 accumulation and the
+      float32 products with the global decode scales. A row-scaled ``a``
+      scales each output row by its own decode scale, a row-scaled ``c``
+      each output column (after the sum; the module docstring has the order).
     """
     if a.data is None or c.data is None:
         raise ValueError("gemm needs the rowwise copy of both operands (quantize with rowwise=True)")
@@ -131,7 +190,8 @@ def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32) -> jax.Array:
         raise ValueError(f"contracting sizes differ: a has {a.cols}, c has {c.cols}")
 
     def matrix(t: NVFP4Tensor) -> Operand:
-        return Operand(t.data.reshape(1, t.rows, -1), t.scale.reshape(1, t.rows, -1), t.amax)
+        amax = t.amax.reshape(1, t.rows) if t.row_scaled else t.amax
+        return Operand(t.data.reshape(1, t.rows, -1), t.scale.reshape(1, t.rows, -1), amax, t.row_scaled, t.e4m3_max)
 
     y = emulated_gemm(matrix(a), matrix(c), a.cols, out_dtype)
     return y.reshape(*a.shape[:-1], *c.shape[:-1])

@@ -19,6 +19,7 @@ from jax_nvfp4 import _bits as b
 from jax_nvfp4 import _frontend
 from jax_nvfp4 import _reference_4over6 as _fos
 from jax_nvfp4._codecs import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode
+from jax_nvfp4._options import check_options
 from jax_nvfp4.formats import BLOCK, RHT_SIGNS
 
 # float32 bit patterns of the constants the spec uses.
@@ -243,21 +244,6 @@ def amax_core(x: jnp.ndarray, *, rht: bool = False, row_scaled: bool = False) ->
     return amax, b.from_bits(_amax_bits(rht_columns(u, x.dtype), (1, 2)))
 
 
-def check_options(*, block_2d: bool, stochastic: bool, row_scaled: bool, four_over_six, e4m3_max: int) -> None:
-    """Raise ValueError for option combinations the spec does not define."""
-    if row_scaled and block_2d:
-        raise ValueError("row-scaled NVFP4 has 1x16 blocks only (block_2d=False)")
-    if four_over_six is not None and four_over_six not in _fos.ERROR_MODES:
-        raise ValueError(f"four_over_six must be None or one of {_fos.ERROR_MODES}, got {four_over_six!r}")
-    if four_over_six is not None and stochastic:
-        raise ValueError("4over6 picks between round-to-nearest candidates: no stochastic rounding with it")
-    if e4m3_max not in (448, 256):
-        raise ValueError(f"e4m3_max must be 448 or 256, got {e4m3_max!r}")
-    if e4m3_max != 448 and four_over_six is None:
-        # TransformerEngine's reference silently uses 448 here; an explicit error instead.
-        raise ValueError("e4m3_max=256 applies only with 4over6 (four_over_six='mae' or 'mse')")
-
-
 def _global_scales(amax: jnp.ndarray, e4m3_max: int) -> GlobalScales:
     """GlobalScales of amaxes [B] or per row [B, R], shaped [B, 1, 1] / [B, R, 1] for the blocks."""
     bits = b.to_bits(amax.astype(jnp.float32))
@@ -345,7 +331,10 @@ _QUANTIZE_FLAGS = (
     "e4m3_max",
 )
 _BACKEND = _frontend.Backend(
-    amax=lambda x, mesh_axes=None, rht=False: _amax_jit(_frontend.flat_rows(x), rht=rht),  # always global
+    # The reference ignores mesh_axes: its amax is always that of the whole array.
+    amax=lambda x, mesh_axes=None, rht=False, row_scaled=False: _amax_jit(
+        _frontend.flat_rows(x), rht=rht, row_scaled=row_scaled
+    ),
     quantize=_frontend.on_rows(jax.jit(quantize_core, static_argnames=_QUANTIZE_FLAGS)),
     dequantize=jax.jit(dequantize_core, static_argnames=("cols", "dtype", "e4m3_max")),
 )

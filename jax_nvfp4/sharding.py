@@ -60,7 +60,12 @@ def all_gather(t: NVFP4Tensor, axis_name, *, axis: int = 0, tiled: bool = True) 
       t: the local shard, quantized with an amax shared across ``axis_name``
         (e.g. ``quantize(x, amax=lax.pmax(amax(x), axis_name))``). If the
         shards' amaxes differ, the result's amax is NaN, so dequantizing it
-        gives NaN rather than wrongly scaled values.
+        gives NaN rather than wrongly scaled values. Row-scaled: the per-row
+        amaxes are gathered with their rows; gathering the last axis needs
+        each row's amax shared (``quantize(x, row_scaled=True,
+        amax=lax.pmax(amax(x, row_scaled=True), axis_name))``), and the
+        columnwise copy's per-column amaxes, gathered along the rows, are
+        each shard's own (NaN where they differ).
       axis_name: the mesh axis (or tuple of axes) to gather over.
       axis: the logical axis of ``t.shape`` to gather along, as in
         ``lax.all_gather``. A leading axis: the rowwise copy is gathered along
@@ -118,14 +123,21 @@ def all_gather(t: NVFP4Tensor, axis_name, *, axis: int = 0, tiled: bool = True) 
     def each(gather, a):
         return None if a is None else gather(a)
 
+    amax, amax_t = _agreed_amax(t.amax, axis_name), each(lambda a: _agreed_amax(a, axis_name), t.amax_t)
+    if t.row_scaled:
+        # Per-row amaxes travel with their rows; those along the gathered axis must agree (as one amax does).
+        if axis == ndim - 1:
+            amax_t = each(lambda a: lax.all_gather(a, axis_name, axis=0, tiled=True), t.amax_t)
+        else:
+            amax = lax.all_gather(t.amax, axis_name, axis=axis, tiled=tiled)
     return dataclasses.replace(
         t,
         data=each(rowwise, t.data),
         scale=each(rowwise, t.scale),
-        amax=_agreed_amax(t.amax, axis_name),
+        amax=amax,
         data_t=each(columnwise, t.data_t),
         scale_t=each(columnwise, t.scale_t),
-        amax_t=None if t.amax_t is None else _agreed_amax(t.amax_t, axis_name),
+        amax_t=amax_t,
         shape=tuple(shape),
     )
 

@@ -1,4 +1,4 @@
-"""The NVFP4 tensor: packed E2M1 codes, E4M3 block scales, FP32 global amax."""
+"""The NVFP4 tensor: packed E2M1 codes, E4M3 block scales, FP32 global amax (one per tensor or per row)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,16 @@ class NVFP4Tensor:
       data    uint8 [..., ceil(N/2)]: rowwise E2M1 codes, element 2i in the low nibble.
       scale   float8_e4m3fn [..., ceil(N/16)]: decode scale of each 1x16 block
               (16x16 blocks: the block's scale repeated on each of its rows).
-      amax    float32 []: global amax the scales were computed from.
+      amax    float32 []: global amax the scales were computed from;
+              row-scaled: float32 [...] (``shape[:-1]``), the amax of each row.
       data_t  uint8 [N, ceil(M/2)]: the columnwise copy, the quantization of x^T.
       scale_t float8_e4m3fn [N, ceil(M/16)].
-      amax_t  float32 [] (the columnwise copy's amax).
+      amax_t  float32 [] (the columnwise copy's amax); row-scaled: float32 [N],
+              the amax of each row of x^T (column of x, of its transform with ``rht``).
     Static metadata: ``shape``, ``dtype`` (of the quantized input), ``block_2d``,
-    ``rht`` (the columnwise copy is of the Random Hadamard Transform of x^T).
+    ``rht`` (the columnwise copy is of the Random Hadamard Transform of x^T),
+    ``row_scaled`` (``amax`` / ``amax_t`` are per row), ``e4m3_max`` (E, 448, or
+    256 with 4over6: every global decode scale is amax / (6 E)).
     """
 
     data: jax.Array | None
@@ -36,6 +40,8 @@ class NVFP4Tensor:
     dtype: np.dtype
     block_2d: bool = False
     rht: bool = False
+    row_scaled: bool = False
+    e4m3_max: int = 448
 
     @property
     def rows(self) -> int:
@@ -49,7 +55,7 @@ class NVFP4Tensor:
 
     def tree_flatten(self):
         children = (self.data, self.scale, self.amax, self.data_t, self.scale_t, self.amax_t)
-        return children, (self.shape, self.dtype, self.block_2d, self.rht)
+        return children, (self.shape, self.dtype, self.block_2d, self.rht, self.row_scaled, self.e4m3_max)
 
     @classmethod
     def tree_unflatten(cls, aux, children):

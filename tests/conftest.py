@@ -36,7 +36,10 @@ def columnwise_as_rowwise(t):
     """The columnwise copy of a quantized [M, N] tensor as the rowwise tensor of its [N, M] transpose."""
     import jax_nvfp4
 
-    return jax_nvfp4.NVFP4Tensor(t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype)
+    return jax_nvfp4.NVFP4Tensor(
+        t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype,
+        row_scaled=t.row_scaled, e4m3_max=t.e4m3_max,
+    )  # fmt: skip
 
 
 def random_tensor(rng: np.random.Generator, shape, dtype, *, spread: float, specials: tuple[str, ...], frac: float):

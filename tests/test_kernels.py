@@ -46,7 +46,8 @@ def assert_same_bytes(a, b):
 
 
 def assert_same_tensor(t, u):
-    assert (t.shape, t.dtype, t.block_2d) == (u.shape, u.dtype, u.block_2d)
+    meta = ("shape", "dtype", "block_2d", "rht", "row_scaled", "e4m3_max")
+    assert [getattr(t, k) for k in meta] == [getattr(u, k) for k in meta]
     for name in FIELDS:
         a, b = getattr(t, name), getattr(u, name)
         assert (a is None) == (b is None), name
