@@ -38,23 +38,11 @@ class Backend:
         ``(data, scale)`` if rowwise, then ``(data_t, scale_t)`` if columnwise;
         amax / amax_t shaped as ``amax`` returns them.
     dequantize(data, scale, amax [B] or [B, M], *, cols, dtype, e4m3_max=448) -> [B, M, cols]
-
-    The frontend passes the keyword options of issue 7 (``row_scaled``,
-    ``four_over_six``, ``four_over_six_fast_math``, ``e4m3_max``) only where
-    they differ from their defaults (see ``_extra_options``).
     """
 
     amax: Callable
     quantize: Callable
     dequantize: Callable
-
-
-_OPTION_DEFAULTS = {"row_scaled": False, "four_over_six": None, "four_over_six_fast_math": False, "e4m3_max": 448}
-
-
-def _extra_options(**options) -> dict:
-    """The options that differ from their defaults: a backend that only knows plain NVFP4 serves the rest."""
-    return {k: v for k, v in options.items() if v != _OPTION_DEFAULTS[k]}
 
 
 def _check_input(x) -> jax.Array:
@@ -331,12 +319,10 @@ def quantize_fn(backend: Backend) -> Callable:
                 block_2d=block_2d,
                 rht=rht,
                 stochastic=stochastic,
-                **_extra_options(
-                    row_scaled=row_scaled,
-                    four_over_six=four_over_six,
-                    four_over_six_fast_math=four_over_six_fast_math,
-                    e4m3_max=e4m3_max,
-                ),
+                row_scaled=row_scaled,
+                four_over_six=four_over_six,
+                four_over_six_fast_math=four_over_six_fast_math,
+                e4m3_max=e4m3_max,
             )
         )
         data = scale = data_t = scale_t = None
@@ -377,7 +363,7 @@ def dequantize_fn(backend: Backend) -> Callable:
         """
         dtype = _check_out_dtype(dtype)
         m, n = t.rows, t.cols
-        options = _extra_options(e4m3_max=t.e4m3_max)
+        options = {"e4m3_max": t.e4m3_max}
         if columnwise:
             if t.data_t is None:
                 raise ValueError("this NVFP4Tensor has no columnwise copy (quantize with columnwise=True)")

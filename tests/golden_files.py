@@ -10,8 +10,8 @@ import numpy as np
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 
 
-def applicable(g) -> bool:
-    """Cases the public quantize covers so far: plain 1x16 / 16x16 NVFP4, and the RHT."""
+def _plain(g) -> bool:
+    """Plain 1x16 / 16x16 NVFP4 and the RHT: neither row-scaled nor 4over6."""
     return not (bool(g["row_scaled"]) or bool(g["use_4over6"]))
 
 
@@ -20,12 +20,13 @@ def _inputs() -> list[str]:
 
 
 def cases() -> list[str]:
-    return [name for name in _inputs() if applicable(np.load(GOLDEN_DIR / name))]
+    """The plain and RHT cases."""
+    return [name for name in _inputs() if _plain(np.load(GOLDEN_DIR / name))]
 
 
 def option_cases() -> list[str]:
-    """Row-scaled and 4over6 cases (so far checked through the reference's core ops)."""
-    return [name for name in _inputs() if not applicable(np.load(GOLDEN_DIR / name))]
+    """The row-scaled and 4over6 cases."""
+    return [name for name in _inputs() if not _plain(np.load(GOLDEN_DIR / name))]
 
 
 def load(name: str):

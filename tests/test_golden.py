@@ -59,8 +59,9 @@ def _assert_golden(g, columnwise: bool, data, scale, amax, data_t=None, scale_t=
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", cases())
+@pytest.mark.parametrize("name", cases() + option_cases())
 def test_golden(name, impl):
+    """Every golden file through the public quantize, kernels and reference, row-scaled and 4over6 included."""
     g, x, options = load(name)
     t = jax.jit(lambda x: IMPLEMENTATIONS[impl].quantize(x, **options))(x)
     _assert_golden(g, options["columnwise"], t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)
