@@ -152,6 +152,17 @@ def amax_times(amax: jax.Array, factor: float) -> jax.Array:
     return _bits.from_bits(bits)
 
 
+def columnwise_amax(amaxes: Sequence[jax.Array], rht: bool, estimate: float | None) -> jax.Array:
+    """The columnwise copy's amax from an amax pass's outputs ``(amax,)`` or ``(amax, amax_t)``.
+
+    The last one: the transform's amax (fused pass), the amax of each row of
+    x^T (row-scaled) or the tensor's; times ``estimate`` where the recipe
+    estimates the transform's amax instead of measuring it.
+    """
+    amax_t = amaxes[-1]
+    return amax_times(amax_t, estimate) if rht and estimate is not None else amax_t
+
+
 def _check_rht(rht: bool, estimate, columnwise: bool, block_2d: bool, rows: int) -> None:
     if estimate is not None:
         if not rht:
@@ -195,9 +206,7 @@ def _tensor_amaxes(backend: Backend, xr, amax, mesh_axes, rht: bool, estimate) -
     else:
         amax = _given_amax(amax, (), mesh_axes, False).reshape(1)
         amaxes = backend.amax(xr, None, True) if fused else (amax,)
-    if fused:
-        return amax, amaxes[1]
-    return amax, amax_times(amax, estimate) if rht else amax
+    return amax, columnwise_amax(amaxes if fused else (amax,), rht, estimate)
 
 
 def _row_amaxes(backend: Backend, xr, amax, mesh_axes, lead, columnwise: bool, rht: bool, estimate):
@@ -212,11 +221,8 @@ def _row_amaxes(backend: Backend, xr, amax, mesh_axes, lead, columnwise: bool, r
             )
         amax = _given_amax(amax, lead, mesh_axes, True)
         return amax.reshape(1, -1), jnp.zeros((1, n), jnp.float32)  # amax_t: no columnwise copy reads it
-    fused = rht and estimate is None
-    amax, amax_t = backend.amax(xr, mesh_axes, fused, row_scaled=True)
-    if rht and not fused:
-        amax_t = amax_times(amax_t, estimate)  # each column's amax times the factor
-    return amax, amax_t
+    amaxes = backend.amax(xr, mesh_axes, rht and estimate is None, row_scaled=True)
+    return amaxes[0], columnwise_amax(amaxes, rht, estimate)
 
 
 def quantize_fn(backend: Backend) -> Callable:

@@ -11,8 +11,11 @@ NVFP4 training recipe on the canonical problem x [B, M, K], W^T [B, N, K]
                           both of the Random Hadamard Transform along M (Recipe.rht)
 
 dy's codes are rounded stochastically (Recipe.stochastic_rounding). Each
-operand is quantized once, with one global amax per tensor; the residuals kept
-for the backward pass are the quantized columnwise copies of x and W.
+operand is quantized once, with one global amax per tensor, or per token for
+x and dy with Recipe.row_scaled_activations / row_scaled_gradients (their
+columnwise copies then have one per feature), and with 4over6 block scaling
+where Recipe.four_over_six names it. The residuals kept for the backward pass
+are the quantized columnwise copies of x and W.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4._frontend import amax_times, row_axes, seed_words
+from jax_nvfp4._frontend import columnwise_amax, row_axes, seed_words
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES
 from jax_nvfp4.gemm import Operand, emulated_gemm
 from jax_nvfp4.primitives import amax_p, quantize_p
@@ -40,17 +43,44 @@ class _Config(NamedTuple):
     w_dtype: np.dtype
 
 
+class OperandFormat(NamedTuple):
+    """How the recipe quantizes one operand, besides its transform and rounding."""
+
+    block_2d: bool = False
+    row_scaled: bool = False
+    four_over_six: str | None = None
+    four_over_six_fast_math: bool = False
+    e4m3_max: int = 448
+
+
+PLAIN_FORMAT = OperandFormat()
+
+
+def operand_format(recipe: Recipe, operand: str) -> OperandFormat:
+    """The format of operand "x", "w" or "dy" under ``recipe``."""
+    mode = recipe.four_over_six_for(operand)
+    row_scaled = {"x": recipe.row_scaled_activations, "dy": recipe.row_scaled_gradients}.get(operand, False)
+    return OperandFormat(
+        block_2d=operand == "w" and recipe.weight_block_2d,
+        row_scaled=row_scaled,
+        four_over_six=mode,
+        four_over_six_fast_math=mode is not None and recipe.four_over_six_fast_math,
+        e4m3_max=recipe.four_over_six_e4m3_max if mode is not None else 448,
+    )
+
+
 def quantize_operand(
     x: jax.Array,
     *,
     columnwise: bool,
-    block_2d: bool = False,
+    fmt: OperandFormat = PLAIN_FORMAT,
     mesh_axes: tuple[str, ...] | None = None,
     rht: bool = False,
     rht_amax_factor: float | None = None,
     seed: jax.Array | None = None,
 ) -> tuple[Operand, Operand | None]:
-    """Quantize [B, *R, L] with one amax over the whole tensor (on a mesh: over ``mesh_axes``, None: all).
+    """Quantize [B, *R, L] in format ``fmt``, its amax over the whole tensor or per row (on a mesh: reduced over
+    ``mesh_axes``, None: all).
 
     Returns the rowwise operand (blocked along L) and, if ``columnwise``, the
     columnwise one ([B, L, *R], blocked along the last row axis), of the Random
@@ -59,28 +89,30 @@ def quantize_operand(
     stochastically.
     """
     fused = rht and rht_amax_factor is None
-    amaxes = [_max_entry(a) for a in amax_p.bind(x, mesh_axes=mesh_axes, rht=fused)]
-    amax = amaxes[0]
-    if fused:
-        amax_t = amaxes[1]
-    elif rht:
-        amax_t = amax_times(amax, rht_amax_factor)
-    else:
-        amax_t = amax
-    entries = x.shape[:1]
+    amaxes = amax_p.bind(x, mesh_axes=mesh_axes, rht=fused, row_scaled=fmt.row_scaled)
+    if not fmt.row_scaled:  # one amax for the whole operand, each of its B entries quantized with it
+        amaxes = [jnp.broadcast_to(_max_entry(a), x.shape[:1]) for a in amaxes]
+    amax, amax_t = amaxes[0], columnwise_amax(amaxes, rht, rht_amax_factor)
     outs = quantize_p.bind(
         x,
-        jnp.broadcast_to(amax, entries),
-        jnp.broadcast_to(amax_t, entries),
+        amax,
+        amax_t,
         jnp.zeros(2, jnp.uint32) if seed is None else seed,
         rowwise=True,
         columnwise=columnwise,
-        block_2d=block_2d,
+        block_2d=fmt.block_2d,
         rht=rht,
         stochastic=seed is not None,
+        row_scaled=fmt.row_scaled,
+        four_over_six=fmt.four_over_six,
+        four_over_six_fast_math=fmt.four_over_six_fast_math,
+        e4m3_max=fmt.e4m3_max,
     )
-    rowwise = Operand(outs[0], outs[1], amax)
-    return rowwise, Operand(outs[2], outs[3], amax_t) if columnwise else None
+
+    def operand(data, scale, amax):
+        return Operand(data, scale, amax, fmt.row_scaled, fmt.e4m3_max)
+
+    return operand(outs[0], outs[1], amax), operand(outs[2], outs[3], amax_t) if columnwise else None
 
 
 def _max_entry(amax: jax.Array) -> jax.Array:
@@ -111,9 +143,9 @@ def _seed(key: jax.Array | None, recipe: Recipe) -> jax.Array | None:
 def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Config) -> jax.Array:
     """x [B, *M, K], w [B, N, K] -> y [B, *M, N] (M: one or more row axes)."""
     del key
-    axes = config.recipe.amax_mesh_axes
-    qx, _ = quantize_operand(x, columnwise=False, mesh_axes=axes)
-    qw, _ = quantize_operand(w, columnwise=False, block_2d=config.recipe.weight_block_2d, mesh_axes=axes)
+    recipe = config.recipe
+    qx, _ = quantize_operand(x, columnwise=False, fmt=operand_format(recipe, "x"), mesh_axes=recipe.amax_mesh_axes)
+    qw, _ = quantize_operand(w, columnwise=False, fmt=operand_format(recipe, "w"), mesh_axes=recipe.amax_mesh_axes)
     return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype)
 
 
@@ -121,8 +153,15 @@ def _matmul_fwd(x, w, key, config: _Config):
     recipe = config.recipe
     rht = _rht_rows(x, recipe)
     factor = recipe.rht_amax_factor_x if rht and recipe.rht_amax_estimate else None
-    qx, qx_t = quantize_operand(x, columnwise=True, mesh_axes=recipe.amax_mesh_axes, rht=rht, rht_amax_factor=factor)
-    qw, qw_t = quantize_operand(w, columnwise=True, block_2d=recipe.weight_block_2d, mesh_axes=recipe.amax_mesh_axes)
+    qx, qx_t = quantize_operand(
+        x,
+        columnwise=True,
+        fmt=operand_format(recipe, "x"),
+        mesh_axes=recipe.amax_mesh_axes,
+        rht=rht,
+        rht_amax_factor=factor,
+    )
+    qw, qw_t = quantize_operand(w, columnwise=True, fmt=operand_format(recipe, "w"), mesh_axes=recipe.amax_mesh_axes)
     return emulated_gemm(qx, qw, x.shape[-1], config.out_dtype), (qx_t, qw_t, key)
 
 
@@ -135,6 +174,7 @@ def _matmul_bwd(config: _Config, residuals, dy):
     qdy, qdy_t = quantize_operand(
         dy,
         columnwise=True,
+        fmt=operand_format(recipe, "dy"),
         mesh_axes=recipe.amax_mesh_axes,
         rht=rht,
         rht_amax_factor=factor,

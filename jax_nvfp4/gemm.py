@@ -13,7 +13,8 @@ to float32, in this order:
      one where one operand is row-scaled, none where both are): y = fp32(acc * g);
   2. a row-scaled ``a``: y[i, j] = fp32(y[i, j] * s_a[i]) (each output row by its row scale);
   3. a row-scaled ``c``: y[i, j] = fp32(y[i, j] * s_c[j]) (each output column);
-  4. the cast to the output dtype.
+  4. a bias (``gemm(..., bias=)``): y[i, j] = fp32(y[i, j] + bias[j]);
+  5. the cast to the output dtype.
 
 So a row-scaled GEMM runs with a neutral global scale and scales the rows of
 its float32 result afterwards, as a GEMM whose epilogue applies per-token scales.
@@ -139,18 +140,24 @@ def _row_scale(op: Operand, contract_ndim: int, before: int, after: int) -> jax.
         raise ValueError(
             f"a row-scaled operand's amax must be [B, *R] = {(op.data.shape[0], *rows)}, got {op.amax.shape}"
         )
-    s = decode_scale(op.amax, op.e4m3_max)
+    # The barrier keeps the scales' integer emulation out of the fusion with the output's multiply and cast,
+    # which XLA's CPU compiler otherwise spends minutes on.
+    s = lax.optimization_barrier(decode_scale(op.amax, op.e4m3_max))
     return s.reshape(s.shape[0], *(1,) * before, *rows, *(1,) * after)
 
 
 @functools.partial(jax.jit, static_argnames=("length", "out_dtype", "contract_ndim"))
-def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype, contract_ndim: int = 1) -> jax.Array:
+def emulated_gemm(
+    a: Operand, c: Operand, length: int, out_dtype, contract_ndim: int = 1, bias: jax.Array | None = None
+) -> jax.Array:
     """[B, *Ra, *L] x [B, *Rc, *L] -> [B, *Ra, *Rc] of ``out_dtype``, contracting the L axes.
 
     ``contract_ndim`` axes L are contracted; ``length`` is the size of the last
-    (packed) one. The global decode scales apply in the order of the module docstring.
+    (packed) one. The global decode scales, then ``bias`` (float32, broadcast
+    against the output), apply in the order of the module docstring.
     """
-    if not (a.row_scaled or c.row_scaled) and a.e4m3_max == c.e4m3_max == 448:
+    plain = not (a.row_scaled or c.row_scaled) and a.e4m3_max == c.e4m3_max == 448
+    if plain and bias is None:
         return _bind(a, c, a.amax, c.amax, length, out_dtype, contract_ndim)  # the scale product inside
     # Global decode scale 1 in the primitive (amax = 6 * 448); the scales apply to its float32 result.
     unit = jnp.float32(E2M1_MAX * E4M3_MAX)
@@ -166,16 +173,21 @@ def emulated_gemm(a: Operand, c: Operand, length: int, out_dtype, contract_ndim:
         y = y * _row_scale(a, contract_ndim, 0, rc)
     if c.row_scaled:
         y = y * _row_scale(c, contract_ndim, ra, 0)
+    if bias is not None:
+        y = y + bias
     return y.astype(out_dtype)
 
 
-def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32) -> jax.Array:
+def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32, bias: jax.Array | None = None) -> jax.Array:
     """NVFP4 GEMM of two rowwise-quantized tensors: ``a @ c.T`` over their last axis.
 
     Args:
       a: quantized [..., K] (rows M = prod of its leading axes).
       c: quantized [..., K] (rows N), e.g. a weight stored [N, K].
       out_dtype: result dtype; the sum is accumulated in float32.
+      bias: added in float32 after the scales and before the cast to
+        ``out_dtype``, as a GEMM epilogue does; shape ``c.shape[:-1]`` (one
+        per output column) or anything that broadcasts against the result.
 
     Returns:
       [*a.shape[:-1], *c.shape[:-1]]: sum_k a[..., k] * c[..., k] of the
@@ -193,5 +205,8 @@ def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32) -> jax.Array:
         amax = t.amax.reshape(1, t.rows) if t.row_scaled else t.amax
         return Operand(t.data.reshape(1, t.rows, -1), t.scale.reshape(1, t.rows, -1), amax, t.row_scaled, t.e4m3_max)
 
-    y = emulated_gemm(matrix(a), matrix(c), a.cols, out_dtype)
-    return y.reshape(*a.shape[:-1], *c.shape[:-1])
+    out_shape = (*a.shape[:-1], *c.shape[:-1])
+    if bias is not None:
+        bias = jnp.broadcast_to(jnp.asarray(bias, jnp.float32), out_shape).reshape(1, a.rows, c.rows)
+    y = emulated_gemm(matrix(a), matrix(c), a.cols, out_dtype, bias=bias)
+    return y.reshape(out_shape)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jax_nvfp4._options import E4M3_MAX_CHOICES, FOUR_OVER_SIX_MODES
+
+FOUR_OVER_SIX_OPERANDS = ("none", "weights", "activations", "all")
+"""Which operands ``Recipe.four_over_six`` quantizes with 4over6: W, x, or x, W and dy."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -38,6 +43,25 @@ class Recipe:
         training does. Naming fewer (e.g. the FSDP and sequence axes, which
         the GEMM gathers over, as TransformerEngine does) saves the reduction
         along the others, where each shard then keeps its own amax.
+      four_over_six: 4over6 adaptive block scaling (each block quantized
+        with its max on E2M1 6 and on 4, the candidate with the smaller error
+        kept) for "none" of the operands, the "weights" W, the "activations"
+        x, or "all" (x, W and the gradient dy; dy's 4over6 is round-to-nearest,
+        so "all" needs ``stochastic_rounding=False``). Both copies of an
+        operand use it (with 16x16 blocks each copy chooses on its own error
+        sums, which can differ in rare near ties).
+      four_over_six_error: "mse" or "mae": the error 4over6 compares.
+      four_over_six_fast_math: measure that error in the scaled domain (the
+        CUDA kernel's fast path) instead of on the dequantized values.
+      four_over_six_e4m3_max: 256 (default) or 448: the block-scale range the
+        4over6 operands' global scale aims at; 256 leaves room for map-4's 1.5x
+        larger scale below E4M3's 448.
+      row_scaled_activations: per-token NVFP4 for x: each token (row) gets its
+        own global amax, and x's columnwise copy (the wgrad operand) one per
+        feature. The GEMMs run with a neutral global scale and multiply each
+        output row (fprop) or column (wgrad) by its float32 scale afterwards.
+      row_scaled_gradients: the same for dy (dgrad output rows, wgrad output
+        rows per output feature).
     """
 
     weight_block_2d: bool = True
@@ -47,9 +71,16 @@ class Recipe:
     rht_amax_factor_dy: float = 1.0
     stochastic_rounding: bool = True
     amax_mesh_axes: tuple[str, ...] | None = None
+    four_over_six: str = "none"
+    four_over_six_error: str = "mse"
+    four_over_six_fast_math: bool = False
+    four_over_six_e4m3_max: int = 256
+    row_scaled_activations: bool = False
+    row_scaled_gradients: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("weight_block_2d", "rht", "rht_amax_estimate", "stochastic_rounding"):
+        flags = ("weight_block_2d", "rht", "rht_amax_estimate", "stochastic_rounding", "four_over_six_fast_math")
+        for name in (*flags, "row_scaled_activations", "row_scaled_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Recipe.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("rht_amax_factor_x", "rht_amax_factor_dy"):
@@ -62,3 +93,27 @@ class Recipe:
             if not all(isinstance(a, str) for a in axes):
                 raise TypeError(f"Recipe.amax_mesh_axes must be mesh axis names (str), got {self.amax_mesh_axes!r}")
             object.__setattr__(self, "amax_mesh_axes", axes)  # a tuple, so the recipe stays hashable
+        self._check_four_over_six()
+
+    def _check_four_over_six(self) -> None:
+        if self.four_over_six not in FOUR_OVER_SIX_OPERANDS:
+            raise ValueError(
+                f"Recipe.four_over_six must be one of {FOUR_OVER_SIX_OPERANDS}, got {self.four_over_six!r}"
+            )
+        if self.four_over_six_error not in FOUR_OVER_SIX_MODES:
+            raise ValueError(
+                f"Recipe.four_over_six_error must be one of {FOUR_OVER_SIX_MODES}, got {self.four_over_six_error!r}"
+            )
+        e = self.four_over_six_e4m3_max
+        if isinstance(e, bool) or e not in E4M3_MAX_CHOICES:
+            raise ValueError(f"Recipe.four_over_six_e4m3_max must be 448 or 256, got {e!r}")
+        if self.four_over_six == "all" and self.stochastic_rounding:
+            raise ValueError(
+                "Recipe(four_over_six='all') quantizes dy with 4over6, which rounds to nearest: set "
+                "stochastic_rounding=False, or four_over_six='weights' / 'activations' to keep dy's stochastic rounding"
+            )
+
+    def four_over_six_for(self, operand: str) -> str | None:
+        """The 4over6 error mode for operand "x", "w" or "dy", or None where it is quantized without 4over6."""
+        chosen = {"none": (), "weights": ("w",), "activations": ("x",), "all": ("x", "w", "dy")}[self.four_over_six]
+        return self.four_over_six_error if operand in chosen else None

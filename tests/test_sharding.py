@@ -256,13 +256,24 @@ def _mlp_problem(mesh):
     return ((w1, w2), x), specs
 
 
-@pytest.mark.parametrize("mesh_name", MLP_MESHES)
-def test_sharded_training_step_equals_unsharded(mesh_name):
+# The recipe with the RHT (deterministic); stochastic rounding draws per-shard keys, so it is left out.
+# "options": per-token scales for x and dy (row amaxes reduced over the shards of a row) and 4over6 everywhere.
+STEP_RECIPES = {
+    "rht": jax_nvfp4.Recipe(stochastic_rounding=False),
+    "options": jax_nvfp4.Recipe(
+        stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True, four_over_six="all"
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "mesh_name,recipe", [(mesh, "rht") for mesh in MLP_MESHES] + [("2x4", "options"), ("8", "options")]
+)
+def test_sharded_training_step_equals_unsharded(mesh_name, recipe):
     shape, names = MLP_MESHES[mesh_name]
     mesh = jax.make_mesh(shape, names, devices=CPUS[:8], axis_types=(AxisType.Auto,) * len(names))
     (params, x), (param_specs, x_spec) = _mlp_problem(mesh)
-    # The recipe with the RHT (deterministic); stochastic rounding draws per-shard keys, so it is left out.
-    dot = functools.partial(jax_nvfp4.dot_general, recipe=jax_nvfp4.Recipe(stochastic_rounding=False))
+    dot = functools.partial(jax_nvfp4.dot_general, recipe=STEP_RECIPES[recipe])
     step = jax.value_and_grad(functools.partial(_mlp_loss, dot, mesh))
     want_loss, want_grads = jax.jit(step)(params, x)  # the same program, unsharded inputs
     named = functools.partial(NamedSharding, mesh)
@@ -275,7 +286,11 @@ def test_sharded_training_step_equals_unsharded(mesh_name):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(w))))
     found = collectives(sharded.lower(*args).compile().as_text())
     gathers = [c for c in found if c.op == "all-gather"]
-    assert all(c.dtype == "u8" for c in gathers), gathers  # only packed codes and E4M3 scales move
+    codes = [c for c in gathers if c.dtype == "u8"]  # packed codes and E4M3 scales
+    # Besides them, per-token scales travel with their rows: 4 bytes a row, against 72 of codes and scales.
+    row_amaxes = [c for c in gathers if c.dtype == "f32" and recipe == "options"]
+    assert len(codes) + len(row_amaxes) == len(gathers), gathers
+    assert sum(c.nbytes for c in row_amaxes) <= sum(c.nbytes for c in codes) / 8
 
 
 def test_fsdp_all_gather_bytes_against_bf16():
