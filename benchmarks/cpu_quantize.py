@@ -4,8 +4,9 @@ The headline case is the issue's: quantize a bf16 4096x4096 tensor with 1x16
 blocks into the rowwise and columnwise copies (amax pass included). Also
 rowwise only, 16x16 blocks, dequantize, and the training recipe's options on
 the headline case: the Random Hadamard Transform of the columnwise copy (amax
-from a fused pass, or estimated), stochastic rounding, both; for those, the
-time as a multiple of the plain headline case too. Prints a markdown table of
+from a fused pass, or estimated), stochastic rounding, both, 4over6 (MSE, MSE
+with fast math, MAE), per-token (row-scaled) global scales, alone and with
+4over6; for those, the time as a multiple of the plain headline case too. Prints a markdown table of
 median times and the reference / kernel ratio; ``--out FILE`` also writes it
 there.
 
@@ -43,6 +44,17 @@ def main() -> None:
         "... + stochastic rounding": (lambda m, x: m.quantize(x, columnwise=True, stochastic_rounding_key=key), x),
         "... + RHT + stochastic rounding": (
             lambda m, x: m.quantize(x, columnwise=True, rht=True, stochastic_rounding_key=key),
+            x,
+        ),
+        "... + 4over6 MSE": (lambda m, x: m.quantize(x, columnwise=True, four_over_six="mse", e4m3_max=256), x),
+        "... + 4over6 MSE, fast math": (
+            lambda m, x: m.quantize(x, columnwise=True, four_over_six="mse", four_over_six_fast_math=True),
+            x,
+        ),
+        "... + 4over6 MAE": (lambda m, x: m.quantize(x, columnwise=True, four_over_six="mae"), x),
+        "... row-scaled (per-token)": (lambda m, x: m.quantize(x, columnwise=True, row_scaled=True), x),
+        "... row-scaled + 4over6 MSE": (
+            lambda m, x: m.quantize(x, columnwise=True, row_scaled=True, four_over_six="mse"),
             x,
         ),
         "quantize 1x16, rowwise": (lambda m, x: m.quantize(x), x),

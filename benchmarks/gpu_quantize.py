@@ -14,6 +14,11 @@ quantize (amax passes included), each as a multiple of the plain one: the
 Random Hadamard Transform on the columnwise copy (its amax from a fused RHT
 pass, or estimated from the plain amax: one pass fewer), stochastic rounding of
 both copies, and both. Targets: RHT at most 1.25x, stochastic rounding 1.2x.
+The 4over6 table does the same for 4over6 adaptive block scaling (MSE and MAE,
+exact and fast-math errors; 1x16 and 16x16 blocks, each against the plain
+quantize with the same blocks) and per-token (row-scaled) global scales, and
+times the fast-math quantize kernel alone (amax given) against the plain
+kernel too. Target: fast math at most 1.5x plain.
 
     python benchmarks/gpu_quantize.py [--sizes 1024,4096,8192,16384] [--repeats 20] [--out results.md]
 """
@@ -113,7 +118,43 @@ def main() -> None:
         plain_s = median_seconds(jax.jit(q), x, repeats=args.repeats)
         ratios = [median_seconds(jax.jit(fn), x, key, repeats=args.repeats) / plain_s for fn in variants]
         report.add(f"| {size}x{size} | {plain_s * 1e3:.3f} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    four_over_six_table(report, args)
     report.save()
+
+
+def four_over_six_table(report: Report, args: argparse.Namespace) -> None:
+    """4over6 and per-token scales as multiples of the plain rowwise+columnwise quantize with the same blocks."""
+    report.add("")
+    report.add(
+        "| size | blocks | plain ms | 4o6 MSE | 4o6 MSE fast | 4o6 MAE | 4o6 MAE fast | kernel alone: MSE fast "
+        "| per-token | per-token + 4o6 MSE fast |"
+    )
+    report.add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for size in map(int, args.sizes.split(",")):
+        x = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+        for block_2d in (False, True):
+            q = functools.partial(jax_nvfp4.quantize, columnwise=True, block_2d=block_2d)
+            variants = [
+                functools.partial(q, four_over_six=mode, four_over_six_fast_math=fast, e4m3_max=256)
+                for mode in ("mse", "mae")
+                for fast in (False, True)
+            ]
+            plain_s = median_seconds(jax.jit(q), x, repeats=args.repeats)
+            ratios = [median_seconds(jax.jit(fn), x, repeats=args.repeats) / plain_s for fn in variants]
+            amax = jax_nvfp4.amax(x)
+            kernel_plain, kernel_fast = (
+                median_seconds(jax.jit(lambda x, a, f=f: f(x, amax=a)), x, amax, repeats=args.repeats)
+                for f in (q, variants[1])
+            )
+            ratios.append(kernel_fast / kernel_plain)
+            if block_2d:  # per-token scales have 1x16 blocks only
+                ratios += [None, None]
+            else:
+                per_token = functools.partial(q, row_scaled=True)
+                both = functools.partial(per_token, four_over_six="mse", four_over_six_fast_math=True, e4m3_max=256)
+                ratios += [median_seconds(jax.jit(fn), x, repeats=args.repeats) / plain_s for fn in (per_token, both)]
+            cells = " | ".join("-" if r is None else f"{r:.2f}x" for r in ratios)
+            report.add(f"| {size}x{size} | {'16x16' if block_2d else '1x16'} | {plain_s * 1e3:.3f} | {cells} |")
 
 
 if __name__ == "__main__":
