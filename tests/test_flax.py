@@ -180,7 +180,8 @@ def _nnx_linear(rngs: nnx.Rngs, recipe: Recipe | None = None) -> nnx.Linear:
 
 def test_nnx_dot_general_is_jax_nvfp4_dot_general():
     x = X.astype(jnp.float32)
-    for recipe in (Recipe(), Recipe(weight_block_2d=False, stochastic_rounding=False)):
+    options = Recipe(four_over_six="weights", row_scaled_activations=True, row_scaled_gradients=True)
+    for recipe in (Recipe(), Recipe(weight_block_2d=False, stochastic_rounding=False), options):
         layer = _nnx_linear(nnx.Rngs(0), recipe)
         want = jax_nvfp4.dot_general(x, layer.kernel[...], DIMS, recipe=recipe) + layer.bias[...]
         assert_same_bytes(layer(x), want)
