@@ -18,7 +18,8 @@ class Recipe:
     The defaults are NVIDIA's NVFP4 pretraining recipe: 16x16 weight blocks,
     the Random Hadamard Transform on the weight-gradient operands, and
     stochastic rounding of the gradients. Always on: x and dy in 1x16 blocks
-    along the contracting axis of each GEMM, one float32 global amax per tensor.
+    along the contracting axis of each GEMM. One float32 global amax per tensor
+    unless ``row_scaled_*`` gives x or dy one per token.
 
     Attributes:
       weight_block_2d: quantize W in 16x16 blocks, so the dgrad GEMM uses the

@@ -53,6 +53,21 @@ def test_four_over_six_gemms_are_those_of_quantize(operands, error):
     assert np.array_equal(np.asarray(dw), np.asarray(dw0)) == (operands == "weights")
 
 
+def test_four_over_six_activations_with_the_full_recipe():
+    """4over6 on x under NVIDIA's recipe: x's wgrad copy is the 4over6 quantization of its transform; dy keeps
+    stochastic rounding."""
+    recipe = Recipe(four_over_six="activations")
+    x, w, dy = _problem()
+    key = jax.random.key(6)
+    y, dx, dw = jax.jit(functools.partial(_grads, _dot(recipe, key)))(x, w, dy)
+    fx = _fos(recipe, "x")
+    qx = quantize(x, columnwise=True, rht=True, **fx)
+    qdy = quantize(dy, columnwise=True, rht=True, stochastic_rounding_key=key)
+    assert_same_bytes(y, gemm(qx, quantize(w.T, block_2d=True), y.dtype))
+    assert_same_bytes(dx, gemm(qdy, quantize(w, block_2d=True), x.dtype))
+    assert_same_bytes(dw, gemm(columnwise_as_rowwise(qdy), columnwise_as_rowwise(qx), w.dtype).T)
+
+
 def test_four_over_six_with_1d_weight_blocks():
     recipe = Recipe(four_over_six="weights", weight_block_2d=False, **PLAIN)
     x, w, dy = _problem()
