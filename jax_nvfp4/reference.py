@@ -319,7 +319,8 @@ def dequantize_core(data, scale, amax, *, cols: int, dtype, e4m3_max: int = 448)
 
 # Jitted so that eager calls run as one compiled program, not op by op.
 _amax_jit = jax.jit(amax_core, static_argnames=("rht", "row_scaled"))
-_QUANTIZE_FLAGS = (
+# quantize_core's static options, in one place for whoever jits it.
+QUANTIZE_OPTIONS = (
     "rowwise",
     "columnwise",
     "block_2d",
@@ -335,7 +336,7 @@ _BACKEND = _frontend.Backend(
     amax=lambda x, mesh_axes=None, rht=False, row_scaled=False: _amax_jit(
         _frontend.flat_rows(x), rht=rht, row_scaled=row_scaled
     ),
-    quantize=_frontend.on_rows(jax.jit(quantize_core, static_argnames=_QUANTIZE_FLAGS)),
+    quantize=_frontend.on_rows(jax.jit(quantize_core, static_argnames=QUANTIZE_OPTIONS)),
     dequantize=jax.jit(dequantize_core, static_argnames=("cols", "dtype", "e4m3_max")),
 )
 amax = _frontend.amax_fn(_BACKEND)

@@ -36,19 +36,8 @@ LAYOUTS = {
     "row_scaled": {"block_2d": False, "row_scaled": True},
 }
 MODES = ("mae", "mse")
-FLAGS = (
-    "rowwise",
-    "columnwise",
-    "block_2d",
-    "rht",
-    "stochastic",
-    "row_scaled",
-    "four_over_six",
-    "four_over_six_fast_math",
-    "e4m3_max",
-)
 
-_reference_quantize = jax.jit(reference.quantize_core, static_argnames=FLAGS)
+_reference_quantize = jax.jit(reference.quantize_core, static_argnames=reference.QUANTIZE_OPTIONS)
 _reference_amax = jax.jit(reference.amax_core, static_argnames=("rht", "row_scaled"))
 _reference_dequantize = jax.jit(reference.dequantize_core, static_argnames=("cols", "dtype", "e4m3_max"))
 
