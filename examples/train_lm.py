@@ -11,8 +11,10 @@ NVFP4 recipe. Prints a table of final losses and step times and writes a plot of
 The NVFP4 recipe variants (``--runs``): plain (round to nearest, no transform), rht (+ the Random
 Hadamard Transform on the weight-gradient operands), sr (+ stochastic rounding of the gradients, no
 RHT), full (both: NVIDIA's recipe, ``jax_nvfp4.Recipe()``), full-est (full, with the post-RHT amax
-estimated from the pre-RHT one). Stochastic rounding draws a fresh key every step from the layers'
-``"nvfp4"`` RNG stream.
+estimated from the pre-RHT one), 4o6 (plain + 4over6 adaptive block scaling of x, W and dy: each
+16-value block scaled to 6 or to 4, whichever gives the smaller squared error), per-token (plain +
+one global scale per token for x and dy instead of one per tensor). Stochastic rounding draws a fresh
+key every step from the layers' ``"nvfp4"`` RNG stream.
 
 `--mesh data=2,fsdp=2,tensor=2` trains sharded over that many devices (on CPU, set
 XLA_FLAGS=--xla_force_host_platform_device_count=8): the batch splits over data x fsdp, the parameters
@@ -77,6 +79,12 @@ RECIPES = {
     "sr": jax_nvfp4.Recipe(rht=False),
     "full": jax_nvfp4.Recipe(),
     "full-est": jax_nvfp4.Recipe(rht_amax_estimate=True),
+    # 4over6 on every operand (MSE, block scales aimed at E4M3 256); round to nearest, as 4over6 of dy needs.
+    "4o6": jax_nvfp4.Recipe(rht=False, stochastic_rounding=False, four_over_six="all"),
+    # Per-token global scales for the activations and the gradients (one float32 amax per row of x and of dy).
+    "per-token": jax_nvfp4.Recipe(
+        rht=False, stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True
+    ),
 }
 RUNS = (*RECIPES, "bf16")
 
@@ -388,7 +396,7 @@ def train(
 
 
 COLORS = {"plain": "tab:orange", "rht": "tab:green", "sr": "tab:purple", "full": "tab:red", "full-est": "tab:brown"}
-COLORS["bf16"] = "tab:blue"
+COLORS.update({"4o6": "tab:cyan", "per-token": "tab:olive", "bf16": "tab:blue"})
 
 
 def parse_runs(text: str) -> tuple[str, ...]:
@@ -465,6 +473,16 @@ def describe(run: str, args: argparse.Namespace) -> str:
         parts.append("RHT" + (" (amax estimated)" if recipe.rht_amax_estimate else ""))
     if recipe.stochastic_rounding:
         parts.append("SR")
+    if recipe.four_over_six != "none":
+        operands = {"weights": "W", "activations": "x", "all": "x, W, dy"}[recipe.four_over_six]
+        parts.append(
+            f"4over6 ({operands}; {recipe.four_over_six_error.upper()}, E4M3 max {recipe.four_over_six_e4m3_max}"
+            + (", fast math" if recipe.four_over_six_fast_math else "")
+            + ")"
+        )
+    rows = [name for name, on in (("x", recipe.row_scaled_activations), ("dy", recipe.row_scaled_gradients)) if on]
+    if rows:
+        parts.append(f"per-token scales ({', '.join(rows)})")
     return " + ".join(parts)
 
 

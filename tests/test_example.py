@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import pathlib
 import re
@@ -16,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_nvfp4
 from jax_nvfp4.sharding import collectives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
@@ -77,3 +79,17 @@ def test_data_and_fsdp_sharding_give_the_unsharded_step(mesh, monkeypatch):
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want_grads))
     for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
+
+
+def test_the_four_over_six_and_per_token_runs_are_their_recipes():
+    recipes = train_lm.RECIPES
+    assert recipes["4o6"] == dataclasses.replace(recipes["plain"], four_over_six="all")
+    assert recipes["4o6"] == jax_nvfp4.Recipe(rht=False, stochastic_rounding=False, four_over_six="all")
+    assert (recipes["4o6"].four_over_six_error, recipes["4o6"].four_over_six_e4m3_max) == ("mse", 256)
+    assert recipes["per-token"] == dataclasses.replace(
+        recipes["plain"], row_scaled_activations=True, row_scaled_gradients=True
+    )
+    assert {"plain", "4o6", "per-token", "bf16"} <= set(train_lm.parse_runs("all"))
+    args = _args("data=1")
+    assert train_lm.describe("4o6", args) == "NVFP4, 16x16 weights + 4over6 (x, W, dy; MSE, E4M3 max 256)"
+    assert train_lm.describe("per-token", args) == "NVFP4, 16x16 weights + per-token scales (x, dy)"
