@@ -287,7 +287,7 @@ def test_sharded_training_step_equals_unsharded(mesh_name, recipe):
     found = collectives(sharded.lower(*args).compile().as_text())
     gathers = [c for c in found if c.op == "all-gather"]
     codes = [c for c in gathers if c.dtype == "u8"]  # packed codes and E4M3 scales
-    # Besides them, per-token scales travel with their rows: 4 bytes a row, against 72 of codes and scales.
+    # Besides them, per-token amaxes travel with their rows: 4 bytes a row (a row of 128 values: 72 bytes).
     row_amaxes = [c for c in gathers if c.dtype == "f32" and recipe == "options"]
     assert len(codes) + len(row_amaxes) == len(gathers), gathers
     assert sum(c.nbytes for c in row_amaxes) <= sum(c.nbytes for c in codes) / 8
