@@ -206,7 +206,7 @@ def _tensor_amaxes(backend: Backend, xr, amax, mesh_axes, rht: bool, estimate) -
     else:
         amax = _given_amax(amax, (), mesh_axes, False).reshape(1)
         amaxes = backend.amax(xr, None, True) if fused else (amax,)
-    return amax, columnwise_amax(amaxes if fused else (amax,), rht, estimate)
+    return amax, columnwise_amax(amaxes, rht, estimate)
 
 
 def _row_amaxes(backend: Backend, xr, amax, mesh_axes, lead, columnwise: bool, rht: bool, estimate):
