@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import _bits
-from jax_nvfp4._options import check_options
+from jax_nvfp4._options import check_flag, check_options, check_positive_factor
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES, num_blocks, packed_size
 from jax_nvfp4.tensor import NVFP4Tensor
 
@@ -56,21 +56,25 @@ def _check_input(x) -> jax.Array:
     return x
 
 
-def _check_out_dtype(dtype) -> np.dtype:
-    dtype = jnp.dtype(dtype)
+def check_out_dtype(dtype, option: str = "dtype", owner: str = "dequantize") -> np.dtype:
+    """A result dtype: bfloat16, float16 or float32, else a TypeError naming the option and its owner."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        dtype = repr(dtype)
     if dtype not in INPUT_DTYPES:
-        raise TypeError(f"dequantize produces bfloat16, float16 or float32, not {dtype}")
+        raise TypeError(f"{owner} produces bfloat16, float16 or float32: {option} is {dtype}")
     return dtype
 
 
-def _check_mesh_axes(mesh_axes) -> tuple[str, ...] | None:
+def _check_mesh_axes(mesh_axes, name: str) -> tuple[str, ...] | None:
     if mesh_axes is None:
         return None
     if isinstance(mesh_axes, str):
         mesh_axes = (mesh_axes,)
-    mesh_axes = tuple(mesh_axes)
+    mesh_axes = tuple(mesh_axes) if isinstance(mesh_axes, Sequence) else (mesh_axes,)
     if not all(isinstance(a, str) for a in mesh_axes):
-        raise TypeError(f"mesh axes must be mesh axis names (str), got {mesh_axes!r}")
+        raise TypeError(f"{name} must be mesh axis names (str), got {mesh_axes!r}")
     return mesh_axes
 
 
@@ -128,22 +132,29 @@ def amax_fn(backend: Backend) -> Callable:
         reference ignores ``mesh_axes`` (always the global amax).
         """
         x = _check_input(x)
-        xr, mesh_axes = _as_rows(x, blocked_rows=False), _check_mesh_axes(mesh_axes)
-        if row_scaled:
+        xr, mesh_axes = _as_rows(x, blocked_rows=False), _check_mesh_axes(mesh_axes, "mesh_axes")
+        if check_flag("row_scaled", row_scaled):
             return backend.amax(xr, mesh_axes, False, row_scaled=True)[0].reshape(x.shape[:-1])
         return backend.amax(xr, mesh_axes)[0][0]
 
     return amax
 
 
-def seed_words(key) -> jax.Array:
-    """The two uint32 words a JAX PRNG key (typed or raw uint32 [2]) gives the kernels' generator."""
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+def check_key(key, name: str = "stochastic_rounding_key") -> jax.Array:
+    """One JAX PRNG key (typed, or a raw uint32 [2] key), else an error naming the option ``name``."""
+    if not isinstance(key, jax.Array | np.ndarray):
+        raise TypeError(f"{name} must be a JAX PRNG key (jax.random.key), got {type(key).__name__}")
+    key = jnp.asarray(key)
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and (key.dtype != jnp.uint32 or key.shape != (2,)):
-        raise TypeError(f"stochastic_rounding_key must be a JAX PRNG key (jax.random.key), got {key.dtype}{key.shape}")
+        raise TypeError(f"{name} must be a JAX PRNG key (jax.random.key), got {key.dtype}{key.shape}")
     if key.shape != () and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        raise ValueError(f"stochastic_rounding_key must be one key, got shape {key.shape}")
-    return jax.random.bits(key, (2,), jnp.uint32)
+        raise ValueError(f"{name} must be one key, got shape {key.shape}")
+    return key
+
+
+def seed_words(key, name: str = "stochastic_rounding_key") -> jax.Array:
+    """The two uint32 words a JAX PRNG key (typed or raw uint32 [2]) gives the kernels' generator."""
+    return jax.random.bits(check_key(key, name), (2,), jnp.uint32)
 
 
 def amax_times(amax: jax.Array, factor: float) -> jax.Array:
@@ -167,8 +178,7 @@ def _check_rht(rht: bool, estimate, columnwise: bool, block_2d: bool, rows: int)
     if estimate is not None:
         if not rht:
             raise ValueError("rht_amax_estimate applies only with rht=True")
-        if not (isinstance(estimate, int | float) and math.isfinite(estimate) and estimate > 0):
-            raise ValueError(f"rht_amax_estimate must be a positive finite factor, got {estimate!r}")
+        check_positive_factor("rht_amax_estimate", estimate)
     if not rht:
         return
     if not columnwise or block_2d:
@@ -189,6 +199,10 @@ def _given_amax(amax, shape: tuple[int, ...], mesh_axes, row_scaled: bool) -> ja
     """A user's amax as float32 of ``shape`` ([] per tensor, the rows' shape when row-scaled)."""
     if mesh_axes is not None:
         raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
+    if not (isinstance(amax, jax.Array | np.ndarray | np.floating) or type(amax) in (int, float)):
+        raise TypeError(f"amax must be a float32 array or a number, got {type(amax).__name__}")
+    if not any(jnp.issubdtype(jnp.result_type(amax), kind) for kind in (jnp.floating, jnp.integer)):
+        raise TypeError(f"amax must be a float32 array or a number, got {jnp.result_type(amax)}")
     amax = jnp.asarray(amax, jnp.float32)
     if amax.shape != shape:
         if row_scaled:
@@ -293,10 +307,17 @@ def quantize_fn(backend: Backend) -> Callable:
         ceil(N/2) bytes whose last high nibble is 0).
         """
         x = _check_input(x)
+        rowwise, columnwise = check_flag("rowwise", rowwise), check_flag("columnwise", columnwise)
+        block_2d, rht, row_scaled = (
+            check_flag("block_2d", block_2d),
+            check_flag("rht", rht),
+            check_flag("row_scaled", row_scaled),
+        )
+        four_over_six_fast_math = check_flag("four_over_six_fast_math", four_over_six_fast_math)
         if not (rowwise or columnwise):
             raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
         stochastic = stochastic_rounding_key is not None
-        check_options(
+        e4m3_max = check_options(
             block_2d=block_2d,
             stochastic=stochastic,
             row_scaled=row_scaled,
@@ -304,11 +325,10 @@ def quantize_fn(backend: Backend) -> Callable:
             e4m3_max=e4m3_max,
         )
         _check_fast_math(four_over_six, four_over_six_fast_math)
-        row_scaled, e4m3_max = bool(row_scaled), int(e4m3_max)
         lead, n, m = x.shape[:-1], x.shape[-1], math.prod(x.shape[:-1])
         _check_rht(rht, rht_amax_estimate, columnwise, block_2d, m)
         xr = _as_rows(x, blocked_rows=columnwise or block_2d)
-        mesh_axes = _check_mesh_axes(amax_mesh_axes)
+        mesh_axes = _check_mesh_axes(amax_mesh_axes, "amax_mesh_axes")
         if row_scaled:
             amax_v, amax_t = _row_amaxes(backend, xr, amax, mesh_axes, lead, columnwise, rht, rht_amax_estimate)
         else:
@@ -367,7 +387,9 @@ def dequantize_fn(backend: Backend) -> Callable:
         (with ``amax_t``) and transposes it back, so both give ``t.shape``.
         A NaN scale (NaN input) gives NaN for its whole block.
         """
-        dtype = _check_out_dtype(dtype)
+        if not isinstance(t, NVFP4Tensor):
+            raise TypeError(f"dequantize takes an NVFP4Tensor (from quantize), got {type(t).__name__}")
+        dtype, columnwise = check_out_dtype(dtype), check_flag("columnwise", columnwise)
         m, n = t.rows, t.cols
         options = {"e4m3_max": t.e4m3_max}
         if columnwise:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4._frontend import columnwise_amax, row_axes, seed_words
+from jax_nvfp4._frontend import check_key, check_out_dtype, columnwise_amax, row_axes, seed_words
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES
 from jax_nvfp4.gemm import Operand, emulated_gemm
 from jax_nvfp4.primitives import amax_p, quantize_p
@@ -136,7 +136,7 @@ def _seed(key: jax.Array | None, recipe: Recipe) -> jax.Array | None:
             "(linen: apply(..., rngs={'nvfp4': key}); NNX: dot_general=jax_nvfp4.flax.nnx.NVFP4DotGeneral(rngs=rngs) "
             "instead of jax_nvfp4.dot_general), or use Recipe(stochastic_rounding=False)"
         )
-    return seed_words(key)
+    return seed_words(key, "rng_key")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -234,6 +234,10 @@ def dot_general(
     recipe = Recipe() if recipe is None else recipe
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+    if rng_key is not None:
+        check_key(rng_key, "rng_key")
+    if preferred_element_type is not None:
+        check_out_dtype(preferred_element_type, "preferred_element_type", "NVFP4 dot_general")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if a.dtype not in INPUT_DTYPES:

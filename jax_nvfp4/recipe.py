@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from jax_nvfp4._options import E4M3_MAX_CHOICES, FOUR_OVER_SIX_MODES
+from jax_nvfp4._options import E4M3_MAX_CHOICES, FOUR_OVER_SIX_MODES, check_choice, check_flag, check_positive_factor
 
 FOUR_OVER_SIX_OPERANDS = ("none", "weights", "activations", "all")
 """Which operands ``Recipe.four_over_six`` quantizes with 4over6: W, x, or x, W and dy."""
@@ -82,12 +81,9 @@ class Recipe:
     def __post_init__(self) -> None:
         flags = ("weight_block_2d", "rht", "rht_amax_estimate", "stochastic_rounding", "four_over_six_fast_math")
         for name in (*flags, "row_scaled_activations", "row_scaled_gradients"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Recipe.{name} must be a bool, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, check_flag(f"Recipe.{name}", getattr(self, name)))
         for name in ("rht_amax_factor_x", "rht_amax_factor_dy"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"Recipe.{name} must be a positive finite number, got {value!r}")
+            check_positive_factor(f"Recipe.{name}", getattr(self, name))
         axes = self.amax_mesh_axes
         if axes is not None:
             axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -97,17 +93,13 @@ class Recipe:
         self._check_four_over_six()
 
     def _check_four_over_six(self) -> None:
-        if self.four_over_six not in FOUR_OVER_SIX_OPERANDS:
-            raise ValueError(
-                f"Recipe.four_over_six must be one of {FOUR_OVER_SIX_OPERANDS}, got {self.four_over_six!r}"
-            )
-        if self.four_over_six_error not in FOUR_OVER_SIX_MODES:
-            raise ValueError(
-                f"Recipe.four_over_six_error must be one of {FOUR_OVER_SIX_MODES}, got {self.four_over_six_error!r}"
-            )
-        e = self.four_over_six_e4m3_max
-        if isinstance(e, bool) or e not in E4M3_MAX_CHOICES:
-            raise ValueError(f"Recipe.four_over_six_e4m3_max must be 448 or 256, got {e!r}")
+        choices = (
+            ("four_over_six", FOUR_OVER_SIX_OPERANDS, None),
+            ("four_over_six_error", FOUR_OVER_SIX_MODES, None),
+            ("four_over_six_e4m3_max", E4M3_MAX_CHOICES, "448 or 256"),
+        )
+        for name, options, expected in choices:
+            object.__setattr__(self, name, check_choice(f"Recipe.{name}", getattr(self, name), options, expected))
         if self.four_over_six == "all" and self.stochastic_rounding:
             raise ValueError(
                 "Recipe(four_over_six='all') quantizes dy with 4over6, which rounds to nearest: set "
