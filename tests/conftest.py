@@ -11,15 +11,31 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import numpy as np
 from hypothesis import HealthCheck, settings
 
-# Every reference call compiles a fresh XLA program per shape, so examples are
-# few but each one is a whole random tensor; CI uses the same profile.
-settings.register_profile(
-    "default",
-    max_examples=int(os.environ.get("NVFP4_HYPOTHESIS_EXAMPLES", "40")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.load_profile("default")
+# Hypothesis profiles, chosen with NVFP4_HYPOTHESIS_PROFILE. Every example compiles the
+# reference for a fresh shape (about a second on 2 cores), so the default "ci" profile, which
+# plain `pytest` and CI run, draws a quarter of the examples of "thorough" (for local work before
+# a change lands, and for GPU runs). The fixed cases (golden files, option combinations, edge
+# values) run in full under both.
+EXAMPLE_SHARE = {"ci": 0.25, "thorough": 1.0}
+PROFILE = os.environ.get("NVFP4_HYPOTHESIS_PROFILE", "ci")
+if PROFILE not in EXAMPLE_SHARE:
+    raise ValueError(f"NVFP4_HYPOTHESIS_PROFILE must be one of {sorted(EXAMPLE_SHARE)}, got {PROFILE!r}")
+
+
+def examples(thorough: int) -> int:
+    """A test's example count: ``thorough`` under the thorough profile, scaled for the active one (at least 3)."""
+    return max(3, round(thorough * EXAMPLE_SHARE[PROFILE]))
+
+
+for _name, _share in EXAMPLE_SHARE.items():
+    settings.register_profile(
+        _name,
+        max_examples=max(3, round(40 * _share)),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,  # a failure prints the @reproduce_failure line
+    )
+settings.load_profile(PROFILE)
 
 SPECIAL_VALUES = {
     "zero": [0.0, -0.0],

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import columnwise_as_rowwise, random_tensor
+from conftest import columnwise_as_rowwise, examples, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -133,7 +133,7 @@ def _drop_batch(dims):
     return (shift(lc, lb), shift(rc, rb)), ((), ())
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
 def test_any_shape_differentiates(m, k, n, seed):
     rng = np.random.default_rng(seed)
@@ -220,7 +220,7 @@ def _dimension_numbers(draw):
     return lhs_shape, rhs_shape, ((lc, rc), (lb, rb))
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(problem=_dimension_numbers(), seed=st.integers(0, 2**32 - 1))
 def test_any_dimension_numbers_match_the_canonical_matmul(problem, seed):
     lhs_shape, rhs_shape, dims = problem

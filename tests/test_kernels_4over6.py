@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import SPECIAL_VALUES, random_tensor
+from conftest import SPECIAL_VALUES, examples, random_tensor
 from golden_files import load, option_cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -139,7 +139,7 @@ def quantize_cases(draw):
 
 
 # Each example compiles a reference program (seconds): a quarter of the profile's examples.
-@settings(max_examples=max(4, settings.default.max_examples // 4))
+@settings(max_examples=examples(10))
 @given(case=quantize_cases())
 def test_quantize_matches_reference(case):
     x, opts, scale = case
@@ -149,7 +149,7 @@ def test_quantize_matches_reference(case):
     check_quantize(x, opts, amax, amax_t)
 
 
-@settings(max_examples=max(4, settings.default.max_examples // 2))
+@settings(max_examples=examples(20))
 @given(
     x=st.builds(
         lambda seed, rows, cols, dtype, specials: jnp.asarray(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import SPECIAL_VALUES, random_tensor
+from conftest import SPECIAL_VALUES, examples, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -87,7 +87,7 @@ seeds = st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)).map(
 
 
 @given(x=tensors(rht=True))
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 def test_amax_rht(x):
     got = kernel_amax(x, rht=True)
     want = _reference_amax(x, rht=True)
@@ -118,7 +118,7 @@ def quantize_cases(draw):
 
 
 @given(case=quantize_cases())
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 def test_quantize(case):
     x, opts, seed, amax_t_kind = case
     amax, amax_rht = _reference_amax(x, rht=True) if opts["rht"] else (_reference_amax(x)[0], None)
@@ -252,7 +252,7 @@ def test_random_words16_is_jax_threefry(tmp_path_factory):
 
 
 @given(x=tensors(rht=True))
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 def test_rht16_is_the_reference_transform(tmp_path_factory, x):
     # float32 input: rht16 without the final rounding is the whole transform.
     u = np.asarray(x.astype(jnp.float32)).view(np.uint32)

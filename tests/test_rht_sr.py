@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import SPECIAL_VALUES, columnwise_as_rowwise, random_tensor
+from conftest import SPECIAL_VALUES, columnwise_as_rowwise, examples, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernels import assert_same_tensor
@@ -18,7 +18,7 @@ from jax_nvfp4 import reference
 IMPLEMENTATIONS = {"kernel": jax_nvfp4, "reference": reference}
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(
     rows=st.sampled_from([16, 32, 48]),
     cols=st.integers(1, 40),

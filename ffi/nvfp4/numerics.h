@@ -133,8 +133,11 @@ NVFP4_HD uint8_t float_to_e4m3(float v) {
   const uint32_t mag = u & 0x7FFFFFFFu;
   // Normal E4M3 (|v| >= 2^-6): keep 3 mantissa bits, rebias the exponent.
   const uint32_t normal = ((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - (120u << 3);
-  // Subnormal E4M3: code = round(|v| * 2^9), the multiply being exact.
-  const uint32_t subnormal = uint32_t(round_to_integer(bits_float(mag) * 512.0f));
+  // Subnormal E4M3: code = round(|v| * 2^9), the multiply being exact. Computed for every v
+  // (selects, no branch), so only from a subnormal-range input: converting a NaN or an
+  // out-of-range float to an integer is undefined behaviour (UBSan's float-cast-overflow).
+  const uint32_t subnormal =
+      uint32_t(round_to_integer(bits_float(mag < 0x3C800000u ? mag : 0u) * 512.0f));
   const uint32_t code = sign | (mag >= 0x3C800000u ? normal : subnormal);
   return uint8_t(mag > 0x7F800000u ? kE4M3NaN : code);
 }
