@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import _bits
-from jax_nvfp4._options import check_flag, check_options, check_positive_factor
+from jax_nvfp4._options import check_flag, check_mesh_axes, check_options, check_positive_factor
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES, num_blocks, packed_size
 from jax_nvfp4.tensor import NVFP4Tensor
 
@@ -65,17 +65,6 @@ def check_out_dtype(dtype, option: str = "dtype", owner: str = "dequantize") -> 
     if dtype not in INPUT_DTYPES:
         raise TypeError(f"{owner} produces bfloat16, float16 or float32: {option} is {dtype}")
     return dtype
-
-
-def _check_mesh_axes(mesh_axes, name: str) -> tuple[str, ...] | None:
-    if mesh_axes is None:
-        return None
-    if isinstance(mesh_axes, str):
-        mesh_axes = (mesh_axes,)
-    mesh_axes = tuple(mesh_axes) if isinstance(mesh_axes, Sequence) else (mesh_axes,)
-    if not all(isinstance(a, str) for a in mesh_axes):
-        raise TypeError(f"{name} must be mesh axis names (str), got {mesh_axes!r}")
-    return mesh_axes
 
 
 def flat_rows(x: jax.Array) -> jax.Array:
@@ -132,7 +121,7 @@ def amax_fn(backend: Backend) -> Callable:
         reference ignores ``mesh_axes`` (always the global amax).
         """
         x = _check_input(x)
-        xr, mesh_axes = _as_rows(x, blocked_rows=False), _check_mesh_axes(mesh_axes, "mesh_axes")
+        xr, mesh_axes = _as_rows(x, blocked_rows=False), check_mesh_axes("mesh_axes", mesh_axes)
         if check_flag("row_scaled", row_scaled):
             return backend.amax(xr, mesh_axes, False, row_scaled=True)[0].reshape(x.shape[:-1])
         return backend.amax(xr, mesh_axes)[0][0]
@@ -307,12 +296,11 @@ def quantize_fn(backend: Backend) -> Callable:
         ceil(N/2) bytes whose last high nibble is 0).
         """
         x = _check_input(x)
-        rowwise, columnwise = check_flag("rowwise", rowwise), check_flag("columnwise", columnwise)
-        block_2d, rht, row_scaled = (
-            check_flag("block_2d", block_2d),
-            check_flag("rht", rht),
-            check_flag("row_scaled", row_scaled),
-        )
+        rowwise = check_flag("rowwise", rowwise)
+        columnwise = check_flag("columnwise", columnwise)
+        block_2d = check_flag("block_2d", block_2d)
+        rht = check_flag("rht", rht)
+        row_scaled = check_flag("row_scaled", row_scaled)
         four_over_six_fast_math = check_flag("four_over_six_fast_math", four_over_six_fast_math)
         if not (rowwise or columnwise):
             raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
@@ -328,7 +316,7 @@ def quantize_fn(backend: Backend) -> Callable:
         lead, n, m = x.shape[:-1], x.shape[-1], math.prod(x.shape[:-1])
         _check_rht(rht, rht_amax_estimate, columnwise, block_2d, m)
         xr = _as_rows(x, blocked_rows=columnwise or block_2d)
-        mesh_axes = _check_mesh_axes(amax_mesh_axes, "amax_mesh_axes")
+        mesh_axes = check_mesh_axes("amax_mesh_axes", amax_mesh_axes)
         if row_scaled:
             amax_v, amax_t = _row_amaxes(backend, xr, amax, mesh_axes, lead, columnwise, rht, rht_amax_estimate)
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -43,6 +44,16 @@ def check_positive_factor(name: str, value) -> float:
     if not (real and math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
+
+
+def check_mesh_axes(name: str, axes) -> tuple[str, ...] | None:
+    """None, or mesh axis names (one str or a sequence of them) as a tuple, else TypeError naming the option."""
+    if axes is None:
+        return None
+    axes = tuple(axes) if isinstance(axes, Sequence) and not isinstance(axes, str) else (axes,)
+    if not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"{name} must be mesh axis names (str), got {axes!r}")
+    return axes
 
 
 def check_options(*, block_2d: bool, stochastic: bool, row_scaled: bool, four_over_six, e4m3_max: int) -> int:

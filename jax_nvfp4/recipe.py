@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_nvfp4._options import E4M3_MAX_CHOICES, FOUR_OVER_SIX_MODES, check_choice, check_flag, check_positive_factor
+from jax_nvfp4._options import (
+    E4M3_MAX_CHOICES,
+    FOUR_OVER_SIX_MODES,
+    check_choice,
+    check_flag,
+    check_mesh_axes,
+    check_positive_factor,
+)
 
 FOUR_OVER_SIX_OPERANDS = ("none", "weights", "activations", "all")
 """Which operands ``Recipe.four_over_six`` quantizes with 4over6: W, x, or x, W and dy."""
@@ -84,12 +91,8 @@ class Recipe:
             object.__setattr__(self, name, check_flag(f"Recipe.{name}", getattr(self, name)))
         for name in ("rht_amax_factor_x", "rht_amax_factor_dy"):
             check_positive_factor(f"Recipe.{name}", getattr(self, name))
-        axes = self.amax_mesh_axes
-        if axes is not None:
-            axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            if not all(isinstance(a, str) for a in axes):
-                raise TypeError(f"Recipe.amax_mesh_axes must be mesh axis names (str), got {self.amax_mesh_axes!r}")
-            object.__setattr__(self, "amax_mesh_axes", axes)  # a tuple, so the recipe stays hashable
+        # A tuple, so the recipe stays hashable.
+        object.__setattr__(self, "amax_mesh_axes", check_mesh_axes("Recipe.amax_mesh_axes", self.amax_mesh_axes))
         self._check_four_over_six()
 
     def _check_four_over_six(self) -> None:

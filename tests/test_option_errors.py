@@ -161,6 +161,7 @@ RECIPE_BAD = [
     ("rht_amax_factor_dy", "1", ValueError),
     ("rht_amax_factor_dy", float("inf"), ValueError),
     ("amax_mesh_axes", (1, 2), TypeError),
+    ("amax_mesh_axes", 3, TypeError),
     ("four_over_six", "both", ValueError),
     ("four_over_six", None, ValueError),
     ("four_over_six_error", "l1", ValueError),
