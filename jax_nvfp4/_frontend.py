@@ -18,7 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import _bits
-from jax_nvfp4._options import check_flag, check_mesh_axes, check_options, check_positive_factor
+from jax_nvfp4._options import (
+    check_flag,
+    check_mesh_axes,
+    check_options,
+    check_out_dtype,
+    check_positive_factor,
+    check_real,
+    check_tensor,
+)
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES, num_blocks, packed_size
 from jax_nvfp4.tensor import NVFP4Tensor
 
@@ -54,17 +62,6 @@ def _check_input(x) -> jax.Array:
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array of shape {x.shape}")
     return x
-
-
-def check_out_dtype(dtype, option: str = "dtype", owner: str = "dequantize") -> np.dtype:
-    """A result dtype: bfloat16, float16 or float32, else a TypeError naming the option and its owner."""
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        dtype = repr(dtype)
-    if dtype not in INPUT_DTYPES:
-        raise TypeError(f"{owner} produces bfloat16, float16 or float32: {option} is {dtype}")
-    return dtype
 
 
 def flat_rows(x: jax.Array) -> jax.Array:
@@ -188,10 +185,7 @@ def _given_amax(amax, shape: tuple[int, ...], mesh_axes, row_scaled: bool) -> ja
     """A user's amax as float32 of ``shape`` ([] per tensor, the rows' shape when row-scaled)."""
     if mesh_axes is not None:
         raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
-    if not (isinstance(amax, jax.Array | np.ndarray | np.floating) or type(amax) in (int, float)):
-        raise TypeError(f"amax must be a float32 array or a number, got {type(amax).__name__}")
-    if not any(jnp.issubdtype(jnp.result_type(amax), kind) for kind in (jnp.floating, jnp.integer)):
-        raise TypeError(f"amax must be a float32 array or a number, got {jnp.result_type(amax)}")
+    check_real("amax", amax)
     amax = jnp.asarray(amax, jnp.float32)
     if amax.shape != shape:
         if row_scaled:
@@ -375,8 +369,7 @@ def dequantize_fn(backend: Backend) -> Callable:
         (with ``amax_t``) and transposes it back, so both give ``t.shape``.
         A NaN scale (NaN input) gives NaN for its whole block.
         """
-        if not isinstance(t, NVFP4Tensor):
-            raise TypeError(f"dequantize takes an NVFP4Tensor (from quantize), got {type(t).__name__}")
+        check_tensor("dequantize's t", t)
         dtype, columnwise = check_out_dtype(dtype), check_flag("columnwise", columnwise)
         m, n = t.rows, t.cols
         options = {"e4m3_max": t.e4m3_max}

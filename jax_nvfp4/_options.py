@@ -10,7 +10,11 @@ import math
 import numbers
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
+
+from jax_nvfp4.formats import INPUT_DTYPES
+from jax_nvfp4.tensor import NVFP4Tensor
 
 FOUR_OVER_SIX_MODES = ("mae", "mse")
 """4over6 error measures: the block's candidate with the smaller mean absolute / squared error wins."""
@@ -54,6 +58,35 @@ def check_mesh_axes(name: str, axes) -> tuple[str, ...] | None:
     if not all(isinstance(a, str) for a in axes):
         raise TypeError(f"{name} must be mesh axis names (str), got {axes!r}")
     return axes
+
+
+def check_out_dtype(dtype, option: str = "dtype", owner: str = "dequantize") -> np.dtype:
+    """A result dtype: bfloat16, float16 or float32, else a TypeError naming the option and its owner."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        dtype = repr(dtype)
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(f"{owner} produces bfloat16, float16 or float32: {option} is {dtype}")
+    return dtype
+
+
+def check_real(name: str, value) -> None:
+    """TypeError naming the option unless ``value`` is a real number or an array(-like) of them
+    (integer or floating; not bool, complex or a string, which jnp.result_type would read as a dtype name)."""
+    try:
+        dtype = None if isinstance(value, str | bytes) else jnp.result_type(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not any(jnp.issubdtype(dtype, kind) for kind in (jnp.floating, jnp.integer)):
+        raise TypeError(f"{name} must be an array of real numbers (or one number), got {dtype or type(value).__name__}")
+
+
+def check_tensor(name: str, t) -> NVFP4Tensor:
+    """``t`` if it is an NVFP4Tensor, else TypeError naming the argument."""
+    if not isinstance(t, NVFP4Tensor):
+        raise TypeError(f"{name} must be an NVFP4Tensor (from quantize), got {type(t).__name__}")
+    return t
 
 
 def check_options(*, block_2d: bool, stochastic: bool, row_scaled: bool, four_over_six, e4m3_max: int) -> int:

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4._frontend import check_key, check_out_dtype, columnwise_amax, row_axes, seed_words
+from jax_nvfp4._frontend import check_key, columnwise_amax, row_axes, seed_words
+from jax_nvfp4._options import check_out_dtype
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES
 from jax_nvfp4.gemm import Operand, emulated_gemm
 from jax_nvfp4.primitives import amax_p, quantize_p

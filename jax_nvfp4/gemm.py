@@ -39,7 +39,7 @@ from jax import lax
 
 from jax_nvfp4 import _bits as b
 from jax_nvfp4 import _partition, _primitive, reference
-from jax_nvfp4._frontend import check_out_dtype
+from jax_nvfp4._options import check_out_dtype, check_real, check_tensor
 from jax_nvfp4.formats import E2M1_MAX, E4M3_MAX
 from jax_nvfp4.primitives import dequantize_p
 from jax_nvfp4.tensor import NVFP4Tensor
@@ -181,11 +181,7 @@ def emulated_gemm(
 
 def _bias(bias, out_shape: tuple[int, ...]) -> jax.Array:
     """gemm's bias as float32 broadcast to the output, or an error naming the option."""
-    real = (jnp.floating, jnp.integer)
-    # A string is no bias (and jnp.result_type would read it as a dtype name).
-    if isinstance(bias, str | bytes) or not any(jnp.issubdtype(jnp.result_type(bias), k) for k in real):
-        dtype = type(bias).__name__ if isinstance(bias, str | bytes) else jnp.result_type(bias)
-        raise TypeError(f"gemm's bias must be an array of real numbers, got {dtype}")
+    check_real("gemm's bias", bias)
     shape = jnp.shape(bias)
     try:
         return jnp.broadcast_to(jnp.asarray(bias, jnp.float32), out_shape)
@@ -211,9 +207,8 @@ def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32, bias: jax.Array 
       scales each output row by its own decode scale, a row-scaled ``c``
       each output column (after the sum; the module docstring has the order).
     """
-    for name, t in (("a", a), ("c", c)):
-        if not isinstance(t, NVFP4Tensor):
-            raise TypeError(f"gemm's {name} must be an NVFP4Tensor (from quantize), got {type(t).__name__}")
+    check_tensor("gemm's a", a)
+    check_tensor("gemm's c", c)
     out_dtype = check_out_dtype(out_dtype, "out_dtype", "gemm")
     if a.data is None or c.data is None:
         raise ValueError("gemm needs the rowwise copy of both operands (quantize with rowwise=True)")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4._options import check_flag
+from jax_nvfp4._options import check_flag, check_tensor
 from jax_nvfp4.formats import BLOCK
 from jax_nvfp4.tensor import NVFP4Tensor
 
@@ -83,8 +83,7 @@ def all_gather(t: NVFP4Tensor, axis_name, *, axis: int = 0, tiled: bool = True) 
         local extent being gathered (times the axes after it, for a leading
         axis of the columnwise or 2D copy) must be a multiple of 16.
     """
-    if not isinstance(t, NVFP4Tensor):
-        raise TypeError(f"all_gather takes an NVFP4Tensor (from quantize), got {type(t).__name__}")
+    check_tensor("all_gather's t", t)
     tiled = check_flag("tiled", tiled)
     if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
         raise TypeError(f"axis must be an int, got {axis!r}")
