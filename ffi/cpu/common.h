@@ -1,4 +1,4 @@
-// Helpers of the CPU FFI handlers: subnormal mode and a small parallel-for
+// Helpers of the CPU FFI handlers: a small parallel-for
 // (the loaders, dispatch and buffer checks are in nvfp4/ffi_common.h).
 #pragma once
 
@@ -8,36 +8,10 @@
 #include <vector>
 
 #include "nvfp4/ffi_common.h"
+#include "nvfp4/subnormal_guard.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
 
 namespace nvfp4::cpu {
-
-// XLA runs CPU code with flush-to-zero and denormals-are-zero set; the NVFP4
-// numerics need IEEE subnormals (bf16-subnormal inputs, tiny products), so
-// every kernel body runs under this guard.
-class SubnormalGuard {
- public:
-#if defined(__x86_64__) || defined(__i386__)
-  SubnormalGuard() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~0x8040u); }  // FTZ | DAZ
-  ~SubnormalGuard() { _mm_setcsr(saved_); }
-
- private:
-  unsigned int saved_;
-#elif defined(__aarch64__)
-  SubnormalGuard() {
-    asm volatile("mrs %0, fpcr" : "=r"(saved_));
-    const uint64_t cleared = saved_ & ~(uint64_t(1) << 24);  // FZ
-    asm volatile("msr fpcr, %0" ::"r"(cleared));
-  }
-  ~SubnormalGuard() { asm volatile("msr fpcr, %0" ::"r"(saved_)); }
-
- private:
-  uint64_t saved_;
-#endif
-};
 
 // Runs body(begin, end) over [0, n) split across hardware threads when the
 // work (`cost`, roughly bytes touched) is large enough to pay for the threads.

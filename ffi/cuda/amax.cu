@@ -94,34 +94,38 @@ __global__ void __launch_bounds__(kThreads)
   atomicMax(col_bits + b * cols + c, m);
 }
 
-// Turns the max magnitude bits into the amax float in place.
-__global__ void amax_finish(uint32_t* bits, int64_t batch) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < batch) reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
+// Turns the max magnitude bits into the amax float in place (a grid-stride loop).
+__global__ void amax_finish(uint32_t* bits, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
+}
+
+ffi::Error finish(cudaStream_t stream, uint32_t* bits, int64_t n) {
+  if (n <= 0) return ffi::Error::Success();
+  return launch<amax_finish>("amax", grid_stride_blocks(n, kThreads), kThreads, 0, stream, bits, n);
 }
 
 ffi::Error row_scaled_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rht, int64_t batch,
                            int64_t rows, int64_t cols, float* amax, float* amax_t) {
   auto* row_bits = reinterpret_cast<uint32_t*>(amax);
   auto* col_bits = reinterpret_cast<uint32_t*>(amax_t);
-  if (batch * rows > 0) cudaMemsetAsync(row_bits, 0, batch * rows * sizeof(uint32_t), stream);
-  if (batch * cols > 0) cudaMemsetAsync(col_bits, 0, batch * cols * sizeof(uint32_t), stream);
+  if (auto e = zero(row_bits, batch * rows * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
+  if (auto e = zero(col_bits, batch * cols * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
   const int64_t stripes = num_blocks(rows), tiles = (cols + kThreads - 1) / kThreads;
   const int64_t blocks = batch * stripes * tiles;
   if (blocks > INT32_MAX) return invalid("amax input is too large for one launch");
+  ffi::Error launched = ffi::Error::Success();
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     if (blocks <= 0) return;
-    row_scaled_amax_kernel<L><<<unsigned(blocks), kThreads, 0, stream>>>(
-        static_cast<const typename L::T*>(x.untyped_data()), rows, cols, stripes, tiles, rht,
-        row_bits, col_bits);
+    launched = launch<row_scaled_amax_kernel<L>>(
+        "amax", unsigned(blocks), kThreads, 0, stream, static_cast<const typename L::T*>(x.untyped_data()), rows,
+        cols, stripes, tiles, rht, row_bits, col_bits);
   });
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
-  if (batch * rows > 0)
-    amax_finish<<<unsigned((batch * rows + 255) / 256), 256, 0, stream>>>(row_bits, batch * rows);
-  if (batch * cols > 0)
-    amax_finish<<<unsigned((batch * cols + 255) / 256), 256, 0, stream>>>(col_bits, batch * cols);
-  return launch_status("amax");
+  if (launched.failure()) return launched;
+  if (auto e = finish(stream, row_bits, batch * rows); e.failure()) return e;
+  return finish(stream, col_bits, batch * cols);
 }
 
 ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht,
@@ -132,30 +136,33 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
     return e;
   if (row_scaled) return row_scaled_amax(stream, x, rht, batch, rows, cols, amax, amax_rht);
   if (batch == 0) return ffi::Error::Success();
+  if (batch > INT32_MAX) return invalid("amax input is too large for one launch");
   auto* bits = reinterpret_cast<uint32_t*>(amax);
   auto* bits_rht = reinterpret_cast<uint32_t*>(amax_rht);
-  cudaMemsetAsync(bits, 0, batch * sizeof(uint32_t), stream);
-  if (rht) cudaMemsetAsync(bits_rht, 0, batch * sizeof(uint32_t), stream);
+  if (auto e = zero(bits, batch * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
+  if (rht)
+    if (auto e = zero(bits_rht, batch * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
   const int64_t per_batch = rows * cols;
   // Enough blocks per entry to fill the GPU, each reading at least kValuesPerBlock.
   const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(1024, INT32_MAX / batch));
   const int64_t chunks =
       std::clamp<int64_t>((per_batch + kValuesPerBlock - 1) / kValuesPerBlock, 1, max_chunks);
+  ffi::Error launched = ffi::Error::Success();
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     if (per_batch <= 0) return;
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
+    const unsigned blocks = unsigned(batch * chunks);
     if (rht)  // kThreads chunks of 16 values per block and iteration
-      amax_rht_kernel<L><<<unsigned(batch * chunks), kThreads, 0, stream>>>(data, rows, cols,
-                                                                            chunks, bits, bits_rht);
+      launched = launch<amax_rht_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols, chunks, bits,
+                                            bits_rht);
     else
-      amax_kernel<L>
-          <<<unsigned(batch * chunks), kThreads, 0, stream>>>(data, per_batch, chunks, bits);
+      launched = launch<amax_kernel<L>>("amax", blocks, kThreads, 0, stream, data, per_batch, chunks, bits);
   });
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
-  amax_finish<<<unsigned((batch + 255) / 256), 256, 0, stream>>>(bits, batch);
-  if (rht) amax_finish<<<unsigned((batch + 255) / 256), 256, 0, stream>>>(bits_rht, batch);
-  return launch_status("amax");
+  if (launched.failure()) return launched;
+  if (auto e = finish(stream, bits, batch); e.failure()) return e;
+  return rht ? finish(stream, bits_rht, batch) : ffi::Error::Success();
 }
 
 }  // namespace
@@ -163,7 +170,7 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4AmaxCuda, nvfp4::cuda::amax_impl,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<nvfp4::cuda::StreamContext>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .RemainingRets()
                                   .Attr<bool>("rht")

@@ -1,7 +1,14 @@
-// Helpers of the CUDA FFI handlers: launch checks and grid sizes.
+// Helpers of the CUDA FFI handlers: kernel launches with their error checks, grid sizes, and
+// the stream context. Built for the GPU with nvcc, or with NVFP4_CUDA_HOST for the CPU over the
+// host execution model (cuda/host/runtime.h), where the same launch code runs the grid there.
 #pragma once
 
+#if defined(NVFP4_CUDA_HOST)
+#include "cuda/host/ffi_stream.h"
+#include "cuda/host/runtime.h"
+#else
 #include <cuda_runtime.h>
+#endif
 
 #include <algorithm>
 #include <string>
@@ -10,12 +17,37 @@
 
 namespace nvfp4::cuda {
 
-// The error of the last launch, as an FFI error (success when there was none).
-inline ffi::Error launch_status(const char* kernel) {
-  const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string("nvfp4: ") + kernel + " launch failed: " + cudaGetErrorString(err));
+#if defined(NVFP4_CUDA_HOST)
+using StreamContext = host::StreamContext;
+#else
+using StreamContext = ffi::PlatformStream<cudaStream_t>;  // the stream XLA runs the op on
+#endif
+
+inline ffi::Error cuda_error(const char* what, cudaError_t err) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string("nvfp4: ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Launches Kernel<<<grid, block, shared, stream>>>(args...) and returns its launch error (an
+// invalid configuration, or an earlier asynchronous failure) as an FFI error.
+template <auto Kernel, typename... Args>
+ffi::Error launch(const char* op, dim3 grid, dim3 block, size_t shared, cudaStream_t stream, const Args&... args) {
+#if defined(NVFP4_CUDA_HOST)
+  host::launch(host::kernel_name(__PRETTY_FUNCTION__), reinterpret_cast<const void*>(Kernel), grid, block, shared,
+               stream, [&] { Kernel(args...); });
+#else
+  Kernel<<<grid, block, shared, stream>>>(args...);
+#endif
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+    return cuda_error((std::string(op) + " launch failed").c_str(), err);
+  return ffi::Error::Success();
+}
+
+// Zeroes `bytes` at `ptr` on the stream (outputs that kernels then accumulate into atomically).
+inline ffi::Error zero(void* ptr, int64_t bytes, cudaStream_t stream) {
+  if (bytes <= 0) return ffi::Error::Success();
+  if (const cudaError_t err = cudaMemsetAsync(ptr, 0, size_t(bytes), stream); err != cudaSuccess)
+    return cuda_error("cudaMemsetAsync", err);
+  return ffi::Error::Success();
 }
 
 // Blocks for a grid-stride loop over n items: enough to fill the GPU, no more.

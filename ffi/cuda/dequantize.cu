@@ -35,17 +35,18 @@ ffi::Error dequantize_impl(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::
       e.failure())
     return e;
   const int64_t bytes = batch * rows * packed_size(cols);
+  ffi::Error launched = ffi::Error::Success();
   const bool ok =
       dispatch_float<StoreF32, StoreBF16, StoreF16>(out->element_type(), [&](auto storer) {
         using S = decltype(storer);
         if (bytes > 0)
-          dequantize_kernel<S><<<grid_stride_blocks(bytes, kThreads), kThreads, 0, stream>>>(
-              data.typed_data(), static_cast<const uint8_t*>(scale.untyped_data()),
-              amax.typed_data(), rows, cols, bytes, row_scaled, e4m3_max,
-              static_cast<typename S::T*>(out->untyped_data()));
+          launched = launch<dequantize_kernel<S>>(
+              "dequantize", grid_stride_blocks(bytes, kThreads), kThreads, 0, stream, data.typed_data(),
+              static_cast<const uint8_t*>(scale.untyped_data()), amax.typed_data(), rows, cols, bytes,
+              row_scaled, e4m3_max, static_cast<typename S::T*>(out->untyped_data()));
       });
   if (!ok) return invalid("dequantize output must be float32, bfloat16 or float16");
-  return launch_status("dequantize");
+  return launched;
 }
 
 }  // namespace
@@ -53,7 +54,7 @@ ffi::Error dequantize_impl(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4DequantizeCuda, nvfp4::cuda::dequantize_impl,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<nvfp4::cuda::StreamContext>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()

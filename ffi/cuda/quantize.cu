@@ -243,19 +243,21 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                  a.fos,
                  e4m3_max,
                  o};
+  ffi::Error launched = ffi::Error::Success();
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     if (blocks <= 0) return;
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     if (stochastic)
-      quantize_kernel<L, Mode::kStochastic><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
+      launched = launch<quantize_kernel<L, Mode::kStochastic>>("quantize", unsigned(blocks), kTile, 0, stream,
+                                                               data, p);
     else if (a.fos.on())
-      quantize_4over6_kernel<L><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
+      launched = launch<quantize_4over6_kernel<L>>("quantize", unsigned(blocks), kTile, 0, stream, data, p);
     else
-      quantize_kernel<L, Mode::kNearest><<<unsigned(blocks), kTile, 0, stream>>>(data, p);
+      launched = launch<quantize_kernel<L, Mode::kNearest>>("quantize", unsigned(blocks), kTile, 0, stream, data, p);
   });
   if (!ok) return invalid("quantize input must be bfloat16, float16 or float32");
-  return launch_status("quantize");
+  return launched;
 }
 
 }  // namespace
@@ -263,7 +265,7 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCuda, nvfp4::cuda::quantize_impl,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<nvfp4::cuda::StreamContext>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()

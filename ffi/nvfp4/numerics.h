@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "nvfp4/ptx.h"
+
 #if defined(__CUDACC__)
 #define NVFP4_HD __host__ __device__ __forceinline__
 #else
@@ -156,24 +158,20 @@ NVFP4_HD float e2m1_to_float(uint8_t code) {
 // to nearest even (ties: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4,
 // 5->4). -0.0 gives code 0, negative values that round to 0 give 8, NaN gives 0
 // (every comparison is false): the reference's choices. Branch-free so that
-// the CPU loop vectorizes. On sm_100a/sm_120a the hardware convert does it.
+// the CPU loop vectorizes. On sm_100a/sm_120a the hardware convert does it
+// (NVFP4_HAS_FP4_CVT, nvfp4/ptx.h; a compile-time false for the CPU kernels).
 NVFP4_HD uint8_t float_to_e2m1(float v) {
-#if defined(__CUDA_ARCH__) && \
-    (defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM120_ALL))
-  // cvt.rn.satfinite: round to nearest even, +-inf clamped to +-6, like the
-  // software path; it keeps the sign of -0.0 and need not map NaN to 0, so
-  // those two cases are set to the reference's code 0 explicitly.
-  uint32_t packed;
-  asm("{\n.reg .b8 b;\ncvt.rn.satfinite.e2m1x2.f32 b, %1, %1;\nmov.b32 %0, {b, b, b, b};\n}"
-      : "=r"(packed)
-      : "f"(v));
-  return (v == 0.0f || v != v) ? uint8_t(0) : uint8_t(packed & 0xF);
-#else
+  if (NVFP4_HAS_FP4_CVT()) {
+    // cvt.rn.satfinite rounds to nearest even and clamps +-inf to +-6, like the
+    // software path; it keeps the sign of -0.0 and maps NaN to +6, so those two
+    // cases are set to the reference's code 0 explicitly.
+    const uint8_t code = cvt_rn_satfinite_e2m1x2(v, v) & 0xF;
+    return (v == 0.0f || v != v) ? uint8_t(0) : code;
+  }
   const float a = fabsf(v);
   const int m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
                 (a > 5.0f);
   return uint8_t(m | (v < 0.0f ? 8 : 0));
-#endif
 }
 
 // E2M1 code of a value already scaled into the E2M1 range, rounded

@@ -1,0 +1,74 @@
+// _nvfp4_cuda_host: the CUDA FFI handlers over the host execution model (a test-only build,
+// CMake option NVFP4_CUDA_HOST). registrations() gives the handlers of cuda/handlers.h, each
+// wrapped to fill its results with a poison byte before it runs, as a GPU's fresh buffers hold
+// garbage: an output element a kernel never writes, or an atomic accumulation into an output not
+// zeroed on the stream, then differs from the CPU kernels' bytes. Also exports the model's
+// settings and self-tests.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <string>
+
+#include "cuda/handlers.h"
+#include "cuda/host/probes.h"
+#include "cuda/host/runtime.h"
+#include "nvfp4/ptx.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+constexpr int kPoison = 0xA5;
+
+void poison_results(XLA_FFI_CallFrame* frame) {
+  for (int64_t i = 0; i < frame->rets.size; ++i) {
+    if (frame->rets.types[i] != XLA_FFI_RetType_BUFFER) continue;
+    auto* buf = static_cast<XLA_FFI_Buffer*>(frame->rets.rets[i]);
+    size_t count = 1;
+    for (int64_t d = 0; d < buf->rank; ++d) count *= size_t(buf->dims[d]);
+    std::memset(buf->data, kPoison, count * xla::ffi::ByteWidth(xla::ffi::DataType(buf->dtype)));
+  }
+}
+
+template <nvfp4::cuda::Handler* H>
+XLA_FFI_Error* poisoned(XLA_FFI_CallFrame* frame) {
+  const bool metadata_query =
+      frame->extension_start != nullptr && frame->extension_start->type == XLA_FFI_Extension_Metadata;
+  if (!metadata_query && frame->stage == XLA_FFI_ExecutionStage_EXECUTE) poison_results(frame);
+  return H(frame);
+}
+
+nb::dict registrations() {
+  nb::dict d;
+  d["nvfp4_amax"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4AmaxCuda>));
+  d["nvfp4_quantize"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4QuantizeCuda>));
+  d["nvfp4_dequantize"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4DequantizeCuda>));
+  if (d.size() != nvfp4::cuda::handlers().size()) throw std::logic_error("a CUDA handler is not wrapped");
+  return d;
+}
+
+using Floats = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::bytes cvt_e2m1x2(Floats hi, Floats lo) {
+  if (hi.shape(0) != lo.shape(0)) throw std::invalid_argument("hi and lo must have the same length");
+  std::string out(hi.shape(0), '\0');
+  for (size_t i = 0; i < hi.shape(0); ++i) out[i] = char(nvfp4::cvt_rn_satfinite_e2m1x2(hi.data()[i], lo.data()[i]));
+  return nb::bytes(out.data(), out.size());
+}
+
+}  // namespace
+
+NB_MODULE(_nvfp4_cuda_host, m) {
+  m.doc() = "NVFP4 CUDA FFI handlers on the CPU, over the CUDA host execution model (tests only)";
+  m.def("registrations", &registrations);
+  m.def("set_emulated_sm", &nvfp4::host::set_emulated_sm, nb::arg("sm"),
+        "The GPU the model stands for: 90 (Hopper) or 100/120 (sm_100a/sm_120a code paths).");
+  m.def("emulated_sm", &nvfp4::host::emulated_sm);
+  m.def("cvt_rn_satfinite_e2m1x2", &cvt_e2m1x2, nb::arg("hi"), nb::arg("lo"),
+        "The bytes cvt.rn.satfinite.e2m1x2.f32 gives for float32 arrays hi and lo (host equivalent).");
+  m.def("probe", &nvfp4::cuda::probes::probe, nb::arg("name"), nb::arg("size"), nb::arg("a") = 0, nb::arg("b") = 0,
+        nb::arg("c") = 0, nb::arg("mask") = 0xFFFFFFFFu, "Runs one of the model's self-test kernels (probes.cu).");
+}

@@ -1,0 +1,116 @@
+// Kernels that test the host execution model itself (tests/test_cuda_host_model.py): what each
+// warp exchange returns, that __syncthreads() is a barrier, atomics across blocks, the launch
+// limits, and the misuse the model must abort on. Written as CUDA, as our kernels are.
+#include "cuda/host/probes.h"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "cuda/common.cuh"
+
+namespace nvfp4::cuda::probes {
+namespace {
+
+// out[t] = what thread t receives from each exchange with argument `arg` and `width`.
+__global__ void shuffles(int op, int arg, int width, unsigned mask, int* out) {
+  const int t = int(threadIdx.x);
+  if (!(mask >> (t % 32) & 1u)) return;  // lanes outside the mask take no part
+  const int v = 1000 + t;
+  switch (op) {
+    case 0:
+      out[t] = __shfl_sync(mask, v, arg, width);
+      break;
+    case 1:
+      out[t] = __shfl_up_sync(mask, v, unsigned(arg), width);
+      break;
+    case 2:
+      out[t] = __shfl_down_sync(mask, v, unsigned(arg), width);
+      break;
+    case 3:
+      out[t] = __shfl_xor_sync(mask, v, arg, width);
+      break;
+    default:
+      out[t] = int(__ballot_sync(mask, t % arg == 0));
+  }
+}
+
+// out[0] = the sum of every thread's index, read by thread 0 after a barrier; a model without a
+// real barrier gives thread 0's partial sum.
+__global__ void barrier_sum(int* out) {
+  __shared__ int values[1024];
+  values[threadIdx.x] = int(threadIdx.x);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int sum = 0;
+    for (unsigned i = 0; i < blockDim.x; ++i) sum += values[i];
+    out[blockIdx.x] = sum;
+  }
+  __syncthreads();  // values is reused by the next block on this worker
+}
+
+// Every thread of every block: atomicAdd 1, atomicMax its global index, and one atomicCAS per block.
+__global__ void atomics(unsigned* out) {
+  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  atomicAdd(&out[0], 1u);
+  atomicMax(&out[1], i);
+  if (threadIdx.x == 0) atomicCAS(&out[2 + blockIdx.x], 0u, blockIdx.x + 1);
+}
+
+__global__ void mask_leaves_out_caller(int* out) {
+  out[threadIdx.x] = __shfl_xor_sync(threadIdx.x == 5 ? 0xFFFFFFDFu : ~0u, int(threadIdx.x), 1);
+}
+
+__global__ void lane_exits_before_shuffle(int* out) {
+  if (threadIdx.x == 7) return;
+  out[threadIdx.x] = __shfl_xor_sync(~0u, int(threadIdx.x), 1);
+}
+
+__global__ void barrier_in_branch(int* out) {
+  if (threadIdx.x < 40) __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+__global__ void shuffle_reads_outside_mask(int* out) {
+  if (threadIdx.x >= 16) return;
+  out[threadIdx.x] = __shfl_down_sync(0xFFFFu, int(threadIdx.x), 16, 32);  // lane 0 reads lane 16
+}
+
+__global__ void divergent_sites(int* out) {
+  if (threadIdx.x % 2)
+    out[threadIdx.x] = __shfl_xor_sync(~0u, 1, 1);
+  else
+    out[threadIdx.x] = __shfl_xor_sync(~0u, 2, 1);
+}
+
+__global__ void mask_names_missing_lanes(int* out) { out[threadIdx.x] = __shfl_xor_sync(~0u, 1, 1); }
+
+ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int c, unsigned mask) {
+  const cudaStream_t s = host::xla_stream();
+  int* o = out.data();
+  if (name == "shuffles") return launch<shuffles>("probe", 1, 64, 0, s, a, b, c, mask, o);
+  if (name == "barrier_sum") return launch<barrier_sum>("probe", unsigned(a), unsigned(b), 0, s, o);
+  if (name == "atomics")
+    return launch<atomics>("probe", unsigned(a), unsigned(b), 0, s, reinterpret_cast<unsigned*>(o));
+  if (name == "launch") return launch<barrier_sum>("probe", dim3(1, unsigned(a), unsigned(b)), unsigned(c), 0, s, o);
+  if (name == "shared") return launch<barrier_sum>("probe", 1, 32, size_t(a), s, o);
+  if (name == "default_stream") return launch<barrier_sum>("probe", 1, 32, 0, nullptr, o);
+  if (name == "mask_leaves_out_caller") return launch<mask_leaves_out_caller>("probe", 1, 32, 0, s, o);
+  if (name == "lane_exits_before_shuffle") return launch<lane_exits_before_shuffle>("probe", 1, 32, 0, s, o);
+  if (name == "barrier_in_branch") return launch<barrier_in_branch>("probe", 1, 64, 0, s, o);
+  if (name == "shuffle_reads_outside_mask") return launch<shuffle_reads_outside_mask>("probe", 1, 32, 0, s, o);
+  if (name == "divergent_sites") return launch<divergent_sites>("probe", 1, 32, 0, s, o);
+  if (name == "mask_names_missing_lanes") return launch<mask_names_missing_lanes>("probe", 1, 48, 0, s, o);
+  throw std::invalid_argument("no probe " + name);
+}
+
+}  // namespace
+
+std::vector<int> probe(const std::string& name, int size, int a, int b, int c, unsigned mask) {
+  std::vector<int> out(size_t(size), -1);
+  if (name == "atomics") std::memset(out.data(), 0, out.size() * sizeof(int));
+  ffi::Error e = run(name, out, a, b, c, mask);
+  if (e.failure()) throw std::runtime_error(e.message());
+  return out;
+}
+
+}  // namespace nvfp4::cuda::probes

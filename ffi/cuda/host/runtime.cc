@@ -1,0 +1,478 @@
+// The CUDA host execution model's scheduler: blocks on worker threads, each block's threads as
+// fibers (ucontext) on its worker, switched only at __syncthreads() and warp exchanges.
+#include "cuda/host/runtime.h"
+
+#include "nvfp4/subnormal_guard.h"
+
+#include <pthread.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define NVFP4_HOST_ASAN 1
+#endif
+
+namespace nvfp4::host {
+
+thread_local uint3 thread_idx, block_idx;
+thread_local dim3 block_dim, grid_dim;
+
+namespace {
+
+thread_local cudaError_t last_error = cudaSuccess;
+std::atomic<int> sm{90};
+CUstream_st* const kXlaStream = reinterpret_cast<CUstream_st*>(uintptr_t(0x5742));  // never dereferenced
+
+std::mutex shared_limits_mutex;
+std::map<const void*, size_t> shared_limits;  // cudaFuncSetAttribute's MaxDynamicSharedMemorySize
+
+#if defined(NVFP4_HOST_ASAN)
+constexpr size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames larger
+#else
+constexpr size_t kStackBytes = 128 * 1024;
+#endif
+
+enum class State { kRunnable, kBarrier, kWarp, kExited };
+
+const char* op_name(WarpOp op) {
+  switch (op) {
+    case WarpOp::kIdx:
+      return "__shfl_sync";
+    case WarpOp::kUp:
+      return "__shfl_up_sync";
+    case WarpOp::kDown:
+      return "__shfl_down_sync";
+    case WarpOp::kXor:
+      return "__shfl_xor_sync";
+    case WarpOp::kBallot:
+      return "__ballot_sync";
+    case WarpOp::kSync:
+      return "__syncwarp";
+  }
+  return "?";
+}
+
+std::string hex(unsigned mask) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "0x%08x", mask);
+  return buf;
+}
+
+struct Fiber {
+  ucontext_t context;
+  char* stack = nullptr;  // kStackBytes above a guard page
+  State state = State::kRunnable;
+  const char* site = nullptr;  // where it waits
+  // Its warp exchange while in State::kWarp.
+  WarpOp op = WarpOp::kSync;
+  unsigned mask = 0;
+  int lane_arg = 0, width = kWarpSize;
+  uint64_t value = 0, result = 0;
+#if defined(NVFP4_HOST_ASAN)
+  void* fake_stack = nullptr;
+#endif
+};
+
+// One worker's block: its threads as fibers, run in turn until each waits or exits.
+class Block {
+ public:
+  Block(const char* kernel, dim3 dims, const std::function<void()>& thread)
+      : kernel_(kernel), dims_(dims), count_(int(dims.x * dims.y * dims.z)), thread_(thread), fibers_(count_) {
+    for (Fiber& f : fibers_) {
+      void* mem = mmap(nullptr, kStackBytes + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+      if (mem == MAP_FAILED) fail_launch("cannot map a fiber stack");
+      mprotect(mem, kGuard, PROT_NONE);  // a stack overflow faults instead of corrupting memory
+      f.stack = static_cast<char*>(mem) + kGuard;
+    }
+#if defined(NVFP4_HOST_ASAN)
+    pthread_attr_t attr;
+    pthread_getattr_np(pthread_self(), &attr);
+    pthread_attr_getstack(&attr, &main_stack_, &main_stack_size_);
+    pthread_attr_destroy(&attr);
+#endif
+  }
+  ~Block() {
+    for (Fiber& f : fibers_) munmap(f.stack - kGuard, kStackBytes + kGuard);
+  }
+
+  // Runs every thread of block `index` to its end.
+  void run(uint3 index) {
+    index_ = index;
+    block_idx = index;
+    exited_ = barrier_waiting_ = 0;
+    for (Fiber& f : fibers_) {
+      f.state = State::kRunnable;
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack;
+      f.context.uc_stack.ss_size = kStackBytes;
+      f.context.uc_link = nullptr;
+      makecontext(&f.context, &Block::entry, 0);
+    }
+    current_ = -1;
+    while (exited_ < count_) {
+      const int next = next_runnable(-1);
+      if (next < 0) diagnose_deadlock();
+      switch_to(next);  // returns when no thread is runnable, or all exited
+    }
+  }
+
+  static Block*& active() {
+    static thread_local Block* block = nullptr;
+    return block;
+  }
+
+  void syncthreads(const char* site) {
+    Fiber& me = fibers_[current_];
+    me.state = State::kBarrier;
+    me.site = site;
+    if (++barrier_waiting_ == count_) {
+      for (int t = 0; t < count_; ++t) {
+        if (std::strcmp(fibers_[t].site, site) != 0)
+          fail(current_, std::string("__syncthreads() at ") + site + " meets thread " + std::to_string(t) +
+                             "'s __syncthreads() at " + fibers_[t].site);
+        fibers_[t].state = State::kRunnable;
+      }
+      barrier_waiting_ = 0;
+      return;  // the last thread to arrive goes on
+    }
+    yield();
+  }
+
+  uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width) {
+    const int t = current_, warp = t / kWarpSize, lane = t % kWarpSize;
+    const int lanes = std::min(kWarpSize, count_ - warp * kWarpSize);  // the warp's threads
+    const std::string call = std::string(op_name(op)) + " at " + site + " with mask " + hex(mask);
+    if (!(mask >> lane & 1u)) fail(t, call + ": the mask leaves out the calling lane " + std::to_string(lane));
+    if (lanes < kWarpSize && (mask >> lanes) != 0)
+      fail(t, call + ": the mask names lanes the warp does not have (it has " + std::to_string(lanes) + ")");
+    if (width < 1 || width > kWarpSize || (width & (width - 1)) != 0)
+      fail(t, call + ": width " + std::to_string(width) + " is not a power of 2 up to 32");
+    for (int l = 0; l < kWarpSize; ++l)
+      if ((mask >> l & 1u) && fibers_[warp * kWarpSize + l].state == State::kExited)
+        fail(t, call + ": lane " + std::to_string(l) + " named in the mask has exited");
+    Fiber& me = fibers_[t];
+    me.state = State::kWarp;
+    me.site = site;
+    me.op = op;
+    me.mask = mask;
+    me.value = value;
+    me.lane_arg = lane_arg;
+    me.width = width;
+    if (complete(warp)) {
+      me.state = State::kRunnable;
+      return me.result;
+    }
+    yield();
+    return me.result;
+  }
+
+  void exit_thread() {
+    fibers_[current_].state = State::kExited;
+    ++exited_;
+    const int next = next_runnable(current_);
+#if defined(NVFP4_HOST_ASAN)
+    // This fiber ends: ASan frees its fake stack (no save slot).
+    if (next < 0)
+      __sanitizer_start_switch_fiber(nullptr, main_stack_, main_stack_size_);
+    else
+      __sanitizer_start_switch_fiber(nullptr, fibers_[next].stack, kStackBytes);
+#endif
+    if (next < 0) {
+      current_ = -1;
+      setcontext(&main_);
+    }
+    enter(next);
+    setcontext(&fibers_[next].context);
+  }
+
+  [[noreturn]] void fail(int t, const std::string& what) const {
+    std::fprintf(stderr,
+                 "nvfp4 CUDA host model: kernel %s, block (%u, %u, %u), thread %d (warp %d, lane %d): %s\n",
+                 kernel_, index_.x, index_.y, index_.z, t, t / kWarpSize, t % kWarpSize, what.c_str());
+    std::fflush(stderr);
+    std::abort();
+  }
+
+ private:
+  static constexpr size_t kGuard = 4096;
+
+  [[noreturn]] void fail_launch(const char* what) const {
+    std::fprintf(stderr, "nvfp4 CUDA host model: kernel %s: %s\n", kernel_, what);
+    std::abort();
+  }
+
+  static void entry() {
+    Block* b = active();
+#if defined(NVFP4_HOST_ASAN)
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
+    b->thread_();
+    b->exit_thread();
+  }
+
+  // Sets the built-in variables for thread t, about to run.
+  void enter(int t) {
+    current_ = t;
+    thread_idx = uint3{unsigned(t) % dims_.x, unsigned(t) / dims_.x % dims_.y, unsigned(t) / (dims_.x * dims_.y)};
+  }
+
+  int next_runnable(int after) const {
+    for (int k = 1; k <= count_; ++k) {
+      const int t = (after + k + count_) % count_;
+      if (fibers_[t].state == State::kRunnable) return t;
+    }
+    return -1;
+  }
+
+  // Switches from the current context (a fiber, or the worker when current_ < 0) to fiber `to`,
+  // or to the worker when `to` < 0; returns when the current context is resumed.
+  void switch_to(int to) {
+    const int from = current_;
+    ucontext_t* from_context = from < 0 ? &main_ : &fibers_[from].context;
+#if defined(NVFP4_HOST_ASAN)
+    void** fake = from < 0 ? &main_fake_stack_ : &fibers_[from].fake_stack;
+    if (to < 0)
+      __sanitizer_start_switch_fiber(fake, main_stack_, main_stack_size_);
+    else
+      __sanitizer_start_switch_fiber(fake, fibers_[to].stack, kStackBytes);
+#endif
+    if (to < 0)
+      current_ = -1;
+    else
+      enter(to);
+    swapcontext(from_context, to < 0 ? &main_ : &fibers_[to].context);
+#if defined(NVFP4_HOST_ASAN)
+    __sanitizer_finish_switch_fiber(*fake, nullptr, nullptr);
+#endif
+    if (from >= 0) enter(from);  // resumed
+  }
+
+  // The current fiber waits: another runnable one runs, or the worker (deadlock check) takes over.
+  void yield() { switch_to(next_runnable(current_)); }
+
+  // Completes the exchange of the current lane's mask if every lane it names waits at it.
+  bool complete(int warp) {
+    Fiber* lanes = &fibers_[warp * kWarpSize];
+    const Fiber& me = fibers_[current_];
+    for (int l = 0; l < kWarpSize; ++l) {
+      if (!(me.mask >> l & 1u)) continue;
+      const Fiber& f = lanes[l];
+      if (f.state != State::kWarp || f.mask != me.mask || f.op != me.op || std::strcmp(f.site, me.site) != 0)
+        return false;  // not there yet, or at another exchange: a deadlock, if it stays so
+      if (f.width != me.width)
+        fail(current_, std::string(op_name(me.op)) + " at " + me.site + ": lanes pass different widths");
+    }
+    uint64_t ballot = 0;
+    for (int l = 0; l < kWarpSize; ++l)
+      if ((me.mask >> l & 1u) && lanes[l].value != 0) ballot |= uint64_t(1) << l;
+    for (int l = 0; l < kWarpSize; ++l) {
+      if (!(me.mask >> l & 1u)) continue;
+      Fiber& f = lanes[l];
+      if (me.op == WarpOp::kBallot) {
+        f.result = ballot;
+      } else if (me.op != WarpOp::kSync) {
+        const int src = source_lane(me.op, l, f.lane_arg, f.width);
+        if (!(me.mask >> src & 1u))
+          fail(warp * kWarpSize + l, std::string(op_name(me.op)) + " at " + me.site + " with mask " + hex(me.mask) +
+                                         ": reads lane " + std::to_string(src) + ", which the mask leaves out");
+        f.result = lanes[src].value;
+      }
+      f.state = State::kRunnable;
+    }
+    return true;
+  }
+
+  // The lane whose value `lane` receives, as the CUDA programming guide defines each shuffle
+  // (a source outside the lane's width-segment gives the lane its own value).
+  static int source_lane(WarpOp op, int lane, int arg, int width) {
+    const int base = lane & ~(width - 1), offset = lane & (width - 1);
+    switch (op) {
+      case WarpOp::kIdx:
+        return base + (arg & (width - 1));
+      case WarpOp::kUp:
+        return offset - arg < 0 || arg < 0 ? lane : lane - arg;
+      case WarpOp::kDown:
+        return offset + arg >= width || arg < 0 ? lane : lane + arg;
+      case WarpOp::kXor: {
+        const int src = lane ^ arg;  // a later segment gives the own value, an earlier one is read
+        return src >= base + width || src >= kWarpSize ? lane : src;
+      }
+      default:
+        return lane;
+    }
+  }
+
+  std::string where(int t) const {
+    const Fiber& f = fibers_[t];
+    switch (f.state) {
+      case State::kExited:
+        return "it exited";
+      case State::kBarrier:
+        return std::string("it waits at __syncthreads() at ") + f.site;
+      case State::kWarp:
+        return std::string("it waits at ") + op_name(f.op) + " at " + f.site + " with mask " + hex(f.mask);
+      default:
+        return "it runs";
+    }
+  }
+
+  // No thread can run and some have not exited: report the first waiting thread and why it waits forever.
+  [[noreturn]] void diagnose_deadlock() const {
+    for (int t = 0; t < count_; ++t) {
+      const Fiber& f = fibers_[t];
+      if (f.state == State::kBarrier) {
+        for (int u = 0; u < count_; ++u)
+          if (fibers_[u].state != State::kBarrier)
+            fail(t, std::string("__syncthreads() at ") + f.site + " is never reached by thread " + std::to_string(u) +
+                        ": " + where(u));
+      }
+      if (f.state == State::kWarp) {
+        const int warp = t / kWarpSize;
+        for (int l = 0; l < kWarpSize; ++l) {
+          const Fiber& g = fibers_[warp * kWarpSize + l];
+          if ((f.mask >> l & 1u) &&
+              (g.state != State::kWarp || g.mask != f.mask || g.op != f.op || std::strcmp(g.site, f.site) != 0))
+            fail(t, std::string(op_name(f.op)) + " at " + f.site + " with mask " + hex(f.mask) + ": lane " +
+                        std::to_string(l) + " named in the mask does not arrive: " + where(warp * kWarpSize + l));
+        }
+      }
+    }
+    fail(0, "no thread can run");
+  }
+
+  const char* kernel_;
+  dim3 dims_;
+  int count_;
+  const std::function<void()>& thread_;
+  std::vector<Fiber> fibers_;
+  ucontext_t main_;
+  uint3 index_{0, 0, 0};
+  int current_ = -1, exited_ = 0, barrier_waiting_ = 0;
+#if defined(NVFP4_HOST_ASAN)
+  void* main_fake_stack_ = nullptr;
+  void* main_stack_ = nullptr;
+  size_t main_stack_size_ = 0;
+#endif
+};
+
+Block& active_block(const char* what) {
+  Block* b = Block::active();
+  if (b == nullptr) {
+    std::fprintf(stderr, "nvfp4 CUDA host model: %s called outside a kernel\n", what);
+    std::abort();
+  }
+  return *b;
+}
+
+cudaError_t check_config(const void* kernel, dim3 grid, dim3 block, size_t shared) {
+  const unsigned g[3] = {grid.x, grid.y, grid.z}, b[3] = {block.x, block.y, block.z};
+  for (int i = 0; i < 3; ++i)
+    if (g[i] == 0 || b[i] == 0 || g[i] > kMaxGridDim[i] || b[i] > kMaxBlockDim[i]) return cudaErrorInvalidConfiguration;
+  if (uint64_t(block.x) * block.y * block.z > kMaxThreadsPerBlock) return cudaErrorInvalidConfiguration;
+  size_t limit = kDefaultDynamicShared;
+  {
+    std::lock_guard<std::mutex> lock(shared_limits_mutex);
+    if (auto it = shared_limits.find(kernel); it != shared_limits.end()) limit = it->second;
+  }
+  return shared > limit ? cudaErrorInvalidValue : cudaSuccess;
+}
+
+void require_stream(cudaStream_t stream, const char* what) {
+  if (stream == nullptr) {
+    std::fprintf(stderr, "nvfp4 CUDA host model: %s on the default stream; use the stream XLA passes\n", what);
+    std::abort();
+  }
+}
+
+}  // namespace
+
+int emulated_sm() { return sm.load(std::memory_order_relaxed); }
+void set_emulated_sm(int value) { sm.store(value); }
+cudaStream_t xla_stream() { return kXlaStream; }
+
+cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes) {
+  if (bytes > kMaxDynamicShared) return last_error = cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(shared_limits_mutex);
+  shared_limits[kernel] = bytes;
+  return cudaSuccess;
+}
+
+cudaError_t launch(const char* kernel_name, const void* kernel, dim3 grid, dim3 block, size_t shared,
+                   cudaStream_t stream, const std::function<void()>& thread) {
+  require_stream(stream, kernel_name);
+  if (cudaError_t e = check_config(kernel, grid, block, shared); e != cudaSuccess) return last_error = e;
+  const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
+  // Workers: NVFP4_CUDA_HOST_THREADS, else one per core; blocks go to them in turn.
+  unsigned workers = std::max(1u, std::thread::hardware_concurrency());
+  if (const char* env = std::getenv("NVFP4_CUDA_HOST_THREADS")) workers = unsigned(std::max(1, std::atoi(env)));
+  workers = unsigned(std::min<uint64_t>(workers, blocks));
+  std::atomic<uint64_t> next{0};
+  auto work = [&] {
+    const SubnormalGuard ieee;  // the GPU kernels keep subnormals (nvcc -ftz=false); fibers inherit it
+    block_dim = block;
+    grid_dim = grid;
+    Block b(kernel_name, block, thread);
+    Block::active() = &b;
+    for (uint64_t i; (i = next.fetch_add(1)) < blocks;)
+      b.run(uint3{unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y))});
+    Block::active() = nullptr;
+  };
+  if (workers == 1) {
+    work();
+    return cudaSuccess;
+  }
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < workers; ++w) pool.emplace_back(work);
+  for (std::thread& t : pool) t.join();
+  return cudaSuccess;
+}
+
+uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width) {
+  return active_block(op_name(op)).warp_exchange(site, op, mask, value, lane_arg, width);
+}
+
+void syncthreads(const char* site) { active_block("__syncthreads()").syncthreads(site); }
+
+const char* kernel_name(const char* pretty_function) {
+  const char* start = std::strstr(pretty_function, "Kernel = ");
+  return start ? start + std::strlen("Kernel = ") : pretty_function;
+}
+
+}  // namespace nvfp4::host
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t e = nvfp4::host::last_error;
+  nvfp4::host::last_error = cudaSuccess;
+  return e;
+}
+
+const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorInvalidConfiguration:
+      return "invalid configuration argument";
+  }
+  return "unknown error";
+}
+
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
+  nvfp4::host::require_stream(stream, "cudaMemsetAsync");
+  if (ptr == nullptr && bytes > 0) return nvfp4::host::last_error = cudaErrorInvalidValue;
+  std::memset(ptr, value, bytes);
+  return cudaSuccess;
+}

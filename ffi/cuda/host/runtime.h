@@ -1,0 +1,182 @@
+// The CUDA host execution model: the part of CUDA our kernels use, run on the CPU.
+//
+// A test-only build (CMake option NVFP4_CUDA_HOST) compiles the unchanged .cu sources with the
+// host C++ compiler against this header instead of <cuda_runtime.h>. A launch runs the whole
+// grid: blocks spread over worker threads, the threads of a block as fibers on one worker, so
+// that __syncthreads() is a real barrier and a warp exchange waits for the lanes it names. What
+// a GPU would hang or corrupt on aborts here, naming the kernel, block and thread:
+//   - a warp exchange (__shfl*_sync, __ballot_sync, __syncwarp) whose mask leaves out the calling
+//     lane, names a lane that does not exist, reads a lane outside the mask, or names a lane that
+//     never arrives (it exited, waits at a __syncthreads(), or at another exchange or mask);
+//   - a __syncthreads() that some thread of the block never reaches;
+//   - lanes that meet at different call sites (stricter than sm_70+ needs: a sign of divergence);
+//   - a launch or memset on the default stream (XLA passes the stream to use).
+// Launches outside the hardware's limits fail like on the GPU: cudaErrorInvalidConfiguration
+// (or cudaErrorInvalidValue for shared memory), returned by the next cudaGetLastError().
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <type_traits>
+
+// ---- CUDA keywords ----
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// Static storage, one copy per worker thread: a worker runs one block at a time, all its threads.
+#define __shared__ static thread_local
+
+// ---- runtime types and errors (codes as in the CUDA runtime) ----
+struct uint3 {
+  unsigned int x, y, z;
+};
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1) : x(vx), y(vy), z(vz) {}
+};
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorInvalidConfiguration = 9,
+};
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+
+cudaError_t cudaGetLastError();
+const char* cudaGetErrorString(cudaError_t error);
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream);
+
+namespace nvfp4::host {
+
+// sm_90's limits on a launch.
+constexpr unsigned kMaxThreadsPerBlock = 1024;
+constexpr unsigned kMaxBlockDim[3] = {1024, 1024, 64};
+constexpr unsigned kMaxGridDim[3] = {0x7FFFFFFFu, 65535, 65535};
+constexpr size_t kDefaultDynamicShared = 48 * 1024;  // without cudaFuncSetAttribute
+constexpr size_t kMaxDynamicShared = 227 * 1024;     // sm_90's opt-in maximum per block
+constexpr int kWarpSize = 32;
+
+// The built-in variables of the running thread (set by the scheduler on every switch).
+extern thread_local uint3 thread_idx, block_idx;
+extern thread_local dim3 block_dim, grid_dim;
+
+// The GPU the model stands for (90, 100, 120): which sm-specific code paths run (ffi/nvfp4/ptx.h).
+int emulated_sm();
+void set_emulated_sm(int sm);
+
+// A stream object for the handlers (XLA passes one; the model runs every launch synchronously).
+cudaStream_t xla_stream();
+
+cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes);
+
+// Runs `thread` once per thread of the grid; the launch error, or cudaSuccess once it finished.
+cudaError_t launch(const char* kernel_name, const void* kernel, dim3 grid, dim3 block, size_t shared,
+                   cudaStream_t stream, const std::function<void()>& thread);
+
+enum class WarpOp { kIdx, kUp, kDown, kXor, kBallot, kSync };
+
+// One lane's part of a warp exchange: waits for the lanes named in `mask`; returns the value this
+// lane receives (the ballot for kBallot).
+uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width);
+void syncthreads(const char* site);
+
+template <typename T>
+T shuffle(const char* site, WarpOp op, unsigned mask, T var, int lane_arg, int width) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(uint64_t), "shuffle of this type");
+  uint64_t bits = 0;
+  __builtin_memcpy(&bits, &var, sizeof(T));
+  bits = warp_exchange(site, op, mask, bits, lane_arg, width);
+  T out;
+  __builtin_memcpy(&out, &bits, sizeof(T));
+  return out;
+}
+
+// The kernel's name from launch<Kernel>'s __PRETTY_FUNCTION__ (the text after "Kernel = ").
+const char* kernel_name(const char* pretty_function);
+
+}  // namespace nvfp4::host
+
+#define NVFP4_HOST_STR2(x) #x
+#define NVFP4_HOST_STR(x) NVFP4_HOST_STR2(x)
+#define NVFP4_HOST_SITE __FILE__ ":" NVFP4_HOST_STR(__LINE__)
+
+#define threadIdx (::nvfp4::host::thread_idx)
+#define blockIdx (::nvfp4::host::block_idx)
+#define blockDim (::nvfp4::host::block_dim)
+#define gridDim (::nvfp4::host::grid_dim)
+#define warpSize (::nvfp4::host::kWarpSize)
+
+#define __syncthreads() ::nvfp4::host::syncthreads(NVFP4_HOST_SITE)
+#define __syncwarp(...) ::nvfp4::host::syncwarp(NVFP4_HOST_SITE, ##__VA_ARGS__)
+#define __shfl_sync(...) ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kIdx, __VA_ARGS__)
+#define __shfl_up_sync(...) ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kUp, __VA_ARGS__)
+#define __shfl_down_sync(...) ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kDown, __VA_ARGS__)
+#define __shfl_xor_sync(...) ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kXor, __VA_ARGS__)
+#define __ballot_sync(mask, predicate) ::nvfp4::host::ballot(NVFP4_HOST_SITE, mask, predicate)
+
+namespace nvfp4::host {
+
+template <typename T>
+T shfl(const char* site, WarpOp op, unsigned mask, T var, int lane_arg, int width = kWarpSize) {
+  return shuffle(site, op, mask, var, lane_arg, width);
+}
+inline unsigned ballot(const char* site, unsigned mask, int predicate) {
+  return unsigned(warp_exchange(site, WarpOp::kBallot, mask, predicate != 0, 0, kWarpSize));
+}
+inline void syncwarp(const char* site, unsigned mask = 0xFFFFFFFFu) {
+  warp_exchange(site, WarpOp::kSync, mask, 0, 0, kWarpSize);
+}
+
+}  // namespace nvfp4::host
+
+// ---- atomics (device-wide: blocks run on several worker threads) ----
+template <typename T>
+T nvfp4_host_atomic_max(T* address, T value) {
+  std::atomic_ref<T> ref(*address);
+  T old = ref.load();
+  while (old < value && !ref.compare_exchange_weak(old, value)) {
+  }
+  return old;
+}
+inline unsigned int atomicMax(unsigned int* a, unsigned int v) { return nvfp4_host_atomic_max(a, v); }
+inline int atomicMax(int* a, int v) { return nvfp4_host_atomic_max(a, v); }
+inline unsigned long long atomicMax(unsigned long long* a, unsigned long long v) {
+  return nvfp4_host_atomic_max(a, v);
+}
+inline unsigned int atomicAdd(unsigned int* a, unsigned int v) { return std::atomic_ref<unsigned int>(*a).fetch_add(v); }
+inline int atomicAdd(int* a, int v) { return std::atomic_ref<int>(*a).fetch_add(v); }
+inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) {
+  return std::atomic_ref<unsigned long long>(*a).fetch_add(v);
+}
+inline float atomicAdd(float* a, float v) { return std::atomic_ref<float>(*a).fetch_add(v); }
+inline unsigned int atomicCAS(unsigned int* a, unsigned int compare, unsigned int v) {
+  std::atomic_ref<unsigned int>(*a).compare_exchange_strong(compare, v);
+  return compare;  // the old value, whether or not it was replaced
+}
+inline int atomicCAS(int* a, int compare, int v) {
+  std::atomic_ref<int>(*a).compare_exchange_strong(compare, v);
+  return compare;
+}
+
+// ---- device math: min/max of integers as CUDA's overloads (the usual arithmetic conversions) ----
+template <typename A, typename B, std::enable_if_t<std::is_integral_v<A> && std::is_integral_v<B>, int> = 0>
+constexpr std::common_type_t<A, B> max(A a, B b) {
+  using C = std::common_type_t<A, B>;
+  return C(a) < C(b) ? C(b) : C(a);
+}
+template <typename A, typename B, std::enable_if_t<std::is_integral_v<A> && std::is_integral_v<B>, int> = 0>
+constexpr std::common_type_t<A, B> min(A a, B b) {
+  using C = std::common_type_t<A, B>;
+  return C(b) < C(a) ? C(b) : C(a);
+}
+
+template <typename Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0) return cudaErrorInvalidValue;
+  return ::nvfp4::host::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), size_t(value));
+}

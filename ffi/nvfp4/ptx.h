@@ -1,0 +1,64 @@
+// Inline PTX of sm-specific instructions, and their exact portable equivalents.
+//
+// NVFP4_SM100_PTX is the one switch: defined where nvcc compiles for sm_100a/sm_120a, whose FP4
+// convert the functions here use; elsewhere each function computes the instruction's documented
+// result in portable code. The CUDA host model (NVFP4_CUDA_HOST) runs the sm_100a code paths
+// through these equivalents when it emulates such a GPU (nvfp4::host::set_emulated_sm), so the
+// code around each instruction is tested on the CPU too; tests/test_cuda_host_model.py checks the
+// equivalents against the semantics the CUDA documentation gives the instructions.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDA_ARCH__) && (defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM120_ALL))
+#define NVFP4_SM100_PTX 1
+#endif
+
+#if defined(__CUDACC__)
+#define NVFP4_PTX_HD __host__ __device__ __forceinline__
+#else
+#define NVFP4_PTX_HD inline
+#endif
+
+#if defined(NVFP4_SM100_PTX)
+#define NVFP4_HAS_FP4_CVT() true
+#elif defined(NVFP4_CUDA_HOST)
+namespace nvfp4::host {
+int emulated_sm();
+}
+#define NVFP4_HAS_FP4_CVT() (::nvfp4::host::emulated_sm() >= 100)
+#else
+#define NVFP4_HAS_FP4_CVT() false
+#endif
+
+namespace nvfp4 {
+
+// E2M1 code of x as cvt.rn.satfinite converts it (cuda_fp4.h's documented semantics): round to
+// nearest even; magnitudes above 6 (inf too) saturate to 6 with their sign; NaN gives +6 (0x7);
+// the sign bit is kept otherwise (-0.0 and negative values that round to zero give 0x8).
+NVFP4_PTX_HD uint8_t e2m1_rn_satfinite(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return 0x7;
+  float a;
+  __builtin_memcpy(&a, &mag, sizeof(a));
+  // The grid 0, 0.5, 1, 1.5, 2, 3, 4, 6; a midpoint goes to the even code.
+  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return uint8_t(code | ((u >> 31) << 3));
+}
+
+// cvt.rn.satfinite.e2m1x2.f32 d, hi, lo: the byte (E2M1(hi) << 4) | E2M1(lo).
+NVFP4_PTX_HD uint8_t cvt_rn_satfinite_e2m1x2(float hi, float lo) {
+#if defined(NVFP4_SM100_PTX)
+  uint32_t packed;
+  asm("{\n.reg .b8 b;\ncvt.rn.satfinite.e2m1x2.f32 b, %1, %2;\nmov.b32 %0, {b, b, b, b};\n}"
+      : "=r"(packed)
+      : "f"(hi), "f"(lo));
+  return uint8_t(packed & 0xFF);
+#else
+  return uint8_t((e2m1_rn_satfinite(hi) << 4) | e2m1_rn_satfinite(lo));
+#endif
+}
+
+}  // namespace nvfp4
