@@ -19,6 +19,7 @@
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define NVFP4_HOST_ASAN 1
 #endif
@@ -31,6 +32,22 @@ thread_local dim3 block_dim, grid_dim;
 namespace {
 
 thread_local cudaError_t last_error = cudaSuccess;
+thread_local std::string last_failure;  // what ended the last failed launch: cudaGetErrorString's text
+
+// A launch's outcome, shared by its workers: the first failure ends it.
+struct LaunchState {
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  std::string message;
+
+  void fail(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (failed.exchange(true)) return;
+    message = what;
+    std::fprintf(stderr, "%s\n", what.c_str());
+    std::fflush(stderr);
+  }
+};
 std::atomic<int> sm{90};
 CUstream_st* const kXlaStream = reinterpret_cast<CUstream_st*>(uintptr_t(0x5742));  // never dereferenced
 
@@ -87,12 +104,20 @@ struct Fiber {
 // One worker's block: its threads as fibers, run in turn until each waits or exits.
 class Block {
  public:
-  Block(const char* kernel, dim3 dims, const std::function<void()>& thread)
-      : kernel_(kernel), dims_(dims), count_(int(dims.x * dims.y * dims.z)), thread_(thread), fibers_(count_) {
+  Block(const char* kernel, dim3 dims, const std::function<void()>& thread, LaunchState& state)
+      : kernel_(kernel),
+        dims_(dims),
+        count_(int(dims.x * dims.y * dims.z)),
+        thread_(thread),
+        state_(state),
+        fibers_(count_) {
     for (Fiber& f : fibers_) {
       void* mem = mmap(nullptr, kStackBytes + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                        -1, 0);
-      if (mem == MAP_FAILED) fail_launch("cannot map a fiber stack");
+      if (mem == MAP_FAILED) {
+        std::perror("nvfp4 CUDA host model: mmap of a fiber stack");
+        std::abort();
+      }
       mprotect(mem, kGuard, PROT_NONE);  // a stack overflow faults instead of corrupting memory
       f.stack = static_cast<char*>(mem) + kGuard;
     }
@@ -104,11 +129,16 @@ class Block {
 #endif
   }
   ~Block() {
-    for (Fiber& f : fibers_) munmap(f.stack - kGuard, kStackBytes + kGuard);
+    for (Fiber& f : fibers_) {
+#if defined(NVFP4_HOST_ASAN)
+      ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);  // a failed block leaves its frames poisoned
+#endif
+      munmap(f.stack - kGuard, kStackBytes + kGuard);
+    }
   }
 
-  // Runs every thread of block `index` to its end.
-  void run(uint3 index) {
+  // Runs every thread of block `index` to its end; false if the block failed (see fail).
+  bool run(uint3 index) {
     index_ = index;
     block_idx = index;
     exited_ = barrier_waiting_ = 0;
@@ -121,11 +151,16 @@ class Block {
       makecontext(&f.context, &Block::entry, 0);
     }
     current_ = -1;
-    while (exited_ < count_) {
+    failed_ = false;
+    while (exited_ < count_ && !failed_) {
       const int next = next_runnable(-1);
-      if (next < 0) diagnose_deadlock();
-      switch_to(next);  // returns when no thread is runnable, or all exited
+      if (next < 0) {
+        diagnose_deadlock();
+        break;
+      }
+      switch_to(next);  // returns when no thread is runnable, all exited, or one failed
     }
+    return !failed_;
   }
 
   static Block*& active() {
@@ -197,21 +232,25 @@ class Block {
     setcontext(&fibers_[next].context);
   }
 
-  [[noreturn]] void fail(int t, const std::string& what) const {
-    std::fprintf(stderr,
-                 "nvfp4 CUDA host model: kernel %s, block (%u, %u, %u), thread %d (warp %d, lane %d): %s\n",
-                 kernel_, index_.x, index_.y, index_.z, t, t / kWarpSize, t % kWarpSize, what.c_str());
-    std::fflush(stderr);
-    std::abort();
+  // Thread t did what a GPU would hang or corrupt on: the launch fails with this message (the
+  // kernel's error), the block's fibers are abandoned where they wait, and from a fiber control
+  // goes straight back to the worker (no return).
+  void fail(int t, const std::string& what) {
+    char head[256];
+    std::snprintf(head, sizeof(head), "nvfp4 CUDA host model: kernel %s, block (%u, %u, %u), thread %d (warp %d, lane %d): ",
+                  kernel_, index_.x, index_.y, index_.z, t, t / kWarpSize, t % kWarpSize);
+    state_.fail(head + what);
+    failed_ = true;
+    if (current_ < 0) return;
+#if defined(NVFP4_HOST_ASAN)
+    __sanitizer_start_switch_fiber(nullptr, main_stack_, main_stack_size_);
+#endif
+    current_ = -1;
+    setcontext(&main_);
   }
 
  private:
   static constexpr size_t kGuard = 4096;
-
-  [[noreturn]] void fail_launch(const char* what) const {
-    std::fprintf(stderr, "nvfp4 CUDA host model: kernel %s: %s\n", kernel_, what);
-    std::abort();
-  }
 
   static void entry() {
     Block* b = active();
@@ -328,15 +367,15 @@ class Block {
     }
   }
 
-  // No thread can run and some have not exited: report the first waiting thread and why it waits forever.
-  [[noreturn]] void diagnose_deadlock() const {
+  // No thread can run and some have not exited: fail on the first waiting thread, saying why it waits forever.
+  void diagnose_deadlock() {
     for (int t = 0; t < count_; ++t) {
       const Fiber& f = fibers_[t];
       if (f.state == State::kBarrier) {
         for (int u = 0; u < count_; ++u)
           if (fibers_[u].state != State::kBarrier)
-            fail(t, std::string("__syncthreads() at ") + f.site + " is never reached by thread " + std::to_string(u) +
-                        ": " + where(u));
+            return fail(t, std::string("__syncthreads() at ") + f.site + " is never reached by thread " +
+                               std::to_string(u) + ": " + where(u));
       }
       if (f.state == State::kWarp) {
         const int warp = t / kWarpSize;
@@ -344,8 +383,8 @@ class Block {
           const Fiber& g = fibers_[warp * kWarpSize + l];
           if ((f.mask >> l & 1u) &&
               (g.state != State::kWarp || g.mask != f.mask || g.op != f.op || std::strcmp(g.site, f.site) != 0))
-            fail(t, std::string(op_name(f.op)) + " at " + f.site + " with mask " + hex(f.mask) + ": lane " +
-                        std::to_string(l) + " named in the mask does not arrive: " + where(warp * kWarpSize + l));
+            return fail(t, std::string(op_name(f.op)) + " at " + f.site + " with mask " + hex(f.mask) + ": lane " +
+                               std::to_string(l) + " named in the mask does not arrive: " + where(warp * kWarpSize + l));
         }
       }
     }
@@ -356,10 +395,12 @@ class Block {
   dim3 dims_;
   int count_;
   const std::function<void()>& thread_;
+  LaunchState& state_;
   std::vector<Fiber> fibers_;
   ucontext_t main_;
   uint3 index_{0, 0, 0};
   int current_ = -1, exited_ = 0, barrier_waiting_ = 0;
+  bool failed_ = false;
 #if defined(NVFP4_HOST_ASAN)
   void* main_fake_stack_ = nullptr;
   void* main_stack_ = nullptr;
@@ -389,11 +430,11 @@ cudaError_t check_config(const void* kernel, dim3 grid, dim3 block, size_t share
   return shared > limit ? cudaErrorInvalidValue : cudaSuccess;
 }
 
-void require_stream(cudaStream_t stream, const char* what) {
-  if (stream == nullptr) {
-    std::fprintf(stderr, "nvfp4 CUDA host model: %s on the default stream; use the stream XLA passes\n", what);
-    std::abort();
-  }
+// A launch or memset on the default stream is a bug here: XLA passes the stream to use.
+cudaError_t check_stream(cudaStream_t stream, const std::string& what) {
+  if (stream != nullptr) return cudaSuccess;
+  last_failure = "nvfp4 CUDA host model: " + what + ": on the default stream; use the stream XLA passes";
+  return last_error = cudaErrorLaunchFailure;
 }
 
 }  // namespace
@@ -409,9 +450,10 @@ cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes) {
   return cudaSuccess;
 }
 
-cudaError_t launch(const char* kernel_name, const void* kernel, dim3 grid, dim3 block, size_t shared,
+cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 block, size_t shared,
                    cudaStream_t stream, const std::function<void()>& thread) {
-  require_stream(stream, kernel_name);
+  const char* kernel_name = name.c_str();
+  if (cudaError_t e = check_stream(stream, "kernel " + name); e != cudaSuccess) return e;
   if (cudaError_t e = check_config(kernel, grid, block, shared); e != cudaSuccess) return last_error = e;
   const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
   // Workers: NVFP4_CUDA_HOST_THREADS, else one per core; blocks go to them in turn.
@@ -419,24 +461,29 @@ cudaError_t launch(const char* kernel_name, const void* kernel, dim3 grid, dim3 
   if (const char* env = std::getenv("NVFP4_CUDA_HOST_THREADS")) workers = unsigned(std::max(1, std::atoi(env)));
   workers = unsigned(std::min<uint64_t>(workers, blocks));
   std::atomic<uint64_t> next{0};
+  LaunchState state;
   auto work = [&] {
     const SubnormalGuard ieee;  // the GPU kernels keep subnormals (nvcc -ftz=false); fibers inherit it
     block_dim = block;
     grid_dim = grid;
-    Block b(kernel_name, block, thread);
+    Block b(kernel_name, block, thread, state);
     Block::active() = &b;
-    for (uint64_t i; (i = next.fetch_add(1)) < blocks;)
-      b.run(uint3{unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y))});
+    for (uint64_t i; !state.failed && (i = next.fetch_add(1)) < blocks;) {
+      const uint3 index{unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y))};
+      if (!b.run(index)) break;
+    }
     Block::active() = nullptr;
   };
   if (workers == 1) {
     work();
-    return cudaSuccess;
+  } else {
+    std::vector<std::thread> pool;
+    for (unsigned w = 0; w < workers; ++w) pool.emplace_back(work);
+    for (std::thread& t : pool) t.join();
   }
-  std::vector<std::thread> pool;
-  for (unsigned w = 0; w < workers; ++w) pool.emplace_back(work);
-  for (std::thread& t : pool) t.join();
-  return cudaSuccess;
+  if (!state.failed) return cudaSuccess;
+  last_failure = state.message;
+  return last_error = cudaErrorLaunchFailure;
 }
 
 uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width) {
@@ -445,9 +492,19 @@ uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t valu
 
 void syncthreads(const char* site) { active_block("__syncthreads()").syncthreads(site); }
 
-const char* kernel_name(const char* pretty_function) {
-  const char* start = std::strstr(pretty_function, "Kernel = ");
-  return start ? start + std::strlen("Kernel = ") : pretty_function;
+std::string kernel_name(const char* pretty_function) {
+  // GCC: "... [with auto Kernel = name<...>; Args = ...]"; clang: "... [Kernel = &name<...>, Args = ...]".
+  const std::string s = pretty_function;
+  size_t begin = s.find("Kernel = ");
+  if (begin == std::string::npos) return s;
+  begin += std::strlen("Kernel = ");
+  if (s[begin] == '&') ++begin;
+  int depth = 0;
+  for (size_t i = begin; i < s.size(); ++i) {
+    depth += s[i] == '<' ? 1 : s[i] == '>' ? -1 : 0;
+    if (depth == 0 && (s[i] == ';' || s[i] == ',' || s[i] == ']')) return s.substr(begin, i - begin);
+  }
+  return s.substr(begin);
 }
 
 }  // namespace nvfp4::host
@@ -466,12 +523,14 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "invalid argument";
     case cudaErrorInvalidConfiguration:
       return "invalid configuration argument";
+    case cudaErrorLaunchFailure:  // the model's own text: kernel, block, thread and cause
+      return nvfp4::host::last_failure.empty() ? "unspecified launch failure" : nvfp4::host::last_failure.c_str();
   }
   return "unknown error";
 }
 
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
-  nvfp4::host::require_stream(stream, "cudaMemsetAsync");
+  if (cudaError_t e = nvfp4::host::check_stream(stream, "cudaMemsetAsync"); e != cudaSuccess) return e;
   if (ptr == nullptr && bytes > 0) return nvfp4::host::last_error = cudaErrorInvalidValue;
   std::memset(ptr, value, bytes);
   return cudaSuccess;

@@ -4,14 +4,15 @@
 // host C++ compiler against this header instead of <cuda_runtime.h>. A launch runs the whole
 // grid: blocks spread over worker threads, the threads of a block as fibers on one worker, so
 // that __syncthreads() is a real barrier and a warp exchange waits for the lanes it names. What
-// a GPU would hang or corrupt on aborts here, naming the kernel, block and thread:
+// a GPU would hang or corrupt on ends the launch with cudaErrorLaunchFailure, whose error string
+// names the kernel, block, thread and cause (the handlers return it as an FFI error):
 //   - a warp exchange (__shfl*_sync, __ballot_sync, __syncwarp) whose mask leaves out the calling
 //     lane, names a lane that does not exist, reads a lane outside the mask, or names a lane that
 //     never arrives (it exited, waits at a __syncthreads(), or at another exchange or mask);
 //   - a __syncthreads() that some thread of the block never reaches;
 //   - lanes that meet at different call sites (stricter than sm_70+ needs: a sign of divergence);
 //   - a launch or memset on the default stream (XLA passes the stream to use).
-// Launches outside the hardware's limits fail like on the GPU: cudaErrorInvalidConfiguration
+// Launches outside the hardware's limits fail as on the GPU: cudaErrorInvalidConfiguration
 // (or cudaErrorInvalidValue for shared memory), returned by the next cudaGetLastError().
 #pragma once
 
@@ -19,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <type_traits>
 
 // ---- CUDA keywords ----
@@ -42,6 +44,7 @@ enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorLaunchFailure = 719,  // in the model: what a GPU would hang or corrupt on (see above)
 };
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
@@ -75,7 +78,7 @@ cudaStream_t xla_stream();
 cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes);
 
 // Runs `thread` once per thread of the grid; the launch error, or cudaSuccess once it finished.
-cudaError_t launch(const char* kernel_name, const void* kernel, dim3 grid, dim3 block, size_t shared,
+cudaError_t launch(const std::string& kernel_name, const void* kernel, dim3 grid, dim3 block, size_t shared,
                    cudaStream_t stream, const std::function<void()>& thread);
 
 enum class WarpOp { kIdx, kUp, kDown, kXor, kBallot, kSync };
@@ -96,8 +99,8 @@ T shuffle(const char* site, WarpOp op, unsigned mask, T var, int lane_arg, int w
   return out;
 }
 
-// The kernel's name from launch<Kernel>'s __PRETTY_FUNCTION__ (the text after "Kernel = ").
-const char* kernel_name(const char* pretty_function);
+// The kernel's name from launch<Kernel>'s __PRETTY_FUNCTION__ (its template argument).
+std::string kernel_name(const char* pretty_function);
 
 }  // namespace nvfp4::host
 

@@ -1,0 +1,189 @@
+"""The CUDA kernels give the CPU kernels' bytes: every kernel and option, run on the CPU by the
+CUDA host execution model (tests/cuda_host.py), on Hopper's code paths and on sm_100a's.
+
+Each case runs one function twice, once over the CPU kernels (``jax_nvfp4``) and once over the
+CUDA kernels (``cuda_host``), and compares the bytes. Shapes stay small: a few blocks of each
+kernel exercise the same paths as many (ragged edges, several tiles, stripes and amax chunks).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import random_tensor
+from cuda_host import needs_module
+from golden_files import cases, load, option_cases
+from hypothesis import given
+from hypothesis import strategies as st
+from test_cuda import RECIPE_OPTIONS
+from test_golden import _assert_golden
+from test_kernels import DTYPES, assert_same_bytes, assert_same_tensor, options, tensors
+from test_kernels_4over6 import COMBINATIONS, SEED, _entries, quantize_cases
+from test_kernels_4over6 import options as fos_options
+
+import cuda_host
+import jax_nvfp4
+from jax_nvfp4.primitives import KERNELS
+
+pytestmark = needs_module
+# Hopper (sm_90, the software E2M1 rounding) and sm_100a (its FP4 convert instruction, through
+# the host equivalent of nvfp4/ptx.h).
+SMS = (90, 100)
+
+
+def both(fn, *args, sm: int = 90):
+    """fn(api, *args) jitted over the CUDA kernels and over the CPU kernels: (cuda, cpu) results."""
+    with cuda_host.emulating(sm):
+        got = jax.jit(lambda *a: fn(cuda_host, *a))(*args)
+    return got, jax.jit(lambda *a: fn(jax_nvfp4, *a))(*args)
+
+
+def both_kernels(fn, *args, sm: int = 90):
+    """fn(backend, *args) over the CUDA and the CPU kernel backends: (cuda, cpu) results."""
+    with cuda_host.emulating(sm):
+        got = jax.jit(lambda *a: fn(cuda_host.BACKEND, *a))(*args)
+    return got, jax.jit(lambda *a: fn(KERNELS, *a))(*args)
+
+
+def assert_same_outputs(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert_same_bytes(g, w)
+
+
+@given(x=tensors(), opts=options, sm=st.sampled_from(SMS))
+def test_quantize(x, opts, sm):
+    assert_same_tensor(*both(lambda api, x: api.quantize(x, **opts), x, sm=sm))
+
+
+@given(
+    x=tensors(max_dim=40),
+    amax=st.sampled_from([0.0, 1e-30, 3.0, 1e30, np.inf, np.nan, -2.0]),
+    block_2d=st.booleans(),
+    sm=st.sampled_from(SMS),
+)
+def test_quantize_with_given_amax(x, amax, block_2d, sm):
+    def quantize(api, x):
+        return api.quantize(x, columnwise=True, block_2d=block_2d, amax=jnp.float32(amax))
+
+    assert_same_tensor(*both(quantize, x, sm=sm))
+
+
+@given(x=tensors(), out_dtype=st.sampled_from(DTYPES), block_2d=st.booleans())
+def test_dequantize_and_amax(x, out_dtype, block_2d):
+    t = jax_nvfp4.quantize(x, columnwise=True, block_2d=block_2d)
+
+    def dequantize(api, t):
+        return api.dequantize(t, out_dtype), api.dequantize(t, out_dtype, columnwise=True)
+
+    assert_same_outputs(*both(dequantize, t))
+    assert_same_bytes(*both(lambda api, x: api.amax(x), x))
+
+
+@pytest.mark.parametrize("shape", [(64, 80), (2, 48, 33), (32, 300)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", RECIPE_OPTIONS)
+def test_rht_and_stochastic_rounding(shape, dtype, name):
+    """The RHT with its fused and its estimated amax, and stochastic rounding: the same key, the same bytes."""
+    opts = dict(RECIPE_OPTIONS[name])
+    stochastic = opts.pop("stochastic", False)
+    x = random_tensor(np.random.default_rng(3), shape, dtype, spread=3, specials=("zero", "subnormal"), frac=0.05)
+
+    def quantize(api, x):
+        key = jax.random.key(11) if stochastic else None
+        return api.quantize(x, columnwise=True, stochastic_rounding_key=key, **opts)
+
+    assert_same_tensor(*both(quantize, x))
+
+
+def _quantize_with_options(opts: dict, scale=None):
+    """(backend, x [B, M, N]) -> (amax, amax_t, *quantize outputs) with these options."""
+
+    def run(backend, x):
+        amaxes = backend.amax(x, None, opts["rht"], opts["row_scaled"])
+        amax, amax_t = amaxes if len(amaxes) == 2 else amaxes * 2
+        if scale is not None:
+            amax, amax_t = amax * np.float32(scale[0]), amax_t * np.float32(scale[1])
+        return amax, amax_t, *backend.quantize(x, amax, amax_t, SEED, **opts)
+
+    return run
+
+
+@given(case=quantize_cases(), sm=st.sampled_from(SMS))
+def test_row_scaled_and_4over6(case, sm):
+    """Row-scaled and 4over6 (MAE/MSE, exact/fast math, E 448/256) on random shapes, amaxes and values."""
+    x, opts, scale = case
+    assert_same_outputs(*both_kernels(_quantize_with_options(opts, scale), x, sm=sm))
+
+
+@pytest.mark.parametrize("layout,fos", COMBINATIONS, ids=[f"{lay}-{fos}" for lay, fos in COMBINATIONS])
+def test_every_option_combination(layout, fos):
+    """Each 4over6 and layout combination on [3, 37, 41]: wide values; zeros, subnormals and outliers; inf and NaN."""
+    i = COMBINATIONS.index((layout, fos))
+    x = _entries(np.random.default_rng(i), (37, 41), DTYPES[i % len(DTYPES)])
+    assert_same_outputs(*both_kernels(_quantize_with_options(fos_options(layout, fos)), x))
+
+
+# Ragged and degenerate shapes: one row, one column, odd N, M and N off 16 and off the kernels'
+# 128/256-column tiles, several tiles, stripes and amax chunks, batch dims.
+SHAPES = [(1, 1), (1, 16), (16, 1), (1, 33), (17, 2), (3, 17, 33), (2, 3, 5, 18), (130, 260), (2, 300, 17)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+def test_ragged_shapes(shape, dtype):
+    x = random_tensor(np.random.default_rng(0), shape, dtype, spread=2.0, specials=("zero", "nan"), frac=0.01)
+    for block_2d in (False, True):
+
+        def run(api, x, block_2d=block_2d):
+            t = api.quantize(x, columnwise=True, block_2d=block_2d)
+            return t, api.dequantize(t), api.dequantize(t, columnwise=True), api.amax(x)
+
+        (t, *rest), (u, *rest_cpu) = both(run, x)
+        assert_same_tensor(t, u)
+        assert_same_outputs(rest, rest_cpu)
+
+
+@pytest.mark.parametrize("layout,fos", [("row_scaled", None), ("row_scaled", ("mse", True, 256))])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 16, 300), (2, 45, 67), (1, 300, 16)])
+def test_row_scaled_ragged_shapes(shape, layout, fos):
+    x = random_tensor(np.random.default_rng(4), shape, np.float32, spread=4.0, specials=("zero", "inf"), frac=0.02)
+    assert_same_outputs(*both_kernels(_quantize_with_options(fos_options(layout, fos)), x))
+
+
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("shape", [(1, 32, 300), (2, 48, 33), (3, 16, 1)])
+def test_row_scaled_amax(shape, rht):
+    x = random_tensor(np.random.default_rng(1), shape, np.float32, spread=6.0, specials=("nan", "inf"), frac=1e-3)
+    assert_same_outputs(*both_kernels(lambda backend, x: backend.amax(x, None, rht, True), x))
+
+
+@pytest.mark.parametrize("e4m3_max", [448, 256])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_row_scaled_dequantize(out_dtype, e4m3_max):
+    x = random_tensor(np.random.default_rng(2), (2, 45, 67), np.float32, spread=4.0, specials=("zero",), frac=0.05)
+    fos = ("mse", True, e4m3_max) if e4m3_max != 448 else None
+    amax, amax_t, data, scale, data_t, scale_t = jax.jit(
+        lambda x: _quantize_with_options(fos_options("row_scaled", fos))(KERNELS, x)
+    )(x)
+
+    def dequantize(backend, data, scale, amax, data_t, scale_t, amax_t):
+        return (
+            backend.dequantize(data, scale, amax, cols=67, dtype=out_dtype, e4m3_max=e4m3_max),
+            backend.dequantize(data_t, scale_t, amax_t, cols=45, dtype=out_dtype, e4m3_max=e4m3_max),
+        )
+
+    assert_same_outputs(*both_kernels(dequantize, data, scale, amax, data_t, scale_t, amax_t))
+
+
+@pytest.mark.parametrize("sm", SMS)
+@pytest.mark.parametrize("name", cases() + option_cases())
+def test_golden(name, sm):
+    """Every golden file, the CUDA kernels through the public quantize."""
+    g, x, opts = load(name)
+    with cuda_host.emulating(sm):
+        t = jax.jit(lambda x: cuda_host.quantize(x, **opts))(x)
+    _assert_golden(g, opts["columnwise"], t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)

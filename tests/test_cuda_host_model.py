@@ -1,0 +1,189 @@
+"""The CUDA host execution model itself (ffi/cuda/host): what each warp exchange returns, a real
+__syncthreads(), atomics across blocks, the launch limits of sm_90, the misuse it aborts on (a
+GPU would hang or corrupt), and the host equivalent of sm_100a's E2M1 convert against the
+instruction's documented semantics. The probe kernels are ffi/cuda/host/probes.cu.
+"""
+
+from __future__ import annotations
+
+import fractions
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from cuda_host import module, needs_module
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cuda_host
+import jax_nvfp4
+
+pytestmark = needs_module
+FULL = 0xFFFFFFFF
+WARPS = 2  # the shuffle probe runs 64 threads
+
+
+def expected_shuffle(op: str, arg: int, width: int, mask: int) -> list[int]:
+    """What thread t of the probe receives from value 1000 + t, as the CUDA programming guide
+    defines each exchange (-1 for lanes outside the mask, which do not call)."""
+    out = []
+    for t in range(32 * WARPS):
+        lane, warp_base = t % 32, t - t % 32
+        if not mask >> lane & 1:
+            out.append(-1)
+            continue
+        segment, offset = lane - lane % width, lane % width
+        if op == "idx":
+            src = segment + arg % width
+        elif op == "up":
+            src = lane - arg if offset >= arg else lane
+        elif op == "down":
+            src = lane + arg if offset + arg < width else lane
+        else:  # xor: a lane of a later segment gives the own value
+            src = lane ^ arg if (lane ^ arg) < segment + width else lane
+        out.append(1000 + warp_base + src)
+    return out
+
+
+OPS = {"idx": 0, "up": 1, "down": 2, "xor": 3}
+
+
+@given(
+    op=st.sampled_from(sorted(OPS)),
+    arg=st.integers(0, 40),
+    width=st.sampled_from([1, 2, 4, 8, 16, 32]),
+)
+def test_shuffles_over_the_whole_warp(op, arg, width):
+    if op == "xor":
+        arg %= 32
+    got = module.probe("shuffles", 32 * WARPS, OPS[op], arg, width, FULL)
+    assert got == expected_shuffle(op, arg, width, FULL)
+
+
+@pytest.mark.parametrize(
+    "op,arg,width,mask",
+    [("xor", 1, 32, 0x0000FFFF), ("xor", 8, 16, 0xFFFF0000), ("idx", 3, 8, 0x00FF00FF), ("down", 4, 8, 0xFF00FF00)],
+)
+def test_shuffles_within_a_partial_mask(op, arg, width, mask):
+    assert module.probe("shuffles", 32 * WARPS, OPS[op], arg, width, mask) == expected_shuffle(op, arg, width, mask)
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7, 33])
+def test_ballot(divisor):
+    got = module.probe("shuffles", 32 * WARPS, 4, divisor, 32, FULL)
+    ballot = sum(1 << lane for lane in range(32) if lane % divisor == 0)
+    # Each warp votes on its thread indices: warp 1's threads are 32..63.
+    warp1 = sum(1 << lane for lane in range(32) if (32 + lane) % divisor == 0)
+    as_int32 = lambda u: u - (1 << 32) if u >> 31 else u  # noqa: E731 (the probe's output is int)
+    assert got == [as_int32(ballot)] * 32 + [as_int32(warp1)] * 32
+
+
+@pytest.mark.parametrize("threads", [32, 100, 1024])
+def test_syncthreads_is_a_barrier(threads):
+    """Thread 0 sums what every thread wrote before the barrier, in each of 5 blocks."""
+    assert module.probe("barrier_sum", 5, 5, threads) == [threads * (threads - 1) // 2] * 5
+
+
+def test_atomics_across_blocks():
+    blocks, threads = 37, 96
+    got = module.probe("atomics", 2 + blocks, blocks, threads)
+    assert got == [blocks * threads, blocks * threads - 1, *range(1, blocks + 1)]
+
+
+@pytest.mark.parametrize(
+    "grid_y,grid_z,threads,ok",
+    [(2, 3, 1024, True), (1, 1, 1025, False), (65536, 1, 32, False), (1, 65536, 32, False), (1, 1, 0, False)],
+)
+def test_launch_limits(grid_y, grid_z, threads, ok):
+    """Block <= 1024 threads and grid y, z <= 65535, as on the GPU: a launch error, not a crash."""
+    run = lambda: module.probe("launch", 6, grid_y, grid_z, threads)  # noqa: E731
+    if ok:
+        assert run() == [threads * (threads - 1) // 2] * 1 + [-1] * 5
+    else:
+        with pytest.raises(RuntimeError, match="probe launch failed: invalid configuration argument"):
+            run()
+
+
+def test_dynamic_shared_memory_limit():
+    assert module.probe("shared", 1, 48 * 1024) == [32 * 31 // 2]
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        module.probe("shared", 1, 48 * 1024 + 1)
+
+
+# Misuse a GPU hangs or corrupts on: the launch fails, naming the kernel, block, thread and cause.
+MISUSE = {
+    "mask_leaves_out_caller": r"thread 5 \(warp 0, lane 5\): __shfl_xor_sync at .*probes.cu:\d+ with mask "
+    "0xffffffdf: the mask leaves out the calling lane 5",
+    "lane_exits_before_shuffle": r"thread \d+ .*: __shfl_xor_sync at .*probes.cu:\d+ with mask 0xffffffff: lane 7 named in the mask "
+    "(has exited|does not arrive: it exited)",
+    "barrier_in_branch": r"thread \d+ .*: __syncthreads\(\) at .*probes.cu:\d+ is never reached by thread 40: it exited",
+    "shuffle_reads_outside_mask": r"thread 0 .* with mask 0x0000ffff: reads lane 16, which the mask leaves out",
+    "divergent_sites": r"thread \d+ .*: __shfl_xor_sync .*: lane \d+ named in the mask does not arrive: it waits at __shfl_xor_sync at .*probes.cu:\d+",
+    "mask_names_missing_lanes": r"thread 32 \(warp 1, lane 0\).*the mask names lanes the warp does not have",
+}
+
+
+@pytest.mark.parametrize("probe", sorted(MISUSE))
+def test_misuse_fails_the_launch_naming_kernel_block_and_thread(probe):
+    with pytest.raises(RuntimeError, match=rf"probe launch failed: nvfp4 CUDA host model: kernel .*{probe}, "
+                       rf"block \(0, 0, 0\), {MISUSE[probe]}"):
+        module.probe(probe, 64)
+    assert module.probe("barrier_sum", 1, 1, 32) == [32 * 31 // 2]  # the next launch runs
+
+
+def test_the_default_stream_fails_the_launch():
+    with pytest.raises(RuntimeError, match="kernel .*barrier_sum: on the default stream; use the stream XLA passes"):
+        module.probe("default_stream", 1)
+
+
+def _e2m1_documented(x: float) -> int:
+    """cvt.rn.satfinite.e2m1x2.f32 of one value, from cuda_fp4.h's description: round to nearest
+    even, saturate to +-6 (max norm) keeping the sign, NaN -> +6, sign kept on zero results."""
+    if np.isnan(x):
+        return 0x7
+    sign = 8 if np.signbit(x) else 0
+    grid = [fractions.Fraction(v) for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)]
+    a = abs(x)
+    if a >= 6:
+        return sign | 7
+    a = fractions.Fraction(a)
+    best = min(range(8), key=lambda c: (abs(grid[c] - a), c % 2))  # nearest; a tie to the even code
+    return sign | best
+
+
+def test_e2m1_convert_equivalent_on_every_bfloat16():
+    """Every bfloat16 value (as float32), in both halves of the byte."""
+    x = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    codes = np.array([_e2m1_documented(float(v)) for v in x], np.uint8)
+    got = np.frombuffer(module.cvt_rn_satfinite_e2m1x2(x, x[::-1].copy()), np.uint8)
+    np.testing.assert_array_equal(got >> 4, codes)
+    np.testing.assert_array_equal(got & 0xF, codes[::-1])
+
+
+@given(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True))
+def test_e2m1_convert_equivalent_on_float32(v):
+    x = np.array([v], np.float32)
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0], np.float32)
+    for value in (x, ties):
+        got = np.frombuffer(module.cvt_rn_satfinite_e2m1x2(value, -value), np.uint8)
+        np.testing.assert_array_equal(got >> 4, [_e2m1_documented(float(a)) for a in value])
+        np.testing.assert_array_equal(got & 0xF, [_e2m1_documented(float(-a)) for a in value])
+
+
+def test_the_tests_run_the_cuda_kernels():
+    """cuda_host's ops lower to the CUDA handlers' custom calls, not to the CPU kernels or the reference."""
+    x = jnp.ones((32, 48), jnp.bfloat16)
+    hlo = jax.jit(lambda x: cuda_host.dequantize(cuda_host.quantize(x, columnwise=True))).lower(x).as_text()
+    for op in ("amax", "quantize", "dequantize"):
+        assert f"{cuda_host.PREFIX}nvfp4_{op}" in hlo, op
+    assert "nvfp4_quantize" in jax.jit(lambda x: jax_nvfp4.quantize(x).data).lower(x).as_text()
+
+
+def test_sm100_path_differs_only_where_the_reference_overrides_it():
+    """The convert keeps -0.0's sign and maps NaN to +6; float_to_e2m1 maps both to code 0 on sm_100a too."""
+    x = np.array([[-0.0, np.nan, -1e-30, 0.1, -7.0, 5.0] + [1.0] * 10], np.float32)
+    with cuda_host.emulating(100):
+        got = jax.jit(lambda x: cuda_host.quantize(x, amax=jnp.float32(6.0)))(x)
+    want = jax_nvfp4.quantize(x, amax=jnp.float32(6.0))
+    np.testing.assert_array_equal(np.asarray(got.data), np.asarray(want.data))
