@@ -8,6 +8,7 @@ kernel exercise the same paths as many (ragged edges, several tiles, stripes and
 
 from __future__ import annotations
 
+import cuda_host
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -24,7 +25,6 @@ from test_kernels import DTYPES, assert_same_bytes, assert_same_tensor, options,
 from test_kernels_4over6 import COMBINATIONS, SEED, _entries, quantize_cases
 from test_kernels_4over6 import options as fos_options
 
-import cuda_host
 import jax_nvfp4
 from jax_nvfp4.primitives import KERNELS
 

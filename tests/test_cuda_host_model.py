@@ -7,6 +7,8 @@ instruction's documented semantics. The probe kernels are ffi/cuda/host/probes.c
 from __future__ import annotations
 
 import fractions
+
+import cuda_host
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,7 +18,6 @@ from cuda_host import module, needs_module
 from hypothesis import given
 from hypothesis import strategies as st
 
-import cuda_host
 import jax_nvfp4
 
 pytestmark = needs_module
@@ -115,25 +116,30 @@ def test_dynamic_shared_memory_limit():
 MISUSE = {
     "mask_leaves_out_caller": r"thread 5 \(warp 0, lane 5\): __shfl_xor_sync at .*probes.cu:\d+ with mask "
     "0xffffffdf: the mask leaves out the calling lane 5",
-    "lane_exits_before_shuffle": r"thread \d+ .*: __shfl_xor_sync at .*probes.cu:\d+ with mask 0xffffffff: lane 7 named in the mask "
-    "(has exited|does not arrive: it exited)",
-    "barrier_in_branch": r"thread \d+ .*: __syncthreads\(\) at .*probes.cu:\d+ is never reached by thread 40: it exited",
+    "lane_exits_before_shuffle": r"thread \d+ .*: __shfl_xor_sync at .*probes.cu:\d+ with mask 0xffffffff: "
+    "lane 7 named in the mask (has exited|does not arrive: it exited)",
+    "barrier_in_branch": r"thread \d+ .*: __syncthreads\(\) at .*probes.cu:\d+ is never reached by thread 40: "
+    "it exited",
     "shuffle_reads_outside_mask": r"thread 0 .* with mask 0x0000ffff: reads lane 16, which the mask leaves out",
-    "divergent_sites": r"thread \d+ .*: __shfl_xor_sync .*: lane \d+ named in the mask does not arrive: it waits at __shfl_xor_sync at .*probes.cu:\d+",
+    "divergent_sites": r"thread \d+ .*: __shfl_xor_sync .*: lane \d+ named in the mask does not arrive: "
+    r"it waits at __shfl_xor_sync at .*probes.cu:\d+",
     "mask_names_missing_lanes": r"thread 32 \(warp 1, lane 0\).*the mask names lanes the warp does not have",
 }
 
 
 @pytest.mark.parametrize("probe", sorted(MISUSE))
 def test_misuse_fails_the_launch_naming_kernel_block_and_thread(probe):
-    with pytest.raises(RuntimeError, match=rf"probe launch failed: nvfp4 CUDA host model: kernel .*{probe}, "
-                       rf"block \(0, 0, 0\), {MISUSE[probe]}"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"probe launch failed: nvfp4 CUDA host model: kernel .*{probe}, "
+        rf"block \(0, 0, 0\), {MISUSE[probe]}",
+    ):
         module.probe(probe, 64)
     assert module.probe("barrier_sum", 1, 1, 32) == [32 * 31 // 2]  # the next launch runs
 
 
 def test_the_default_stream_fails_the_launch():
-    with pytest.raises(RuntimeError, match="kernel .*barrier_sum: on the default stream; use the stream XLA passes"):
+    with pytest.raises(RuntimeError, match=r"kernel .*barrier_sum: on the default stream; use the stream XLA passes"):
         module.probe("default_stream", 1)
 
 
