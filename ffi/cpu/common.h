@@ -10,7 +10,6 @@
 #include "nvfp4/ffi_common.h"
 #include "nvfp4/subnormal_guard.h"
 
-
 namespace nvfp4::cpu {
 
 // Runs body(begin, end) over [0, n) split across hardware threads when the

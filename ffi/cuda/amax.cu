@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // Turns the max magnitude bits into the amax float in place (a grid-stride loop).
 __global__ void amax_finish(uint32_t* bits, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
     reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
 }
 
@@ -109,8 +110,10 @@ ffi::Error row_scaled_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rh
                            int64_t rows, int64_t cols, float* amax, float* amax_t) {
   auto* row_bits = reinterpret_cast<uint32_t*>(amax);
   auto* col_bits = reinterpret_cast<uint32_t*>(amax_t);
-  if (auto e = zero(row_bits, batch * rows * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
-  if (auto e = zero(col_bits, batch * cols * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
+  if (auto e = zero(row_bits, batch * rows * int64_t(sizeof(uint32_t)), stream); e.failure())
+    return e;
+  if (auto e = zero(col_bits, batch * cols * int64_t(sizeof(uint32_t)), stream); e.failure())
+    return e;
   const int64_t stripes = num_blocks(rows), tiles = (cols + kThreads - 1) / kThreads;
   const int64_t blocks = batch * stripes * tiles;
   if (blocks > INT32_MAX) return invalid("amax input is too large for one launch");
@@ -118,9 +121,10 @@ ffi::Error row_scaled_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rh
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     if (blocks <= 0) return;
-    launched = launch<row_scaled_amax_kernel<L>>(
-        "amax", unsigned(blocks), kThreads, 0, stream, static_cast<const typename L::T*>(x.untyped_data()), rows,
-        cols, stripes, tiles, rht, row_bits, col_bits);
+    launched =
+        launch<row_scaled_amax_kernel<L>>("amax", unsigned(blocks), kThreads, 0, stream,
+                                          static_cast<const typename L::T*>(x.untyped_data()), rows,
+                                          cols, stripes, tiles, rht, row_bits, col_bits);
   });
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
   if (launched.failure()) return launched;
@@ -154,10 +158,11 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     const unsigned blocks = unsigned(batch * chunks);
     if (rht)  // kThreads chunks of 16 values per block and iteration
-      launched = launch<amax_rht_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols, chunks, bits,
-                                            bits_rht);
+      launched = launch<amax_rht_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols,
+                                            chunks, bits, bits_rht);
     else
-      launched = launch<amax_kernel<L>>("amax", blocks, kThreads, 0, stream, data, per_batch, chunks, bits);
+      launched = launch<amax_kernel<L>>("amax", blocks, kThreads, 0, stream, data, per_batch,
+                                        chunks, bits);
   });
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
   if (launched.failure()) return launched;

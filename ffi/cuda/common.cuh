@@ -24,18 +24,20 @@ using StreamContext = ffi::PlatformStream<cudaStream_t>;  // the stream XLA runs
 #endif
 
 inline ffi::Error cuda_error(const char* what, cudaError_t err) {
-  return ffi::Error(ffi::ErrorCode::kInternal, std::string("nvfp4: ") + what + ": " + cudaGetErrorString(err));
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("nvfp4: ") + what + ": " + cudaGetErrorString(err));
 }
 
 // Launches Kernel<<<grid, block, shared, stream>>>(args...) and returns its launch error (an
 // invalid configuration, or an earlier asynchronous failure) as an FFI error.
 template <auto Kernel, typename... Args>
-ffi::Error launch(const char* op, dim3 grid, dim3 block, size_t shared, cudaStream_t stream, const Args&... args) {
+ffi::Error launch(const char* op, dim3 grid, dim3 block, size_t shared, cudaStream_t stream,
+                  const Args&... args) {
 #if defined(NVFP4_CUDA_HOST)
-  host::launch(host::kernel_name(__PRETTY_FUNCTION__), reinterpret_cast<const void*>(Kernel), grid, block, shared,
-               stream, [&] { Kernel(args...); });
+  host::launch(host::kernel_name(__PRETTY_FUNCTION__), reinterpret_cast<const void*>(Kernel), grid,
+               block, shared, stream, [&] { Kernel(args...); });
 #else
-  Kernel<<<grid, block, shared, stream>>>(args...);
+  Kernel<<<grid, block, shared, stream> > >(args...);
 #endif
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess)
     return cuda_error((std::string(op) + " launch failed").c_str(), err);

@@ -41,9 +41,10 @@ ffi::Error dequantize_impl(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::
         using S = decltype(storer);
         if (bytes > 0)
           launched = launch<dequantize_kernel<S>>(
-              "dequantize", grid_stride_blocks(bytes, kThreads), kThreads, 0, stream, data.typed_data(),
-              static_cast<const uint8_t*>(scale.untyped_data()), amax.typed_data(), rows, cols, bytes,
-              row_scaled, e4m3_max, static_cast<typename S::T*>(out->untyped_data()));
+              "dequantize", grid_stride_blocks(bytes, kThreads), kThreads, 0, stream,
+              data.typed_data(), static_cast<const uint8_t*>(scale.untyped_data()),
+              amax.typed_data(), rows, cols, bytes, row_scaled, e4m3_max,
+              static_cast<typename S::T*>(out->untyped_data()));
       });
   if (!ok) return invalid("dequantize output must be float32, bfloat16 or float16");
   return launched;

@@ -249,12 +249,14 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     if (blocks <= 0) return;
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     if (stochastic)
-      launched = launch<quantize_kernel<L, Mode::kStochastic>>("quantize", unsigned(blocks), kTile, 0, stream,
-                                                               data, p);
+      launched = launch<quantize_kernel<L, Mode::kStochastic>>("quantize", unsigned(blocks), kTile,
+                                                               0, stream, data, p);
     else if (a.fos.on())
-      launched = launch<quantize_4over6_kernel<L>>("quantize", unsigned(blocks), kTile, 0, stream, data, p);
+      launched = launch<quantize_4over6_kernel<L>>("quantize", unsigned(blocks), kTile, 0, stream,
+                                                   data, p);
     else
-      launched = launch<quantize_kernel<L, Mode::kNearest>>("quantize", unsigned(blocks), kTile, 0, stream, data, p);
+      launched = launch<quantize_kernel<L, Mode::kNearest>>("quantize", unsigned(blocks), kTile, 0,
+                                                            stream, data, p);
   });
   if (!ok) return invalid("quantize input must be bfloat16, float16 or float32");
   return launched;

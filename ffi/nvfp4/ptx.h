@@ -10,7 +10,8 @@
 
 #include <cstdint>
 
-#if defined(__CUDA_ARCH__) && (defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM120_ALL))
+#if defined(__CUDA_ARCH__) && \
+    (defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM120_ALL))
 #define NVFP4_SM100_PTX 1
 #endif
 
@@ -44,7 +45,8 @@ NVFP4_PTX_HD uint8_t e2m1_rn_satfinite(float x) {
   float a;
   __builtin_memcpy(&a, &mag, sizeof(a));
   // The grid 0, 0.5, 1, 1.5, 2, 3, 4, 6; a midpoint goes to the even code.
-  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                   (a >= 3.5f) + (a > 5.0f);
   return uint8_t(code | ((u >> 31) << 3));
 }
 

@@ -15,7 +15,8 @@ struct StreamContext {};
 template <>
 struct xla::ffi::CtxDecoding<nvfp4::host::StreamContext> {
   using Type = cudaStream_t;
-  static std::optional<Type> Decode(const XLA_FFI_Api*, XLA_FFI_ExecutionContext*, DiagnosticEngine&) {
+  static std::optional<Type> Decode(const XLA_FFI_Api*, XLA_FFI_ExecutionContext*,
+                                    DiagnosticEngine&) {
     return nvfp4::host::xla_stream();
   }
 };

@@ -35,8 +35,8 @@ void poison_results(XLA_FFI_CallFrame* frame) {
 
 template <nvfp4::cuda::Handler* H>
 XLA_FFI_Error* poisoned(XLA_FFI_CallFrame* frame) {
-  const bool metadata_query =
-      frame->extension_start != nullptr && frame->extension_start->type == XLA_FFI_Extension_Metadata;
+  const bool metadata_query = frame->extension_start != nullptr &&
+                              frame->extension_start->type == XLA_FFI_Extension_Metadata;
   if (!metadata_query && frame->stage == XLA_FFI_ExecutionStage_EXECUTE) poison_results(frame);
   return H(frame);
 }
@@ -46,16 +46,19 @@ nb::dict registrations() {
   d["nvfp4_amax"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4AmaxCuda>));
   d["nvfp4_quantize"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4QuantizeCuda>));
   d["nvfp4_dequantize"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4DequantizeCuda>));
-  if (d.size() != nvfp4::cuda::handlers().size()) throw std::logic_error("a CUDA handler is not wrapped");
+  if (d.size() != nvfp4::cuda::handlers().size())
+    throw std::logic_error("a CUDA handler is not wrapped");
   return d;
 }
 
 using Floats = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 nb::bytes cvt_e2m1x2(Floats hi, Floats lo) {
-  if (hi.shape(0) != lo.shape(0)) throw std::invalid_argument("hi and lo must have the same length");
+  if (hi.shape(0) != lo.shape(0))
+    throw std::invalid_argument("hi and lo must have the same length");
   std::string out(hi.shape(0), '\0');
-  for (size_t i = 0; i < hi.shape(0); ++i) out[i] = char(nvfp4::cvt_rn_satfinite_e2m1x2(hi.data()[i], lo.data()[i]));
+  for (size_t i = 0; i < hi.shape(0); ++i)
+    out[i] = char(nvfp4::cvt_rn_satfinite_e2m1x2(hi.data()[i], lo.data()[i]));
   return nb::bytes(out.data(), out.size());
 }
 
@@ -68,7 +71,9 @@ NB_MODULE(_nvfp4_cuda_host, m) {
         "The GPU the model stands for: 90 (Hopper) or 100/120 (sm_100a/sm_120a code paths).");
   m.def("emulated_sm", &nvfp4::host::emulated_sm);
   m.def("cvt_rn_satfinite_e2m1x2", &cvt_e2m1x2, nb::arg("hi"), nb::arg("lo"),
-        "The bytes cvt.rn.satfinite.e2m1x2.f32 gives for float32 arrays hi and lo (host equivalent).");
-  m.def("probe", &nvfp4::cuda::probes::probe, nb::arg("name"), nb::arg("size"), nb::arg("a") = 0, nb::arg("b") = 0,
-        nb::arg("c") = 0, nb::arg("mask") = 0xFFFFFFFFu, "Runs one of the model's self-test kernels (probes.cu).");
+        "The bytes cvt.rn.satfinite.e2m1x2.f32 gives for float32 arrays hi and lo (host "
+        "equivalent).");
+  m.def("probe", &nvfp4::cuda::probes::probe, nb::arg("name"), nb::arg("size"), nb::arg("a") = 0,
+        nb::arg("b") = 0, nb::arg("c") = 0, nb::arg("mask") = 0xFFFFFFFFu,
+        "Runs one of the model's self-test kernels (probes.cu).");
 }

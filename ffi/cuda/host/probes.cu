@@ -1,12 +1,11 @@
 // Kernels that test the host execution model itself (tests/test_cuda_host_model.py): what each
 // warp exchange returns, that __syncthreads() is a barrier, atomics across blocks, the launch
 // limits, and the misuse the model must abort on. Written as CUDA, as our kernels are.
-#include "cuda/host/probes.h"
-
 #include <cstring>
 #include <stdexcept>
 
 #include "cuda/common.cuh"
+#include "cuda/host/probes.h"
 
 namespace nvfp4::cuda::probes {
 namespace {
@@ -48,7 +47,8 @@ __global__ void barrier_sum(int* out) {
   __syncthreads();  // values is reused by the next block on this worker
 }
 
-// Every thread of every block: atomicAdd 1, atomicMax its global index, and one atomicCAS per block.
+// Every thread of every block: atomicAdd 1, atomicMax its global index, and one atomicCAS per
+// block.
 __global__ void atomics(unsigned* out) {
   const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
   atomicAdd(&out[0], 1u);
@@ -82,7 +82,9 @@ __global__ void divergent_sites(int* out) {
     out[threadIdx.x] = __shfl_xor_sync(~0u, 2, 1);
 }
 
-__global__ void mask_names_missing_lanes(int* out) { out[threadIdx.x] = __shfl_xor_sync(~0u, 1, 1); }
+__global__ void mask_names_missing_lanes(int* out) {
+  out[threadIdx.x] = __shfl_xor_sync(~0u, 1, 1);
+}
 
 ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int c, unsigned mask) {
   const cudaStream_t s = host::xla_stream();
@@ -91,15 +93,20 @@ ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int
   if (name == "barrier_sum") return launch<barrier_sum>("probe", unsigned(a), unsigned(b), 0, s, o);
   if (name == "atomics")
     return launch<atomics>("probe", unsigned(a), unsigned(b), 0, s, reinterpret_cast<unsigned*>(o));
-  if (name == "launch") return launch<barrier_sum>("probe", dim3(1, unsigned(a), unsigned(b)), unsigned(c), 0, s, o);
+  if (name == "launch")
+    return launch<barrier_sum>("probe", dim3(1, unsigned(a), unsigned(b)), unsigned(c), 0, s, o);
   if (name == "shared") return launch<barrier_sum>("probe", 1, 32, size_t(a), s, o);
   if (name == "default_stream") return launch<barrier_sum>("probe", 1, 32, 0, nullptr, o);
-  if (name == "mask_leaves_out_caller") return launch<mask_leaves_out_caller>("probe", 1, 32, 0, s, o);
-  if (name == "lane_exits_before_shuffle") return launch<lane_exits_before_shuffle>("probe", 1, 32, 0, s, o);
+  if (name == "mask_leaves_out_caller")
+    return launch<mask_leaves_out_caller>("probe", 1, 32, 0, s, o);
+  if (name == "lane_exits_before_shuffle")
+    return launch<lane_exits_before_shuffle>("probe", 1, 32, 0, s, o);
   if (name == "barrier_in_branch") return launch<barrier_in_branch>("probe", 1, 64, 0, s, o);
-  if (name == "shuffle_reads_outside_mask") return launch<shuffle_reads_outside_mask>("probe", 1, 32, 0, s, o);
+  if (name == "shuffle_reads_outside_mask")
+    return launch<shuffle_reads_outside_mask>("probe", 1, 32, 0, s, o);
   if (name == "divergent_sites") return launch<divergent_sites>("probe", 1, 32, 0, s, o);
-  if (name == "mask_names_missing_lanes") return launch<mask_names_missing_lanes>("probe", 1, 48, 0, s, o);
+  if (name == "mask_names_missing_lanes")
+    return launch<mask_names_missing_lanes>("probe", 1, 48, 0, s, o);
   throw std::invalid_argument("no probe " + name);
 }
 

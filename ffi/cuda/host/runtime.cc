@@ -2,8 +2,6 @@
 // fibers (ucontext) on its worker, switched only at __syncthreads() and warp exchanges.
 #include "cuda/host/runtime.h"
 
-#include "nvfp4/subnormal_guard.h"
-
 #include <pthread.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -17,6 +15,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "nvfp4/subnormal_guard.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -32,7 +32,8 @@ thread_local dim3 block_dim, grid_dim;
 namespace {
 
 thread_local cudaError_t last_error = cudaSuccess;
-thread_local std::string last_failure;  // what ended the last failed launch: cudaGetErrorString's text
+thread_local std::string
+    last_failure;  // what ended the last failed launch: cudaGetErrorString's text
 
 // A launch's outcome, shared by its workers: the first failure ends it.
 struct LaunchState {
@@ -49,7 +50,8 @@ struct LaunchState {
   }
 };
 std::atomic<int> sm{90};
-CUstream_st* const kXlaStream = reinterpret_cast<CUstream_st*>(uintptr_t(0x5742));  // never dereferenced
+CUstream_st* const kXlaStream =
+    reinterpret_cast<CUstream_st*>(uintptr_t(0x5742));  // never dereferenced
 
 std::mutex shared_limits_mutex;
 std::map<const void*, size_t> shared_limits;  // cudaFuncSetAttribute's MaxDynamicSharedMemorySize
@@ -112,8 +114,8 @@ class Block {
         state_(state),
         fibers_(count_) {
     for (Fiber& f : fibers_) {
-      void* mem = mmap(nullptr, kStackBytes + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                       -1, 0);
+      void* mem = mmap(nullptr, kStackBytes + kGuard, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (mem == MAP_FAILED) {
         std::perror("nvfp4 CUDA host model: mmap of a fiber stack");
         std::abort();
@@ -131,7 +133,8 @@ class Block {
   ~Block() {
     for (Fiber& f : fibers_) {
 #if defined(NVFP4_HOST_ASAN)
-      ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);  // a failed block leaves its frames poisoned
+      ASAN_UNPOISON_MEMORY_REGION(f.stack,
+                                  kStackBytes);  // a failed block leaves its frames poisoned
 #endif
       munmap(f.stack - kGuard, kStackBytes + kGuard);
     }
@@ -182,8 +185,8 @@ class Block {
     if (++barrier_waiting_ == count_) {
       for (int t = 0; t < count_; ++t) {
         if (std::strcmp(fibers_[t].site, site) != 0)
-          fail(current_, std::string("__syncthreads() at ") + site + " meets thread " + std::to_string(t) +
-                             "'s __syncthreads() at " + fibers_[t].site);
+          fail(current_, std::string("__syncthreads() at ") + site + " meets thread " +
+                             std::to_string(t) + "'s __syncthreads() at " + fibers_[t].site);
         fibers_[t].state = State::kRunnable;
       }
       barrier_waiting_ = 0;
@@ -192,13 +195,16 @@ class Block {
     yield();
   }
 
-  uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width) {
+  uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg,
+                         int width) {
     const int t = current_, warp = t / kWarpSize, lane = t % kWarpSize;
     const int lanes = std::min(kWarpSize, count_ - warp * kWarpSize);  // the warp's threads
     const std::string call = std::string(op_name(op)) + " at " + site + " with mask " + hex(mask);
-    if (!(mask >> lane & 1u)) fail(t, call + ": the mask leaves out the calling lane " + std::to_string(lane));
+    if (!(mask >> lane & 1u))
+      fail(t, call + ": the mask leaves out the calling lane " + std::to_string(lane));
     if (lanes < kWarpSize && (mask >> lanes) != 0)
-      fail(t, call + ": the mask names lanes the warp does not have (it has " + std::to_string(lanes) + ")");
+      fail(t, call + ": the mask names lanes the warp does not have (it has " +
+                  std::to_string(lanes) + ")");
     if (width < 1 || width > kWarpSize || (width & (width - 1)) != 0)
       fail(t, call + ": width " + std::to_string(width) + " is not a power of 2 up to 32");
     for (int l = 0; l < kWarpSize; ++l)
@@ -244,8 +250,10 @@ class Block {
   // goes straight back to the worker (no return).
   void fail(int t, const std::string& what) {
     char head[256];
-    std::snprintf(head, sizeof(head), "nvfp4 CUDA host model: kernel %s, block (%u, %u, %u), thread %d (warp %d, lane %d): ",
-                  kernel_, index_.x, index_.y, index_.z, t, t / kWarpSize, t % kWarpSize);
+    std::snprintf(
+        head, sizeof(head),
+        "nvfp4 CUDA host model: kernel %s, block (%u, %u, %u), thread %d (warp %d, lane %d): ",
+        kernel_, index_.x, index_.y, index_.z, t, t / kWarpSize, t % kWarpSize);
     state_.fail(head + what);
     failed_ = true;
     if (current_ < 0) return;
@@ -271,7 +279,8 @@ class Block {
   // Sets the built-in variables for thread t, about to run.
   void enter(int t) {
     current_ = t;
-    thread_idx = uint3{unsigned(t) % dims_.x, unsigned(t) / dims_.x % dims_.y, unsigned(t) / (dims_.x * dims_.y)};
+    thread_idx = uint3{unsigned(t) % dims_.x, unsigned(t) / dims_.x % dims_.y,
+                       unsigned(t) / (dims_.x * dims_.y)};
   }
 
   int next_runnable(int after) const {
@@ -315,10 +324,12 @@ class Block {
     for (int l = 0; l < kWarpSize; ++l) {
       if (!(me.mask >> l & 1u)) continue;
       const Fiber& f = lanes[l];
-      if (f.state != State::kWarp || f.mask != me.mask || f.op != me.op || std::strcmp(f.site, me.site) != 0)
+      if (f.state != State::kWarp || f.mask != me.mask || f.op != me.op ||
+          std::strcmp(f.site, me.site) != 0)
         return false;  // not there yet, or at another exchange: a deadlock, if it stays so
       if (f.width != me.width)
-        fail(current_, std::string(op_name(me.op)) + " at " + me.site + ": lanes pass different widths");
+        fail(current_,
+             std::string(op_name(me.op)) + " at " + me.site + ": lanes pass different widths");
     }
     uint64_t ballot = 0;
     for (int l = 0; l < kWarpSize; ++l)
@@ -331,8 +342,9 @@ class Block {
       } else if (me.op != WarpOp::kSync) {
         const int src = source_lane(me.op, l, f.lane_arg, f.width);
         if (!(me.mask >> src & 1u))
-          fail(warp * kWarpSize + l, std::string(op_name(me.op)) + " at " + me.site + " with mask " + hex(me.mask) +
-                                         ": reads lane " + std::to_string(src) + ", which the mask leaves out");
+          fail(warp * kWarpSize + l, std::string(op_name(me.op)) + " at " + me.site +
+                                         " with mask " + hex(me.mask) + ": reads lane " +
+                                         std::to_string(src) + ", which the mask leaves out");
         f.result = lanes[src].value;
       }
       f.state = State::kRunnable;
@@ -368,30 +380,35 @@ class Block {
       case State::kBarrier:
         return std::string("it waits at __syncthreads() at ") + f.site;
       case State::kWarp:
-        return std::string("it waits at ") + op_name(f.op) + " at " + f.site + " with mask " + hex(f.mask);
+        return std::string("it waits at ") + op_name(f.op) + " at " + f.site + " with mask " +
+               hex(f.mask);
       default:
         return "it runs";
     }
   }
 
-  // No thread can run and some have not exited: fail on the first waiting thread, saying why it waits forever.
+  // No thread can run and some have not exited: fail on the first waiting thread, saying why it
+  // waits forever.
   void diagnose_deadlock() {
     for (int t = 0; t < count_; ++t) {
       const Fiber& f = fibers_[t];
       if (f.state == State::kBarrier) {
         for (int u = 0; u < count_; ++u)
           if (fibers_[u].state != State::kBarrier)
-            return fail(t, std::string("__syncthreads() at ") + f.site + " is never reached by thread " +
-                               std::to_string(u) + ": " + where(u));
+            return fail(t, std::string("__syncthreads() at ") + f.site +
+                               " is never reached by thread " + std::to_string(u) + ": " +
+                               where(u));
       }
       if (f.state == State::kWarp) {
         const int warp = t / kWarpSize;
         for (int l = 0; l < kWarpSize; ++l) {
           const Fiber& g = fibers_[warp * kWarpSize + l];
-          if ((f.mask >> l & 1u) &&
-              (g.state != State::kWarp || g.mask != f.mask || g.op != f.op || std::strcmp(g.site, f.site) != 0))
-            return fail(t, std::string(op_name(f.op)) + " at " + f.site + " with mask " + hex(f.mask) + ": lane " +
-                               std::to_string(l) + " named in the mask does not arrive: " + where(warp * kWarpSize + l));
+          if ((f.mask >> l & 1u) && (g.state != State::kWarp || g.mask != f.mask || g.op != f.op ||
+                                     std::strcmp(g.site, f.site) != 0))
+            return fail(t,
+                        std::string(op_name(f.op)) + " at " + f.site + " with mask " + hex(f.mask) +
+                            ": lane " + std::to_string(l) +
+                            " named in the mask does not arrive: " + where(warp * kWarpSize + l));
         }
       }
     }
@@ -427,8 +444,10 @@ Block& active_block(const char* what) {
 cudaError_t check_config(const void* kernel, dim3 grid, dim3 block, size_t shared) {
   const unsigned g[3] = {grid.x, grid.y, grid.z}, b[3] = {block.x, block.y, block.z};
   for (int i = 0; i < 3; ++i)
-    if (g[i] == 0 || b[i] == 0 || g[i] > kMaxGridDim[i] || b[i] > kMaxBlockDim[i]) return cudaErrorInvalidConfiguration;
-  if (uint64_t(block.x) * block.y * block.z > kMaxThreadsPerBlock) return cudaErrorInvalidConfiguration;
+    if (g[i] == 0 || b[i] == 0 || g[i] > kMaxGridDim[i] || b[i] > kMaxBlockDim[i])
+      return cudaErrorInvalidConfiguration;
+  if (uint64_t(block.x) * block.y * block.z > kMaxThreadsPerBlock)
+    return cudaErrorInvalidConfiguration;
   size_t limit = kDefaultDynamicShared;
   {
     std::lock_guard<std::mutex> lock(shared_limits_mutex);
@@ -440,7 +459,8 @@ cudaError_t check_config(const void* kernel, dim3 grid, dim3 block, size_t share
 // A launch or memset on the default stream is a bug here: XLA passes the stream to use.
 cudaError_t check_stream(cudaStream_t stream, const std::string& what) {
   if (stream != nullptr) return cudaSuccess;
-  last_failure = "nvfp4 CUDA host model: " + what + ": on the default stream; use the stream XLA passes";
+  last_failure =
+      "nvfp4 CUDA host model: " + what + ": on the default stream; use the stream XLA passes";
   return last_error = cudaErrorLaunchFailure;
 }
 
@@ -457,26 +477,30 @@ cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes) {
   return cudaSuccess;
 }
 
-cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 block, size_t shared,
-                   cudaStream_t stream, const std::function<void()>& thread) {
+cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 block,
+                   size_t shared, cudaStream_t stream, const std::function<void()>& thread) {
   const char* kernel_name = name.c_str();
   if (cudaError_t e = check_stream(stream, "kernel " + name); e != cudaSuccess) return e;
-  if (cudaError_t e = check_config(kernel, grid, block, shared); e != cudaSuccess) return last_error = e;
+  if (cudaError_t e = check_config(kernel, grid, block, shared); e != cudaSuccess)
+    return last_error = e;
   const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
   // Workers: NVFP4_CUDA_HOST_THREADS, else one per core; blocks go to them in turn.
   unsigned workers = std::max(1u, std::thread::hardware_concurrency());
-  if (const char* env = std::getenv("NVFP4_CUDA_HOST_THREADS")) workers = unsigned(std::max(1, std::atoi(env)));
+  if (const char* env = std::getenv("NVFP4_CUDA_HOST_THREADS"))
+    workers = unsigned(std::max(1, std::atoi(env)));
   workers = unsigned(std::min<uint64_t>(workers, blocks));
   std::atomic<uint64_t> next{0};
   LaunchState state;
   auto work = [&] {
-    const SubnormalGuard ieee;  // the GPU kernels keep subnormals (nvcc -ftz=false); fibers inherit it
+    const SubnormalGuard
+        ieee;  // the GPU kernels keep subnormals (nvcc -ftz=false); fibers inherit it
     block_dim = block;
     grid_dim = grid;
     Block b(kernel_name, block, thread, state);
     Block::active() = &b;
     for (uint64_t i; !state.failed && (i = next.fetch_add(1)) < blocks;) {
-      const uint3 index{unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y))};
+      const uint3 index{unsigned(i % grid.x), unsigned(i / grid.x % grid.y),
+                        unsigned(i / (uint64_t(grid.x) * grid.y))};
       if (!b.run(index)) break;
     }
     Block::active() = nullptr;
@@ -493,14 +517,16 @@ cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 
   return last_error = cudaErrorLaunchFailure;
 }
 
-uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width) {
+uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg,
+                       int width) {
   return active_block(op_name(op)).warp_exchange(site, op, mask, value, lane_arg, width);
 }
 
 void syncthreads(const char* site) { active_block("__syncthreads()").syncthreads(site); }
 
 std::string kernel_name(const char* pretty_function) {
-  // GCC: "... [with auto Kernel = name<...>; Args = ...]"; clang: "... [Kernel = &name<...>, Args = ...]".
+  // GCC: "... [with auto Kernel = name<...>; Args = ...]"; clang: "... [Kernel = &name<...>, Args =
+  // ...]".
   const std::string s = pretty_function;
   size_t begin = s.find("Kernel = ");
   if (begin == std::string::npos) return s;
@@ -509,7 +535,8 @@ std::string kernel_name(const char* pretty_function) {
   int depth = 0;
   for (size_t i = begin; i < s.size(); ++i) {
     depth += s[i] == '<' ? 1 : s[i] == '>' ? -1 : 0;
-    if (depth == 0 && (s[i] == ';' || s[i] == ',' || s[i] == ']')) return s.substr(begin, i - begin);
+    if (depth == 0 && (s[i] == ';' || s[i] == ',' || s[i] == ']'))
+      return s.substr(begin, i - begin);
   }
   return s.substr(begin);
 }
@@ -531,13 +558,15 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorInvalidConfiguration:
       return "invalid configuration argument";
     case cudaErrorLaunchFailure:  // the model's own text: kernel, block, thread and cause
-      return nvfp4::host::last_failure.empty() ? "unspecified launch failure" : nvfp4::host::last_failure.c_str();
+      return nvfp4::host::last_failure.empty() ? "unspecified launch failure"
+                                               : nvfp4::host::last_failure.c_str();
   }
   return "unknown error";
 }
 
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
-  if (cudaError_t e = nvfp4::host::check_stream(stream, "cudaMemsetAsync"); e != cudaSuccess) return e;
+  if (cudaError_t e = nvfp4::host::check_stream(stream, "cudaMemsetAsync"); e != cudaSuccess)
+    return e;
   if (ptr == nullptr && bytes > 0) return nvfp4::host::last_error = cudaErrorInvalidValue;
   std::memset(ptr, value, bytes);
   return cudaSuccess;

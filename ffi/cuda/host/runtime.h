@@ -38,7 +38,8 @@ struct uint3 {
 };
 struct dim3 {
   unsigned int x, y, z;
-  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1) : x(vx), y(vy), z(vz) {}
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
+      : x(vx), y(vy), z(vz) {}
 };
 enum cudaError_t {
   cudaSuccess = 0,
@@ -78,19 +79,21 @@ cudaStream_t xla_stream();
 cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes);
 
 // Runs `thread` once per thread of the grid; the launch error, or cudaSuccess once it finished.
-cudaError_t launch(const std::string& kernel_name, const void* kernel, dim3 grid, dim3 block, size_t shared,
-                   cudaStream_t stream, const std::function<void()>& thread);
+cudaError_t launch(const std::string& kernel_name, const void* kernel, dim3 grid, dim3 block,
+                   size_t shared, cudaStream_t stream, const std::function<void()>& thread);
 
 enum class WarpOp { kIdx, kUp, kDown, kXor, kBallot, kSync };
 
 // One lane's part of a warp exchange: waits for the lanes named in `mask`; returns the value this
 // lane receives (the ballot for kBallot).
-uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg, int width);
+uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t value, int lane_arg,
+                       int width);
 void syncthreads(const char* site);
 
 template <typename T>
 T shuffle(const char* site, WarpOp op, unsigned mask, T var, int lane_arg, int width) {
-  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(uint64_t), "shuffle of this type");
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(uint64_t),
+                "shuffle of this type");
   uint64_t bits = 0;
   __builtin_memcpy(&bits, &var, sizeof(T));
   bits = warp_exchange(site, op, mask, bits, lane_arg, width);
@@ -116,10 +119,14 @@ std::string kernel_name(const char* pretty_function);
 
 #define __syncthreads() ::nvfp4::host::syncthreads(NVFP4_HOST_SITE)
 #define __syncwarp(...) ::nvfp4::host::syncwarp(NVFP4_HOST_SITE, ##__VA_ARGS__)
-#define __shfl_sync(...) ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kIdx, __VA_ARGS__)
-#define __shfl_up_sync(...) ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kUp, __VA_ARGS__)
-#define __shfl_down_sync(...) ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kDown, __VA_ARGS__)
-#define __shfl_xor_sync(...) ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kXor, __VA_ARGS__)
+#define __shfl_sync(...) \
+  ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kIdx, __VA_ARGS__)
+#define __shfl_up_sync(...) \
+  ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kUp, __VA_ARGS__)
+#define __shfl_down_sync(...) \
+  ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kDown, __VA_ARGS__)
+#define __shfl_xor_sync(...) \
+  ::nvfp4::host::shfl(NVFP4_HOST_SITE, ::nvfp4::host::WarpOp::kXor, __VA_ARGS__)
 #define __ballot_sync(mask, predicate) ::nvfp4::host::ballot(NVFP4_HOST_SITE, mask, predicate)
 
 namespace nvfp4::host {
@@ -146,12 +153,16 @@ T nvfp4_host_atomic_max(T* address, T value) {
   }
   return old;
 }
-inline unsigned int atomicMax(unsigned int* a, unsigned int v) { return nvfp4_host_atomic_max(a, v); }
+inline unsigned int atomicMax(unsigned int* a, unsigned int v) {
+  return nvfp4_host_atomic_max(a, v);
+}
 inline int atomicMax(int* a, int v) { return nvfp4_host_atomic_max(a, v); }
 inline unsigned long long atomicMax(unsigned long long* a, unsigned long long v) {
   return nvfp4_host_atomic_max(a, v);
 }
-inline unsigned int atomicAdd(unsigned int* a, unsigned int v) { return std::atomic_ref<unsigned int>(*a).fetch_add(v); }
+inline unsigned int atomicAdd(unsigned int* a, unsigned int v) {
+  return std::atomic_ref<unsigned int>(*a).fetch_add(v);
+}
 inline int atomicAdd(int* a, int v) { return std::atomic_ref<int>(*a).fetch_add(v); }
 inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) {
   return std::atomic_ref<unsigned long long>(*a).fetch_add(v);
@@ -167,12 +178,14 @@ inline int atomicCAS(int* a, int compare, int v) {
 }
 
 // ---- device math: min/max of integers as CUDA's overloads (the usual arithmetic conversions) ----
-template <typename A, typename B, std::enable_if_t<std::is_integral_v<A> && std::is_integral_v<B>, int> = 0>
+template <typename A, typename B,
+          std::enable_if_t<std::is_integral_v<A> && std::is_integral_v<B>, int> = 0>
 constexpr std::common_type_t<A, B> max(A a, B b) {
   using C = std::common_type_t<A, B>;
   return C(a) < C(b) ? C(b) : C(a);
 }
-template <typename A, typename B, std::enable_if_t<std::is_integral_v<A> && std::is_integral_v<B>, int> = 0>
+template <typename A, typename B,
+          std::enable_if_t<std::is_integral_v<A> && std::is_integral_v<B>, int> = 0>
 constexpr std::common_type_t<A, B> min(A a, B b) {
   using C = std::common_type_t<A, B>;
   return C(b) < C(a) ? C(b) : C(a);
@@ -180,6 +193,8 @@ constexpr std::common_type_t<A, B> min(A a, B b) {
 
 template <typename Kernel>
 cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attr, int value) {
-  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0) return cudaErrorInvalidValue;
-  return ::nvfp4::host::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), size_t(value));
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0)
+    return cudaErrorInvalidValue;
+  return ::nvfp4::host::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel),
+                                               size_t(value));
 }
