@@ -37,7 +37,10 @@ ffi::Error launch(const char* op, dim3 grid, dim3 block, size_t shared, cudaStre
   host::launch(host::kernel_name(__PRETTY_FUNCTION__), reinterpret_cast<const void*>(Kernel), grid,
                block, shared, stream, [&] { Kernel(args...); });
 #else
-  Kernel<<<grid, block, shared, stream> > >(args...);
+  // clang-format reads a template argument's <<< >>> as template brackets.
+  // clang-format off
+  Kernel<<<grid, block, shared, stream>>>(args...);
+  // clang-format on
 #endif
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess)
     return cuda_error((std::string(op) + " launch failed").c_str(), err);
