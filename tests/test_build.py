@@ -20,6 +20,14 @@ def test_cuda_module_was_built():
     assert _ffi.cuda_module_built()
 
 
+@pytest.mark.skipif(os.environ.get("NVFP4_EXPECT_CUDA_HOST_MODULE") != "1", reason="set by .ci/run and .ci/sanitize")
+def test_cuda_host_model_was_built():
+    # The CUDA kernels on the CPU (NVFP4_CUDA_HOST=ON): without it their tests would only skip.
+    from jax_nvfp4 import _nvfp4_cuda_host
+
+    assert set(_nvfp4_cuda_host.registrations()) == {"nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize"}
+
+
 def test_platforms_without_a_kernel_lower_to_the_reference():
     # Exported for CUDA on this CPU-only machine: where the CUDA module has no
     # kernel for an op, the op must lower to the pure-JAX reference instead.

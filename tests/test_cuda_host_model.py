@@ -107,9 +107,16 @@ def test_launch_limits(grid_y, grid_z, threads, ok):
 
 
 def test_dynamic_shared_memory_limit():
+    """48 KiB without opting in, up to sm_90's 227 KiB with cudaFuncSetAttribute."""
     assert module.probe("shared", 1, 48 * 1024) == [32 * 31 // 2]
-    with pytest.raises(RuntimeError, match="invalid argument"):
+    with pytest.raises(RuntimeError, match="probe launch failed: invalid argument"):
         module.probe("shared", 1, 48 * 1024 + 1)
+    assert module.probe("shared_opt_in", 32, 100 * 1024, 100 * 1024) == [1] * 32
+    with pytest.raises(RuntimeError, match="probe launch failed: invalid argument"):
+        module.probe("shared_opt_in", 32, 100 * 1024 + 1, 100 * 1024)
+    assert module.probe("shared_opt_in", 32, 227 * 1024, 227 * 1024) == [1] * 32
+    with pytest.raises(RuntimeError, match="cudaFuncSetAttribute: invalid argument"):
+        module.probe("shared_opt_in", 32, 0, 227 * 1024 + 1)
 
 
 # Misuse a GPU hangs or corrupts on: the launch fails, naming the kernel, block, thread and cause.

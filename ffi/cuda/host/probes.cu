@@ -56,6 +56,8 @@ __global__ void atomics(unsigned* out) {
   if (threadIdx.x == 0) atomicCAS(&out[2 + blockIdx.x], 0u, blockIdx.x + 1);
 }
 
+__global__ void opt_in_shared(int* out) { out[threadIdx.x] = 1; }
+
 __global__ void mask_leaves_out_caller(int* out) {
   out[threadIdx.x] = __shfl_xor_sync(threadIdx.x == 5 ? 0xFFFFFFDFu : ~0u, int(threadIdx.x), 1);
 }
@@ -96,6 +98,13 @@ ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int
   if (name == "launch")
     return launch<barrier_sum>("probe", dim3(1, unsigned(a), unsigned(b)), unsigned(c), 0, s, o);
   if (name == "shared") return launch<barrier_sum>("probe", 1, 32, size_t(a), s, o);
+  if (name == "shared_opt_in") {  // a bytes of dynamic shared memory after opting in to b
+    const cudaError_t err =
+        cudaFuncSetAttribute(opt_in_shared, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
+    cudaGetLastError();  // the error is returned here, not left for the launch
+    if (err != cudaSuccess) return cuda_error("cudaFuncSetAttribute", err);
+    return launch<opt_in_shared>("probe", 1, 32, size_t(a), s, o);
+  }
   if (name == "default_stream") return launch<barrier_sum>("probe", 1, 32, 0, nullptr, o);
   if (name == "mask_leaves_out_caller")
     return launch<mask_leaves_out_caller>("probe", 1, 32, 0, s, o);

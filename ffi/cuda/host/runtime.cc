@@ -1,10 +1,9 @@
 // The CUDA host execution model's scheduler: blocks on worker threads, each block's threads as
-// fibers (ucontext) on its worker, switched only at __syncthreads() and warp exchanges.
+// fibers (context.h) on its worker, switched only at __syncthreads() and warp exchanges.
 #include "cuda/host/runtime.h"
 
 #include <pthread.h>
 #include <sys/mman.h>
-#include <ucontext.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -16,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/host/context.h"
 #include "nvfp4/subnormal_guard.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -32,8 +32,8 @@ thread_local dim3 block_dim, grid_dim;
 namespace {
 
 thread_local cudaError_t last_error = cudaSuccess;
-thread_local std::string
-    last_failure;  // what ended the last failed launch: cudaGetErrorString's text
+// What ended this thread's last failed launch: cudaGetErrorString's text for it.
+thread_local std::string last_failure;
 
 // A launch's outcome, shared by its workers: the first failure ends it.
 struct LaunchState {
@@ -44,14 +44,13 @@ struct LaunchState {
   void fail(const std::string& what) {
     std::lock_guard<std::mutex> lock(mutex);
     if (failed.exchange(true)) return;
-    message = what;
-    std::fprintf(stderr, "%s\n", what.c_str());
-    std::fflush(stderr);
+    message = what;  // the launch's error text (printing it too would clutter expected failures)
   }
 };
+
 std::atomic<int> sm{90};
-CUstream_st* const kXlaStream =
-    reinterpret_cast<CUstream_st*>(uintptr_t(0x5742));  // never dereferenced
+// The stream handed to the handlers: any non-null value (the model never dereferences it).
+CUstream_st* const kXlaStream = reinterpret_cast<CUstream_st*>(uintptr_t(0x5742));
 
 std::mutex shared_limits_mutex;
 std::map<const void*, size_t> shared_limits;  // cudaFuncSetAttribute's MaxDynamicSharedMemorySize
@@ -89,7 +88,7 @@ std::string hex(unsigned mask) {
 }
 
 struct Fiber {
-  ucontext_t context;
+  Context context;
   char* stack = nullptr;  // kStackBytes above a guard page
   State state = State::kRunnable;
   const char* site = nullptr;  // where it waits
@@ -112,7 +111,9 @@ class Block {
         count_(int(dims.x * dims.y * dims.z)),
         thread_(thread),
         state_(state),
-        fibers_(count_) {
+        fibers_(count_),
+        arrived_((count_ + kWarpSize - 1) / kWarpSize),
+        exited_((count_ + kWarpSize - 1) / kWarpSize) {
     for (Fiber& f : fibers_) {
       void* mem = mmap(nullptr, kStackBytes + kGuard, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -144,25 +145,16 @@ class Block {
   bool run(uint3 index) {
     index_ = index;
     block_idx = index;
-    exited_ = barrier_waiting_ = 0;
+    exited_count_ = barrier_waiting_ = 0;
+    std::fill(arrived_.begin(), arrived_.end(), 0u);
+    std::fill(exited_.begin(), exited_.end(), 0u);
     for (Fiber& f : fibers_) {
       f.state = State::kRunnable;
-      getcontext(&f.context);
-      f.context.uc_stack.ss_sp = f.stack;
-      f.context.uc_stack.ss_size = kStackBytes;
-      f.context.uc_link = nullptr;
-      makecontext(&f.context, &Block::entry, 0);
-#if defined(NVFP4_HOST_ASAN)
-      // ASan's swapcontext clears the shadow of the target's uc_stack on every switch (a 64 KiB
-      // memset for this stack), which would dominate the run; the fiber annotations below tell
-      // ASan about each switch instead, and the stack is not needed once makecontext has used it.
-      f.context.uc_stack.ss_sp = nullptr;
-      f.context.uc_stack.ss_size = 0;
-#endif
+      make_context(f.context, f.stack, kStackBytes, &Block::entry);
     }
     current_ = -1;
     failed_ = false;
-    while (exited_ < count_ && !failed_) {
+    while (exited_count_ < count_ && !failed_) {
       const int next = next_runnable(-1);
       if (next < 0) {
         diagnose_deadlock();
@@ -199,17 +191,19 @@ class Block {
                          int width) {
     const int t = current_, warp = t / kWarpSize, lane = t % kWarpSize;
     const int lanes = std::min(kWarpSize, count_ - warp * kWarpSize);  // the warp's threads
-    const std::string call = std::string(op_name(op)) + " at " + site + " with mask " + hex(mask);
+    auto call = [&] {
+      return std::string(op_name(op)) + " at " + site + " with mask " + hex(mask);
+    };
     if (!(mask >> lane & 1u))
-      fail(t, call + ": the mask leaves out the calling lane " + std::to_string(lane));
+      fail(t, call() + ": the mask leaves out the calling lane " + std::to_string(lane));
     if (lanes < kWarpSize && (mask >> lanes) != 0)
-      fail(t, call + ": the mask names lanes the warp does not have (it has " +
+      fail(t, call() + ": the mask names lanes the warp does not have (it has " +
                   std::to_string(lanes) + ")");
     if (width < 1 || width > kWarpSize || (width & (width - 1)) != 0)
-      fail(t, call + ": width " + std::to_string(width) + " is not a power of 2 up to 32");
-    for (int l = 0; l < kWarpSize; ++l)
-      if ((mask >> l & 1u) && fibers_[warp * kWarpSize + l].state == State::kExited)
-        fail(t, call + ": lane " + std::to_string(l) + " named in the mask has exited");
+      fail(t, call() + ": width " + std::to_string(width) + " is not a power of 2 up to 32");
+    if (const unsigned gone = mask & exited_[warp]; gone != 0)
+      fail(t, call() + ": lane " + std::to_string(__builtin_ctz(gone)) +
+                  " named in the mask has exited");
     Fiber& me = fibers_[t];
     me.state = State::kWarp;
     me.site = site;
@@ -218,6 +212,7 @@ class Block {
     me.value = value;
     me.lane_arg = lane_arg;
     me.width = width;
+    arrived_[warp] |= 1u << lane;
     if (complete(warp)) {
       me.state = State::kRunnable;
       return me.result;
@@ -228,10 +223,13 @@ class Block {
 
   void exit_thread() {
     fibers_[current_].state = State::kExited;
-    ++exited_;
+    exited_[current_ / kWarpSize] |= 1u << (current_ % kWarpSize);
+    ++exited_count_;
     const int next = next_runnable(current_);
 #if defined(NVFP4_HOST_ASAN)
-    // This fiber ends: ASan frees its fake stack (no save slot).
+    // This fiber ends: its frames are never popped, so their redzones are unpoisoned here (the
+    // next block's fiber reuses the stack), and ASan frees its fake stack (no save slot).
+    __asan_handle_no_return();
     if (next < 0)
       __sanitizer_start_switch_fiber(nullptr, main_stack_, main_stack_size_);
     else
@@ -239,10 +237,10 @@ class Block {
 #endif
     if (next < 0) {
       current_ = -1;
-      setcontext(&main_);
+      switch_context(discarded_, main_);
     }
     enter(next);
-    setcontext(&fibers_[next].context);
+    switch_context(discarded_, fibers_[next].context);
   }
 
   // Thread t did what a GPU would hang or corrupt on: the launch fails with this message (the
@@ -261,7 +259,7 @@ class Block {
     __sanitizer_start_switch_fiber(nullptr, main_stack_, main_stack_size_);
 #endif
     current_ = -1;
-    setcontext(&main_);
+    switch_context(discarded_, main_);
   }
 
  private:
@@ -295,7 +293,7 @@ class Block {
   // or to the worker when `to` < 0; returns when the current context is resumed.
   void switch_to(int to) {
     const int from = current_;
-    ucontext_t* from_context = from < 0 ? &main_ : &fibers_[from].context;
+    Context& from_context = from < 0 ? main_ : fibers_[from].context;
 #if defined(NVFP4_HOST_ASAN)
     void** fake = from < 0 ? &main_fake_stack_ : &fibers_[from].fake_stack;
     if (to < 0)
@@ -307,7 +305,7 @@ class Block {
       current_ = -1;
     else
       enter(to);
-    swapcontext(from_context, to < 0 ? &main_ : &fibers_[to].context);
+    switch_context(from_context, to < 0 ? main_ : fibers_[to].context);
 #if defined(NVFP4_HOST_ASAN)
     __sanitizer_finish_switch_fiber(*fake, nullptr, nullptr);
 #endif
@@ -321,12 +319,13 @@ class Block {
   bool complete(int warp) {
     Fiber* lanes = &fibers_[warp * kWarpSize];
     const Fiber& me = fibers_[current_];
+    if ((arrived_[warp] & me.mask) != me.mask) return false;  // some lane is not at an exchange
     for (int l = 0; l < kWarpSize; ++l) {
       if (!(me.mask >> l & 1u)) continue;
       const Fiber& f = lanes[l];
-      if (f.state != State::kWarp || f.mask != me.mask || f.op != me.op ||
-          std::strcmp(f.site, me.site) != 0)
-        return false;  // not there yet, or at another exchange: a deadlock, if it stays so
+      if (f.mask != me.mask || f.op != me.op ||
+          (f.site != me.site && std::strcmp(f.site, me.site) != 0))
+        return false;  // at another exchange: a deadlock, if it stays so
       if (f.width != me.width)
         fail(current_,
              std::string(op_name(me.op)) + " at " + me.site + ": lanes pass different widths");
@@ -349,6 +348,7 @@ class Block {
       }
       f.state = State::kRunnable;
     }
+    arrived_[warp] &= ~me.mask;
     return true;
   }
 
@@ -421,9 +421,14 @@ class Block {
   const std::function<void()>& thread_;
   LaunchState& state_;
   std::vector<Fiber> fibers_;
-  ucontext_t main_;
+  Context main_;
+  // Where a fiber that ends or fails saves its state, never resumed. Not a local: under ASan the
+  // fiber's locals live on its fake stack, which ASan frees as the fiber's last switch begins.
+  Context discarded_;
   uint3 index_{0, 0, 0};
-  int current_ = -1, exited_ = 0, barrier_waiting_ = 0;
+  int current_ = -1, exited_count_ = 0, barrier_waiting_ = 0;
+  // Per warp, the lanes waiting at a warp exchange and the lanes that exited.
+  std::vector<unsigned> arrived_, exited_;
   bool failed_ = false;
 #if defined(NVFP4_HOST_ASAN)
   void* main_fake_stack_ = nullptr;

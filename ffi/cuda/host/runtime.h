@@ -90,18 +90,6 @@ uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t valu
                        int width);
 void syncthreads(const char* site);
 
-template <typename T>
-T shuffle(const char* site, WarpOp op, unsigned mask, T var, int lane_arg, int width) {
-  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(uint64_t),
-                "shuffle of this type");
-  uint64_t bits = 0;
-  __builtin_memcpy(&bits, &var, sizeof(T));
-  bits = warp_exchange(site, op, mask, bits, lane_arg, width);
-  T out;
-  __builtin_memcpy(&out, &bits, sizeof(T));
-  return out;
-}
-
 // The kernel's name from launch<Kernel>'s __PRETTY_FUNCTION__ (its template argument).
 std::string kernel_name(const char* pretty_function);
 
@@ -131,9 +119,17 @@ std::string kernel_name(const char* pretty_function);
 
 namespace nvfp4::host {
 
+// __shfl*_sync of any 4- or 8-byte value, as its bits.
 template <typename T>
 T shfl(const char* site, WarpOp op, unsigned mask, T var, int lane_arg, int width = kWarpSize) {
-  return shuffle(site, op, mask, var, lane_arg, width);
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(uint64_t),
+                "shuffle of this type");
+  uint64_t bits = 0;
+  __builtin_memcpy(&bits, &var, sizeof(T));
+  bits = warp_exchange(site, op, mask, bits, lane_arg, width);
+  T out;
+  __builtin_memcpy(&out, &bits, sizeof(T));
+  return out;
 }
 inline unsigned ballot(const char* site, unsigned mask, int predicate) {
   return unsigned(warp_exchange(site, WarpOp::kBallot, mask, predicate != 0, 0, kWarpSize));
