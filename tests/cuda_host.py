@@ -24,6 +24,11 @@ except ImportError:
     module = None
 
 PREFIX = "cuda_host_"
+# The model runs a launch's blocks on NVFP4_CUDA_HOST_THREADS threads (default: one per core).
+# Under pytest-xdist every core already runs a test process, so one thread a launch; the tests of
+# atomics across blocks ask for more (``threads``).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("NVFP4_CUDA_HOST_THREADS", "1")
 # CI builds the module and sets this, so that a build without it fails instead of skipping.
 REQUIRED = os.environ.get("NVFP4_EXPECT_CUDA_HOST_MODULE") == "1"
 needs_module = pytest.mark.skipif(
@@ -79,6 +84,20 @@ BACKEND = _frontend.Backend(amax=_amax, quantize=_quantize, dequantize=_dequanti
 amax = _frontend.amax_fn(BACKEND)
 quantize = _frontend.quantize_fn(BACKEND)
 dequantize = _frontend.dequantize_fn(BACKEND)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Launches run their blocks on ``n`` threads (atomics across blocks then race for real)."""
+    before = os.environ.get("NVFP4_CUDA_HOST_THREADS")
+    os.environ["NVFP4_CUDA_HOST_THREADS"] = str(n)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["NVFP4_CUDA_HOST_THREADS"]
+        else:
+            os.environ["NVFP4_CUDA_HOST_THREADS"] = before
 
 
 @contextlib.contextmanager

@@ -155,10 +155,14 @@ def test_row_scaled_ragged_shapes(shape, layout, fos):
 
 
 @pytest.mark.parametrize("rht", [False, True])
-@pytest.mark.parametrize("shape", [(1, 32, 300), (2, 48, 33), (3, 16, 1)])
-def test_row_scaled_amax(shape, rht):
+@pytest.mark.parametrize("shape", [(1, 32, 300), (2, 48, 33), (3, 16, 1), (2, 160, 700)])
+def test_amax_with_atomics_across_threads(shape, rht):
+    """The amax kernels fold block maxima with atomicMax; here the blocks run on 4 threads."""
     x = random_tensor(np.random.default_rng(1), shape, np.float32, spread=6.0, specials=("nan", "inf"), frac=1e-3)
-    assert_same_outputs(*both_kernels(lambda backend, x: backend.amax(x, None, rht, True), x))
+    with cuda_host.threads(4):
+        for row_scaled in (False, True):
+            got, want = both_kernels(lambda backend, x, r=row_scaled: backend.amax(x, None, rht, r), x)
+            assert_same_outputs(got, want)
 
 
 @pytest.mark.parametrize("e4m3_max", [448, 256])

@@ -1,5 +1,5 @@
 """The CUDA host execution model itself (ffi/cuda/host): what each warp exchange returns, a real
-__syncthreads(), atomics across blocks, the launch limits of sm_90, the misuse it aborts on (a
+__syncthreads(), atomics across blocks, the launch limits of sm_90, the misuse it fails a launch on (a
 GPU would hang or corrupt), and the host equivalent of sm_100a's E2M1 convert against the
 instruction's documented semantics. The probe kernels are ffi/cuda/host/probes.cu.
 """
@@ -82,13 +82,15 @@ def test_ballot(divisor):
 
 @pytest.mark.parametrize("threads", [32, 100, 1024])
 def test_syncthreads_is_a_barrier(threads):
-    """Thread 0 sums what every thread wrote before the barrier, in each of 5 blocks."""
-    assert module.probe("barrier_sum", 5, 5, threads) == [threads * (threads - 1) // 2] * 5
+    """Thread 0 sums what every thread wrote before the barrier, in each of 5 blocks on 3 workers."""
+    with cuda_host.threads(3):
+        assert module.probe("barrier_sum", 5, 5, threads) == [threads * (threads - 1) // 2] * 5
 
 
 def test_atomics_across_blocks():
     blocks, threads = 37, 96
-    got = module.probe("atomics", 2 + blocks, blocks, threads)
+    with cuda_host.threads(4):
+        got = module.probe("atomics", 2 + blocks, blocks, threads)
     assert got == [blocks * threads, blocks * threads - 1, *range(1, blocks + 1)]
 
 
