@@ -1,6 +1,6 @@
 // Execution contexts of the host model's fibers: a stack and the registers to resume it with.
 // On x86-64 a switch saves and restores only what the ABI requires a callee to keep (rbx, rbp,
-// r12-r15, the stack pointer, MXCSR and the x87 control word), a few nanoseconds; elsewhere it
+// r12-r15, the stack pointer, MXCSR and the x87 control word), with no system call; elsewhere it
 // falls back to ucontext, whose swapcontext also makes a signal-mask system call per switch.
 #pragma once
 
