@@ -62,7 +62,7 @@ def _amax(x, mesh_axes=None, rht: bool = False, row_scaled: bool = False) -> tup
 
 
 def _quantize(x, amax, amax_t, seed, **params) -> tuple:
-    params = {"row_scaled": False, "four_over_six": None, "four_over_six_fast_math": False, "e4m3_max": 448} | params
+    params = primitives.quantize_p.defaults | params  # the options a caller may leave out
     if params["row_scaled"] and amax.ndim == 2:
         amax = amax.reshape(x.shape[:-1])
 

@@ -115,17 +115,23 @@ def test_rht_and_stochastic_rounding_gpu_equals_cpu(shape, dtype, name):
     assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
 
 
-def _quantize_with_options(opts: dict, scale=None):
-    """x [B, M, N] -> (amax, amax_t, *quantize outputs) through the kernel backend, with these options."""
+def quantize_with_options(opts: dict, scale=None):
+    """(backend, x [B, M, N]) -> (amax, amax_t, *quantize outputs): the backend's amaxes (each scaled by
+    ``scale``, if given), then its quantize with these options."""
 
-    def run(x):
-        amaxes = KERNELS.amax(x, None, opts["rht"], opts["row_scaled"])
+    def run(backend, x):
+        amaxes = backend.amax(x, None, opts["rht"], opts["row_scaled"])
         amax, amax_t = amaxes if len(amaxes) == 2 else amaxes * 2
         if scale is not None:
             amax, amax_t = amax * np.float32(scale[0]), amax_t * np.float32(scale[1])
-        return amax, amax_t, *KERNELS.quantize(x, amax, amax_t, SEED, **opts)
+        return amax, amax_t, *backend.quantize(x, amax, amax_t, SEED, **opts)
 
     return run
+
+
+def _quantize_with_options(opts: dict, scale=None):
+    """x [B, M, N] -> (amax, amax_t, *quantize outputs) through the kernel backend, with these options."""
+    return functools.partial(quantize_with_options(opts, scale), KERNELS)
 
 
 def _assert_same_outputs(got, want):

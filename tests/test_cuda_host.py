@@ -19,10 +19,10 @@ from cuda_host import needs_module
 from golden_files import cases, load, option_cases
 from hypothesis import given
 from hypothesis import strategies as st
-from test_cuda import RECIPE_OPTIONS
+from test_cuda import RECIPE_OPTIONS, quantize_with_options
 from test_golden import _assert_golden
 from test_kernels import DTYPES, assert_same_bytes, assert_same_tensor, options, tensors
-from test_kernels_4over6 import COMBINATIONS, SEED, _entries, quantize_cases
+from test_kernels_4over6 import COMBINATIONS, _entries, quantize_cases
 from test_kernels_4over6 import options as fos_options
 
 import jax_nvfp4
@@ -99,24 +99,11 @@ def test_rht_and_stochastic_rounding(shape, dtype, name):
     assert_same_tensor(*both(quantize, x))
 
 
-def _quantize_with_options(opts: dict, scale=None):
-    """(backend, x [B, M, N]) -> (amax, amax_t, *quantize outputs) with these options."""
-
-    def run(backend, x):
-        amaxes = backend.amax(x, None, opts["rht"], opts["row_scaled"])
-        amax, amax_t = amaxes if len(amaxes) == 2 else amaxes * 2
-        if scale is not None:
-            amax, amax_t = amax * np.float32(scale[0]), amax_t * np.float32(scale[1])
-        return amax, amax_t, *backend.quantize(x, amax, amax_t, SEED, **opts)
-
-    return run
-
-
 @given(case=quantize_cases(), sm=st.sampled_from(SMS))
 def test_row_scaled_and_4over6(case, sm):
     """Row-scaled and 4over6 (MAE/MSE, exact/fast math, E 448/256) on random shapes, amaxes and values."""
     x, opts, scale = case
-    assert_same_outputs(*both_kernels(_quantize_with_options(opts, scale), x, sm=sm))
+    assert_same_outputs(*both_kernels(quantize_with_options(opts, scale), x, sm=sm))
 
 
 @pytest.mark.parametrize("layout,fos", COMBINATIONS, ids=[f"{lay}-{fos}" for lay, fos in COMBINATIONS])
@@ -124,7 +111,7 @@ def test_every_option_combination(layout, fos):
     """Each 4over6 and layout combination on [3, 37, 41]: wide values; zeros, subnormals and outliers; inf and NaN."""
     i = COMBINATIONS.index((layout, fos))
     x = _entries(np.random.default_rng(i), (37, 41), DTYPES[i % len(DTYPES)])
-    assert_same_outputs(*both_kernels(_quantize_with_options(fos_options(layout, fos)), x))
+    assert_same_outputs(*both_kernels(quantize_with_options(fos_options(layout, fos)), x))
 
 
 # Ragged and degenerate shapes: one row, one column, odd N, M and N off 16 and off the kernels'
@@ -151,7 +138,7 @@ def test_ragged_shapes(shape, dtype):
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 16, 300), (2, 45, 67), (1, 300, 16)])
 def test_row_scaled_ragged_shapes(shape, layout, fos):
     x = random_tensor(np.random.default_rng(4), shape, np.float32, spread=4.0, specials=("zero", "inf"), frac=0.02)
-    assert_same_outputs(*both_kernels(_quantize_with_options(fos_options(layout, fos)), x))
+    assert_same_outputs(*both_kernels(quantize_with_options(fos_options(layout, fos)), x))
 
 
 @pytest.mark.parametrize("rht", [False, True])
@@ -171,7 +158,7 @@ def test_row_scaled_dequantize(out_dtype, e4m3_max):
     x = random_tensor(np.random.default_rng(2), (2, 45, 67), np.float32, spread=4.0, specials=("zero",), frac=0.05)
     fos = ("mse", True, e4m3_max) if e4m3_max != 448 else None
     amax, amax_t, data, scale, data_t, scale_t = jax.jit(
-        lambda x: _quantize_with_options(fos_options("row_scaled", fos))(KERNELS, x)
+        lambda x: quantize_with_options(fos_options("row_scaled", fos))(KERNELS, x)
     )(x)
 
     def dequantize(backend, data, scale, amax, data_t, scale_t, amax_t):
