@@ -225,22 +225,12 @@ class Block {
     fibers_[current_].state = State::kExited;
     exited_[current_ / kWarpSize] |= 1u << (current_ % kWarpSize);
     ++exited_count_;
-    const int next = next_runnable(current_);
 #if defined(NVFP4_HOST_ASAN)
-    // This fiber ends: its frames are never popped, so their redzones are unpoisoned here (the
-    // next block's fiber reuses the stack), and ASan frees its fake stack (no save slot).
+    // Its frames are never popped, so their redzones are unpoisoned here (the next block's fiber
+    // reuses the stack).
     __asan_handle_no_return();
-    if (next < 0)
-      __sanitizer_start_switch_fiber(nullptr, main_stack_, main_stack_size_);
-    else
-      __sanitizer_start_switch_fiber(nullptr, fibers_[next].stack, kStackBytes);
 #endif
-    if (next < 0) {
-      current_ = -1;
-      switch_context(discarded_, main_);
-    }
-    enter(next);
-    switch_context(discarded_, fibers_[next].context);
+    leave(next_runnable(current_));
   }
 
   // Thread t did what a GPU would hang or corrupt on: the launch fails with this message (the
@@ -254,12 +244,7 @@ class Block {
         kernel_, index_.x, index_.y, index_.z, t, t / kWarpSize, t % kWarpSize);
     state_.fail(head + what);
     failed_ = true;
-    if (current_ < 0) return;
-#if defined(NVFP4_HOST_ASAN)
-    __sanitizer_start_switch_fiber(nullptr, main_stack_, main_stack_size_);
-#endif
-    current_ = -1;
-    switch_context(discarded_, main_);
+    if (current_ >= 0) leave(-1);
   }
 
  private:
@@ -289,27 +274,52 @@ class Block {
     return -1;
   }
 
+  // Fiber t's context, or the worker's when t < 0.
+  Context& context_of(int t) { return t < 0 ? main_ : fibers_[t].context; }
+
+#if defined(NVFP4_HOST_ASAN)
+  // Tells ASan that the running context switches to t's stack (the worker's when t < 0), saving
+  // its fake stack in *fake_stack, or freeing it when fake_stack is null (a context that ends).
+  void start_switch(void** fake_stack, int t) const {
+    if (t < 0)
+      __sanitizer_start_switch_fiber(fake_stack, main_stack_, main_stack_size_);
+    else
+      __sanitizer_start_switch_fiber(fake_stack, fibers_[t].stack, kStackBytes);
+  }
+#endif
+
+  // Makes t (the worker when t < 0) the running context.
+  void set_current(int t) {
+    if (t < 0)
+      current_ = -1;
+    else
+      enter(t);
+  }
+
   // Switches from the current context (a fiber, or the worker when current_ < 0) to fiber `to`,
   // or to the worker when `to` < 0; returns when the current context is resumed.
   void switch_to(int to) {
     const int from = current_;
-    Context& from_context = from < 0 ? main_ : fibers_[from].context;
 #if defined(NVFP4_HOST_ASAN)
     void** fake = from < 0 ? &main_fake_stack_ : &fibers_[from].fake_stack;
-    if (to < 0)
-      __sanitizer_start_switch_fiber(fake, main_stack_, main_stack_size_);
-    else
-      __sanitizer_start_switch_fiber(fake, fibers_[to].stack, kStackBytes);
+    start_switch(fake, to);
 #endif
-    if (to < 0)
-      current_ = -1;
-    else
-      enter(to);
-    switch_context(from_context, to < 0 ? main_ : fibers_[to].context);
+    set_current(to);
+    switch_context(context_of(from), context_of(to));
 #if defined(NVFP4_HOST_ASAN)
     __sanitizer_finish_switch_fiber(*fake, nullptr, nullptr);
 #endif
     if (from >= 0) enter(from);  // resumed
+  }
+
+  // The current fiber ends (it exited or failed) and `to` runs (the worker when `to` < 0); its
+  // state goes to discarded_, never resumed. Does not return.
+  void leave(int to) {
+#if defined(NVFP4_HOST_ASAN)
+    start_switch(nullptr, to);  // ASan frees this fiber's fake stack
+#endif
+    set_current(to);
+    switch_context(discarded_, context_of(to));
   }
 
   // The current fiber waits: another runnable one runs, or the worker (deadlock check) takes over.
