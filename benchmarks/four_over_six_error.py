@@ -1,6 +1,6 @@
 """Quantization error of every NVFP4 layer's x, W and dy in the example, with and without 4over6.
 
-4over6 (``jax_nvfp4.quantize(four_over_six="mse" | "mae")``, ``Recipe(four_over_six=...)``) quantizes each
+4over6 (``jax_nvfp4.quantize(four_over_six_error="mse" | "mae")``, ``Recipe(four_over_six=...)``) quantizes each
 16-value block twice, its max on E2M1's 6 and, with a 1.5x larger block scale, on 4, and keeps the candidate
 with the smaller squared (MSE) or absolute (MAE) error; its global scale aims the block scales at E4M3 256
 instead of 448, leaving room for the larger scale.
@@ -42,8 +42,8 @@ import matplotlib.pyplot as plt
 # The quantizations compared: keyword arguments of jax_nvfp4.quantize.
 MODES = {
     "plain": {},
-    "4o6 MSE": {"four_over_six": "mse", "e4m3_max": 256},
-    "4o6 MAE": {"four_over_six": "mae", "e4m3_max": 256},
+    "4o6 MSE": {"four_over_six_error": "mse", "e4m3_max": 256},
+    "4o6 MAE": {"four_over_six_error": "mae", "e4m3_max": 256},
 }
 # The quantized copies: x and dy rowwise (forward / dgrad GEMM) and columnwise (wgrad GEMM), W in 16x16 blocks.
 COPIES = ("x", "x^T", "W", "dy", "dy^T")
@@ -161,7 +161,7 @@ def main() -> None:
             f"step's batch ({args.batch}x{args.seq_len} tokens) and its W^T [out, in] (bf16). Error: "
             "||dequantize(quantize(t)) - t||² / ||t||², averaged over those steps; ratio: that mean with 4over6 "
             "over the plain one (below 1: 4over6 is more accurate). plain: round to nearest, E4M3 max 448; "
-            '4o6: `four_over_six="mse"` / `"mae"`, E4M3 max 256. x and dy: 1x16 blocks along the features '
+            '4o6: `four_over_six_error="mse"` / `"mae"`, E4M3 max 256. x and dy: 1x16 blocks along the features '
             "(the forward / dgrad operand); x^T, dy^T: their columnwise copies, 1x16 blocks along the tokens (the "
             "wgrad operands); W: 16x16 blocks.",
             "",

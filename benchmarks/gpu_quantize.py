@@ -109,8 +109,8 @@ def main() -> None:
     variants = (  # (x, key) -> quantized; the key is an argument, not a constant folded into the program
         lambda x, k: q(x, rht=True),
         lambda x, k: q(x, rht=True, rht_amax_estimate=2.0),
-        lambda x, k: q(x, stochastic_rounding_key=k),
-        lambda x, k: q(x, rht=True, stochastic_rounding_key=k),
+        lambda x, k: q(x, rng_key=k),
+        lambda x, k: q(x, rht=True, rng_key=k),
     )
     key = jax.random.key(1)
     for size in map(int, args.sizes.split(",")):
@@ -135,7 +135,7 @@ def four_over_six_table(report: Report, args: argparse.Namespace) -> None:
         for block_2d in (False, True):
             q = functools.partial(jax_nvfp4.quantize, columnwise=True, block_2d=block_2d)
             variants = [
-                functools.partial(q, four_over_six=mode, four_over_six_fast_math=fast, e4m3_max=256)
+                functools.partial(q, four_over_six_error=mode, four_over_six_fast_math=fast, e4m3_max=256)
                 for mode in ("mse", "mae")
                 for fast in (False, True)
             ]
@@ -151,7 +151,9 @@ def four_over_six_table(report: Report, args: argparse.Namespace) -> None:
                 ratios += [None, None]
             else:
                 per_token = functools.partial(q, row_scaled=True)
-                both = functools.partial(per_token, four_over_six="mse", four_over_six_fast_math=True, e4m3_max=256)
+                both = functools.partial(
+                    per_token, four_over_six_error="mse", four_over_six_fast_math=True, e4m3_max=256
+                )
                 ratios += [median_seconds(jax.jit(fn), x, repeats=args.repeats) / plain_s for fn in (per_token, both)]
             cells = " | ".join("-" if r is None else f"{r:.2f}x" for r in ratios)
             report.add(f"| {size}x{size} | {'16x16' if block_2d else '1x16'} | {plain_s * 1e3:.3f} | {cells} |")

@@ -90,7 +90,7 @@ def relative_error(z: jax.Array, amax: jax.Array) -> jax.Array:
 def measure(x: jax.Array, factor: float) -> dict[str, jax.Array]:
     """Pre-RHT amax, true and estimated post-RHT amax of x's wgrad copy, and the copy's error with each."""
     true = jax_nvfp4.quantize(x, rowwise=False, columnwise=True, rht=True).amax_t
-    estimate = jax_nvfp4.quantize(x, rowwise=False, columnwise=True, rht=True, rht_amax_estimate=factor).amax_t
+    estimate = jax_nvfp4.quantize(x, rowwise=False, columnwise=True, rht=True, rht_amax_factor=factor).amax_t
     z = rht_copy(x)
     return {
         "pre": jax_nvfp4.amax(x),

@@ -476,7 +476,7 @@ def describe(run: str, args: argparse.Namespace) -> str:
     if recipe.four_over_six != "none":
         operands = {"weights": "W", "activations": "x", "all": "x, W, dy"}[recipe.four_over_six]
         parts.append(
-            f"4over6 ({operands}; {recipe.four_over_six_error.upper()}, E4M3 max {recipe.four_over_six_e4m3_max}"
+            f"4over6 ({operands}; {recipe.four_over_six_error.upper()}, E4M3 max {recipe.e4m3_max}"
             + (", fast math" if recipe.four_over_six_fast_math else "")
             + ")"
         )

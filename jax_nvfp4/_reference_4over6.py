@@ -7,7 +7,7 @@ smaller error is kept, ties keep map-6. Numerics as ``tests/golden/README.md``:
 
 - base = fp32(bamax / 6) * ges (not bamax * fp32(ges / 6) as without 4over6);
   s6 = E4M3(clamp(base, +-448)), s4 = E4M3(clamp(fp32(base * 1.5), +-448)). The
-  clamp stays 448 whatever ``e4m3_max`` (which only changes ges and the divisor).
+  clamp stays 448 whatever the spec's range E (which only changes ges and the divisor).
 - Per element, with q the candidate's E2M1 value and s its decoded scale (q * s
   is exact: at most 8 significant bits, within [2^-10, 2688]):
   exact mode: d = fp32(fp32(q * s * amax) / fp32(6 E)) - x;
@@ -30,7 +30,7 @@ from jax import lax
 
 from jax_nvfp4 import _bits as b
 from jax_nvfp4._codecs import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode
-from jax_nvfp4._options import FOUR_OVER_SIX_MODES as ERROR_MODES
+from jax_nvfp4.spec import FOUR_OVER_SIX_ERRORS as ERROR_MODES
 
 _F32_SIX = 0x40C00000
 _F32_THREE_HALVES = 0x3FC00000

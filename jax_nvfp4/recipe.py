@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Literal
 
-from jax_nvfp4._options import (
-    E4M3_MAX_CHOICES,
-    FOUR_OVER_SIX_MODES,
-    check_choice,
-    check_flag,
-    check_mesh_axes,
-    check_positive_factor,
-)
+from jax_nvfp4._checks import check_choice, check_flag, check_mesh_axes, check_positive_factor
+from jax_nvfp4.formats import BLOCK
+from jax_nvfp4.spec import E4M3_MAX_CHOICES, FOUR_OVER_SIX_ERRORS, E4M3Max, FourOverSixError, QuantizeSpec
 
-FOUR_OVER_SIX_OPERANDS = ("none", "weights", "activations", "all")
+FourOverSixOperands = Literal["none", "weights", "activations", "all"]
+FOUR_OVER_SIX_OPERANDS: tuple[FourOverSixOperands, ...] = ("none", "weights", "activations", "all")
 """Which operands ``Recipe.four_over_six`` quantizes with 4over6: W, x, or x, W and dy."""
 
 
@@ -60,9 +58,11 @@ class Recipe:
       four_over_six_error: "mse" or "mae": the error 4over6 compares.
       four_over_six_fast_math: measure that error in the scaled domain (the
         CUDA kernel's fast path) instead of on the dequantized values.
-      four_over_six_e4m3_max: 256 (default) or 448: the block-scale range the
-        4over6 operands' global scale aims at; 256 leaves room for map-4's 1.5x
-        larger scale below E4M3's 448.
+      e4m3_max: 256 (default) or 448: the block-scale range the 4over6
+        operands' global scale aims at; 256 leaves room for map-4's 1.5x larger
+        scale below E4M3's 448. The other operands use 448, the only range
+        defined without 4over6. (``four_over_six_e4m3_max``: its deprecated
+        spelling.)
       row_scaled_activations: per-token NVFP4 for x: each token (row) gets its
         own global amax, and x's columnwise copy (the wgrad operand) one per
         feature. The GEMMs run with a neutral global scale and multiply each
@@ -78,14 +78,20 @@ class Recipe:
     rht_amax_factor_dy: float = 1.0
     stochastic_rounding: bool = True
     amax_mesh_axes: tuple[str, ...] | None = None
-    four_over_six: str = "none"
-    four_over_six_error: str = "mse"
+    four_over_six: FourOverSixOperands = "none"
+    four_over_six_error: FourOverSixError = "mse"
     four_over_six_fast_math: bool = False
-    four_over_six_e4m3_max: int = 256
+    e4m3_max: E4M3Max = 256
     row_scaled_activations: bool = False
     row_scaled_gradients: bool = False
+    four_over_six_e4m3_max: dataclasses.InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, four_over_six_e4m3_max: int | None) -> None:
+        if four_over_six_e4m3_max is not None:
+            warnings.warn(
+                "Recipe: four_over_six_e4m3_max= is deprecated, use e4m3_max=", DeprecationWarning, stacklevel=3
+            )
+            object.__setattr__(self, "e4m3_max", four_over_six_e4m3_max)
         flags = ("weight_block_2d", "rht", "rht_amax_estimate", "stochastic_rounding", "four_over_six_fast_math")
         for name in (*flags, "row_scaled_activations", "row_scaled_gradients"):
             object.__setattr__(self, name, check_flag(f"Recipe.{name}", getattr(self, name)))
@@ -98,8 +104,8 @@ class Recipe:
     def _check_four_over_six(self) -> None:
         choices = (
             ("four_over_six", FOUR_OVER_SIX_OPERANDS, None),
-            ("four_over_six_error", FOUR_OVER_SIX_MODES, None),
-            ("four_over_six_e4m3_max", E4M3_MAX_CHOICES, "448 or 256"),
+            ("four_over_six_error", FOUR_OVER_SIX_ERRORS, None),
+            ("e4m3_max", E4M3_MAX_CHOICES, "448 or 256"),
         )
         for name, options, expected in choices:
             object.__setattr__(self, name, check_choice(f"Recipe.{name}", getattr(self, name), options, expected))
@@ -109,7 +115,47 @@ class Recipe:
                 "stochastic_rounding=False, or four_over_six='weights' / 'activations' to keep dy's stochastic rounding"
             )
 
+    @property
+    def needs_rng_key(self) -> bool:
+        """Whether the backward pass draws random bits (stochastic rounding of dy): dot_general needs a key."""
+        return self.stochastic_rounding
+
+    def check_rng_key(self, key) -> None:
+        """Raise ValueError if the backward pass needs a key and ``key`` is None, saying where one comes from."""
+        if self.needs_rng_key and key is None:
+            raise ValueError(
+                "Recipe(stochastic_rounding=True) rounds the gradients with random bits: pass rng_key= to "
+                "jax_nvfp4.dot_general (a fresh key each step), give the Flax layers an 'nvfp4' RNG stream "
+                "(linen: apply(..., rngs={'nvfp4': key}); NNX: "
+                "dot_general=jax_nvfp4.flax.nnx.NVFP4DotGeneral(rngs=rngs) instead of jax_nvfp4.dot_general), "
+                "or use Recipe(stochastic_rounding=False)"
+            )
+
     def four_over_six_for(self, operand: str) -> str | None:
         """The 4over6 error mode for operand "x", "w" or "dy", or None where it is quantized without 4over6."""
         chosen = {"none": (), "weights": ("w",), "activations": ("x",), "all": ("x", "w", "dy")}[self.four_over_six]
         return self.four_over_six_error if operand in chosen else None
+
+    def spec(self, operand: Literal["x", "w", "dy"], *, columnwise: bool, tokens: int) -> QuantizeSpec:
+        """How the recipe quantizes operand "x", "w" or "dy" of y = x W: its ``QuantizeSpec``.
+
+        ``columnwise``: whether its columnwise copy (a backward-pass operand)
+        is made too; ``tokens``: the rows of x and dy, whose wgrad copies are
+        transformed (``rht``) where they are whole chunks of 16.
+        """
+        mode = self.four_over_six_for(operand)
+        rht = self.rht and operand != "w" and columnwise and tokens % BLOCK == 0
+        factor = {"x": self.rht_amax_factor_x, "dy": self.rht_amax_factor_dy}.get(operand)
+        return QuantizeSpec(
+            rowwise=True,
+            columnwise=columnwise,
+            block_2d=operand == "w" and self.weight_block_2d,
+            rht=rht,
+            rht_amax_factor=factor if rht and self.rht_amax_estimate else None,
+            stochastic_rounding=operand == "dy" and self.stochastic_rounding,
+            row_scaled={"x": self.row_scaled_activations, "dy": self.row_scaled_gradients}.get(operand, False),
+            four_over_six_error=mode,
+            four_over_six_fast_math=mode is not None and self.four_over_six_fast_math,
+            e4m3_max=self.e4m3_max if mode is not None else 448,
+            amax_mesh_axes=self.amax_mesh_axes,
+        )

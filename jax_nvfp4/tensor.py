@@ -8,6 +8,8 @@ import math
 import jax
 import numpy as np
 
+from jax_nvfp4.spec import QuantizeSpec
+
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +26,15 @@ class NVFP4Tensor:
       scale_t float8_e4m3fn [N, ceil(M/16)].
       amax_t  float32 [] (the columnwise copy's amax); row-scaled: float32 [N],
               the amax of each row of x^T (column of x, of its transform with ``rht``).
-    Static metadata: ``shape``, ``dtype`` (of the quantized input), ``block_2d``,
-    ``rht`` (the columnwise copy is of the Random Hadamard Transform of x^T),
-    ``row_scaled`` (``amax`` / ``amax_t`` are per row), ``e4m3_max`` (E, 448, or
-    256 with 4over6: every global decode scale is amax / (6 E)).
+    Static metadata: ``shape``, ``dtype`` (of the quantized input) and ``spec``,
+    the ``QuantizeSpec`` it was quantized with (``block_2d``, ``rht``,
+    ``row_scaled`` and ``e4m3_max`` read from it: every global decode scale
+    is amax / (6 E), E = ``e4m3_max``).
+
+    ``batched`` (made by ``dot_general``, not by ``quantize``): ``shape[0]`` is
+    a batch of B independent tensors [*R, N], each with its own columnwise copy:
+    data_t [B, N, *R[:-1], ceil(R[-1]/2)] (scale_t alike), amax and amax_t [B],
+    or per row [B, *R] and [B, N].
     """
 
     data: jax.Array | None
@@ -38,10 +45,8 @@ class NVFP4Tensor:
     amax_t: jax.Array | None
     shape: tuple[int, ...]
     dtype: np.dtype
-    block_2d: bool = False
-    rht: bool = False
-    row_scaled: bool = False
-    e4m3_max: int = 448
+    spec: QuantizeSpec = dataclasses.field(default_factory=QuantizeSpec)
+    batched: bool = False
 
     @property
     def rows(self) -> int:
@@ -53,10 +58,25 @@ class NVFP4Tensor:
         """N: the last axis."""
         return self.shape[-1]
 
+    # Shorthands for the spec fields that decide how the tensor decodes.
+    block_2d = property(lambda self: self.spec.block_2d)
+    rht = property(lambda self: self.spec.rht)
+    row_scaled = property(lambda self: self.spec.row_scaled)
+    e4m3_max = property(lambda self: self.spec.e4m3_max)
+
     def tree_flatten(self):
         children = (self.data, self.scale, self.amax, self.data_t, self.scale_t, self.amax_t)
-        return children, (self.shape, self.dtype, self.block_2d, self.rht, self.row_scaled, self.e4m3_max)
+        return children, (self.shape, self.dtype, self.spec, self.batched)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(*children, *aux)
+
+
+def check_tensor(name: str, t) -> NVFP4Tensor:
+    """``t`` if it is an NVFP4Tensor quantize made (not a batch), else an error naming the argument."""
+    if not isinstance(t, NVFP4Tensor):
+        raise TypeError(f"{name} must be an NVFP4Tensor (from quantize), got {type(t).__name__}")
+    if t.batched:
+        raise ValueError(f"{name} is a batch of tensors (dot_general's operands), not one from quantize")
+    return t

@@ -56,7 +56,8 @@ def columnwise_as_rowwise(t):
 
     return jax_nvfp4.NVFP4Tensor(
         t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype,
-        row_scaled=t.row_scaled, e4m3_max=t.e4m3_max,
+        spec=jax_nvfp4.QuantizeSpec(row_scaled=t.row_scaled, four_over_six_error=t.spec.four_over_six_error,
+                                    e4m3_max=t.e4m3_max),
     )  # fmt: skip
 
 

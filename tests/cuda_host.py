@@ -2,7 +2,8 @@
 CUDA FFI handlers over the host execution model (ffi/cuda/host; CMake option NVFP4_CUDA_HOST).
 
 The handlers are registered for the CPU platform under ``cuda_host_<target>`` and called with the
-operands and attributes the primitives pass the CPU and GPU kernels, so ``quantize``,
+operands and attributes the primitives pass the CPU and GPU kernels (each op's abstract evaluation and
+FFI attributes, from its file in ``jax_nvfp4.ops``), so ``quantize``,
 ``dequantize`` and ``amax`` here are the public API running the CUDA kernels.
 """
 
@@ -13,10 +14,13 @@ import functools
 import os
 
 import jax
-import numpy as np
 import pytest
 
-from jax_nvfp4 import _frontend, primitives
+from jax_nvfp4 import _frontend
+from jax_nvfp4._backend import Backend, amax_on_rows, quantize_on_rows
+from jax_nvfp4.ops import amax as amax_op
+from jax_nvfp4.ops import dequantize as dequantize_op
+from jax_nvfp4.ops import quantize as quantize_op
 
 try:
     from jax_nvfp4 import _nvfp4_cuda_host as module
@@ -50,37 +54,28 @@ def _call(target: str, results, *operands, **attrs):
     return jax.ffi.ffi_call(PREFIX + target, types)(*operands, **attrs)
 
 
-def _amax(x, mesh_axes=None, rht: bool = False, row_scaled: bool = False) -> tuple:
-    def bind(x3):
-        results = primitives._amax_abstract(x3, mesh_axes=None, rht=rht, row_scaled=row_scaled)
-        return _call("nvfp4_amax", results, x3, rht=rht, row_scaled=row_scaled)
+def _amax(x, **params) -> tuple:
+    def bind(x3, **params):
+        results = amax_op._abstract(x3, **params)
+        return _call("nvfp4_amax", results, x3, **amax_op.amax_p.ffi_attrs(**params))
 
-    outs = primitives._amax_on_rows(bind, x, mesh_axes=mesh_axes, rht=rht, row_scaled=row_scaled)
-    if row_scaled:
-        return outs[0].reshape(x.shape[0], -1), outs[1]
-    return tuple(outs)
+    return amax_on_rows(bind)(x, **params)
 
 
-def _quantize(x, amax, amax_t, seed, **params) -> tuple:
-    params = primitives.quantize_p.defaults | params  # the options a caller may leave out
-    if params["row_scaled"] and amax.ndim == 2:
-        amax = amax.reshape(x.shape[:-1])
+def _quantize(x, amax, amax_t, seed, *, spec) -> tuple:
+    def bind(x3, amax, amax_t, seed, *, spec):
+        results = quantize_op._abstract(x3, amax, amax_t, seed, spec=spec)
+        return _call("nvfp4_quantize", results, x3, amax, amax_t, seed, **spec.kernel_attrs())
 
-    def bind(x3, amax, amax_t, seed):
-        results = primitives._quantize_abstract(x3, amax, amax_t, seed, **params)
-        attrs = dict(params, four_over_six=np.int32(primitives.FOUR_OVER_SIX_CODES[params["four_over_six"]]))
-        attrs["e4m3_max"] = np.int32(params["e4m3_max"])
-        return _call("nvfp4_quantize", results, x3, amax, amax_t, seed, **attrs)
-
-    return tuple(primitives._quantize_on_rows(bind, x, amax, amax_t, seed, **params))
+    return quantize_on_rows(bind)(x, amax, amax_t, seed, spec=spec)
 
 
-def _dequantize(data, scale, amax, *, cols, dtype, e4m3_max=448):
-    results = primitives._dequantize_abstract(data, scale, amax, cols=cols, dtype=dtype, e4m3_max=e4m3_max)
-    return _call("nvfp4_dequantize", results, data, scale, amax, e4m3_max=np.int32(e4m3_max))[0]
+def _dequantize(data, scale, amax, **params):
+    results = dequantize_op._abstract(data, scale, amax, **params)
+    return _call("nvfp4_dequantize", results, data, scale, amax, **dequantize_op.dequantize_p.ffi_attrs(**params))[0]
 
 
-BACKEND = _frontend.Backend(amax=_amax, quantize=_quantize, dequantize=_dequantize)
+BACKEND = Backend(amax=_amax, quantize=_quantize, dequantize=_dequantize)
 amax = _frontend.amax_fn(BACKEND)
 quantize = _frontend.quantize_fn(BACKEND)
 dequantize = _frontend.dequantize_fn(BACKEND)

@@ -44,7 +44,7 @@ def load(name: str):
         options["row_scaled"] = True
     if bool(g["use_4over6"]):
         # err_mode, fast_math and e4m3_max take effect only with 4over6 (the reference forces 448 without).
-        options["four_over_six"] = str(g["err_mode"]).lower()
+        options["four_over_six_error"] = str(g["err_mode"]).lower()
         options["four_over_six_fast_math"] = bool(g["fast_math"])
         options["e4m3_max"] = int(g["e4m3_max"])
     return g, jnp.asarray(g["x"]).astype(dtype), options

@@ -43,7 +43,7 @@ def test_layout_of_a_rank_3_input(impl):
 def _reshaped(t, shape):
     return jax_nvfp4.NVFP4Tensor(
         t.data.reshape(*shape[:-1], -1), t.scale.reshape(*shape[:-1], -1), t.amax,
-        t.data_t, t.scale_t, t.amax_t, shape, t.dtype, t.block_2d,
+        t.data_t, t.scale_t, t.amax_t, shape, t.dtype, t.spec,
     )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from test_kernels_4over6 import options as fos_options
 
 import jax_nvfp4
 from jax_nvfp4 import _ffi
-from jax_nvfp4.primitives import KERNELS
+from jax_nvfp4.ops import KERNELS
 
 
 def _devices(platform: str) -> list:
@@ -88,13 +88,13 @@ def test_large_and_ragged_shapes(shape, dtype):
         assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
 
 
-# The recipe's options on the quantize kernels; "stochastic" takes a fixed key.
+# The recipe's options on the quantize kernels; "stochastic_rounding" takes a fixed key.
 RECIPE_OPTIONS = {
     "rht": {"rht": True},
-    "rht-estimate": {"rht": True, "rht_amax_estimate": 2.0},
-    "sr": {"stochastic": True},
-    "rht-sr": {"rht": True, "stochastic": True},
-    "sr-16x16": {"block_2d": True, "stochastic": True},
+    "rht-estimate": {"rht": True, "rht_amax_factor": 2.0},
+    "sr": {"stochastic_rounding": True},
+    "rht-sr": {"rht": True, "stochastic_rounding": True},
+    "sr-16x16": {"block_2d": True, "stochastic_rounding": True},
 }
 
 
@@ -104,13 +104,13 @@ RECIPE_OPTIONS = {
 def test_rht_and_stochastic_rounding_gpu_equals_cpu(shape, dtype, name):
     """The same key and input give the same bytes on both (the transform's amax pass included)."""
     opts = dict(RECIPE_OPTIONS[name])
-    stochastic = opts.pop("stochastic", False)
+    stochastic = opts.pop("stochastic_rounding", False)
     rng = np.random.default_rng(3)
     x = jnp.asarray(random_tensor(rng, shape, dtype, spread=3, specials=("zero", "subnormal"), frac=0.05))
 
     def quantize(x):
         key = jax.random.key(11) if stochastic else None
-        return jax_nvfp4.quantize(x, columnwise=True, stochastic_rounding_key=key, **opts)
+        return jax_nvfp4.quantize(x, columnwise=True, rng_key=key, **opts)
 
     assert_same_tensor(on(GPUS[0], quantize, x), on(CPU, quantize, x))
 
@@ -120,11 +120,11 @@ def quantize_with_options(opts: dict, scale=None):
     ``scale``, if given), then its quantize with these options."""
 
     def run(backend, x):
-        amaxes = backend.amax(x, None, opts["rht"], opts["row_scaled"])
+        amaxes = backend.amax(x, amax_mesh_axes=None, rht_amax=opts["rht"], per_row=opts["row_scaled"])
         amax, amax_t = amaxes if len(amaxes) == 2 else amaxes * 2
         if scale is not None:
             amax, amax_t = amax * np.float32(scale[0]), amax_t * np.float32(scale[1])
-        return amax, amax_t, *backend.quantize(x, amax, amax_t, SEED, **opts)
+        return amax, amax_t, *backend.quantize(x, amax, amax_t, SEED, spec=jax_nvfp4.QuantizeSpec(**opts))
 
     return run
 
@@ -161,7 +161,7 @@ def test_row_scaled_amax_gpu_equals_cpu(shape, rht):
     x = random_tensor(np.random.default_rng(1), shape, np.float32, spread=6.0, specials=("nan", "inf"), frac=1e-4)
 
     def amax(x):
-        return KERNELS.amax(x, None, rht, True)
+        return KERNELS.amax(x, amax_mesh_axes=None, rht_amax=rht, per_row=True)
 
     _assert_same_outputs(on(GPUS[0], amax, x), on(CPU, amax, x))
 

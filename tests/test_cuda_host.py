@@ -26,7 +26,7 @@ from test_kernels_4over6 import COMBINATIONS, _entries, quantize_cases
 from test_kernels_4over6 import options as fos_options
 
 import jax_nvfp4
-from jax_nvfp4.primitives import KERNELS
+from jax_nvfp4.ops import KERNELS
 
 pytestmark = needs_module
 # Hopper (sm_90, the software E2M1 rounding) and sm_100a (its FP4 convert instruction, through
@@ -89,12 +89,12 @@ def test_dequantize_and_amax(x, out_dtype, block_2d):
 def test_rht_and_stochastic_rounding(shape, dtype, name):
     """The RHT with its fused and its estimated amax, and stochastic rounding: the same key, the same bytes."""
     opts = dict(RECIPE_OPTIONS[name])
-    stochastic = opts.pop("stochastic", False)
+    stochastic = opts.pop("stochastic_rounding", False)
     x = random_tensor(np.random.default_rng(3), shape, dtype, spread=3, specials=("zero", "subnormal"), frac=0.05)
 
     def quantize(api, x):
         key = jax.random.key(11) if stochastic else None
-        return api.quantize(x, columnwise=True, stochastic_rounding_key=key, **opts)
+        return api.quantize(x, columnwise=True, rng_key=key, **opts)
 
     assert_same_tensor(*both(quantize, x))
 
@@ -148,7 +148,9 @@ def test_amax_with_atomics_across_threads(shape, rht):
     x = random_tensor(np.random.default_rng(1), shape, np.float32, spread=6.0, specials=("nan", "inf"), frac=1e-3)
     with cuda_host.threads(4):
         for row_scaled in (False, True):
-            got, want = both_kernels(lambda backend, x, r=row_scaled: backend.amax(x, None, rht, r), x)
+            got, want = both_kernels(
+                lambda backend, x, r=row_scaled: backend.amax(x, amax_mesh_axes=None, rht_amax=rht, per_row=r), x
+            )
             assert_same_outputs(got, want)
 
 

@@ -245,7 +245,7 @@ def test_full_recipe_gemms_use_the_transform_and_stochastic_rounding():
     x, w, dy = _problem()
     key = jax.random.key(5)
     y, dx, dw = jax.jit(functools.partial(_grads, functools.partial(jax_nvfp4.dot_general, rng_key=key)))(x, w, dy)
-    qdy = quantize(dy, columnwise=True, rht=True, stochastic_rounding_key=key)
+    qdy = quantize(dy, columnwise=True, rht=True, rng_key=key)
     qx = quantize(x, columnwise=True, rht=True)
 
     assert_same_bytes(y, gemm(quantize(x), quantize(w.T, block_2d=True), y.dtype))

@@ -28,15 +28,15 @@ def _fos(recipe: Recipe, operand: str) -> dict:
     if mode is None:
         return {}
     return {
-        "four_over_six": mode,
+        "four_over_six_error": mode,
         "four_over_six_fast_math": recipe.four_over_six_fast_math,
-        "e4m3_max": recipe.four_over_six_e4m3_max,
+        "e4m3_max": recipe.e4m3_max,
     }
 
 
 @pytest.mark.parametrize("operands", ["weights", "activations", "all"])
 @pytest.mark.parametrize(
-    "error", [{}, {"four_over_six_error": "mae", "four_over_six_fast_math": True, "four_over_six_e4m3_max": 448}]
+    "error", [{}, {"four_over_six_error": "mae", "four_over_six_fast_math": True, "e4m3_max": 448}]
 )
 def test_four_over_six_gemms_are_those_of_quantize(operands, error):
     recipe = Recipe(four_over_six=operands, **error, **PLAIN)
@@ -62,7 +62,7 @@ def test_four_over_six_activations_with_the_full_recipe():
     y, dx, dw = jax.jit(functools.partial(_grads, _dot(recipe, key)))(x, w, dy)
     fx = _fos(recipe, "x")
     qx = quantize(x, columnwise=True, rht=True, **fx)
-    qdy = quantize(dy, columnwise=True, rht=True, stochastic_rounding_key=key)
+    qdy = quantize(dy, columnwise=True, rht=True, rng_key=key)
     assert_same_bytes(y, gemm(qx, quantize(w.T, block_2d=True), y.dtype))
     assert_same_bytes(dx, gemm(qdy, quantize(w, block_2d=True), x.dtype))
     assert_same_bytes(dw, gemm(columnwise_as_rowwise(qdy), columnwise_as_rowwise(qx), w.dtype).T)
@@ -95,7 +95,7 @@ def test_row_scaled_full_recipe_with_the_transform_and_stochastic_rounding():
     x, w, dy = _problem()
     key = jax.random.key(5)
     y, dx, dw = jax.jit(functools.partial(_grads, _dot(recipe, key)))(x, w, dy)
-    qdy = quantize(dy, columnwise=True, rht=True, row_scaled=True, stochastic_rounding_key=key)
+    qdy = quantize(dy, columnwise=True, rht=True, row_scaled=True, rng_key=key)
     qx = quantize(x, columnwise=True, rht=True, row_scaled=True)
     assert_same_bytes(y, gemm(qx, quantize(w.T, block_2d=True), y.dtype))
     assert_same_bytes(dx, gemm(qdy, quantize(w, block_2d=True), x.dtype))
@@ -156,7 +156,7 @@ def test_recipe_option_errors():
     with pytest.raises(ValueError, match="four_over_six_error"):
         Recipe(four_over_six="weights", four_over_six_error="l1")
     with pytest.raises(ValueError, match="448 or 256"):
-        Recipe(four_over_six_e4m3_max=300)
+        Recipe(e4m3_max=300)
     with pytest.raises(TypeError, match="row_scaled_activations must be a bool"):
         Recipe(row_scaled_activations=1)
     assert Recipe(four_over_six="activations").four_over_six_for("dy") is None

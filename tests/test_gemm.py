@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_api import unpack
 
 import jax_nvfp4
-from jax_nvfp4.gemm import block_values
+from jax_nvfp4.ops.gemm import block_values
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 E4M3_FINITE = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)

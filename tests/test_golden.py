@@ -74,10 +74,10 @@ def test_golden_row_scaled_and_4over6_reference(name):
     """Row-scaled and 4over6 files, byte for byte, through the reference's core ops on [1, M, N]."""
     g, x, options = load(name)
     row_scaled = options.get("row_scaled", False)
-    amax_core = jax.jit(reference.amax_core, static_argnames=("rht", "row_scaled"))
-    amaxes = amax_core(x[None], row_scaled=row_scaled)  # ([1, M], [1, N]) or ([1],)
+    amax_core = jax.jit(reference.amax_core, static_argnames=("rht_amax", "per_row"))
+    amaxes = amax_core(x[None], per_row=row_scaled)  # ([1, M], [1, N]) or ([1],)
     amax, amax_t = amaxes if row_scaled else (amaxes[0], amaxes[0])
-    core = jax.jit(functools.partial(reference.quantize_core, rht=False, stochastic=False, **options))
+    core = jax.jit(functools.partial(reference.quantize_core, spec=jax_nvfp4.QuantizeSpec(**options)))
     data, scale, *columnwise = (o[0] for o in core(x[None], amax, amax_t, jnp.zeros(2, jnp.uint32)))
     _assert_golden(g, options["columnwise"], data, scale, amax[0], *(columnwise or (None, None)), amax_t[0])
 

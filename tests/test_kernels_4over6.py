@@ -1,6 +1,6 @@
 """The kernels' row-scaled NVFP4 and 4over6 give the reference's bytes.
 
-Calls the kernel backend (``primitives.KERNELS``: the primitives on canonical
+Calls the kernel backend (``ops.KERNELS``: the primitives on canonical
 [B, *R, N] arrays) and compares with ``reference.*_core``. Every reference
 program compiles in seconds, so the option combinations are spread over few
 compilations: a fixed set covering every option pairwise on odd shapes and all
@@ -24,9 +24,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_golden import _assert_golden
 
-from jax_nvfp4 import reference
-from jax_nvfp4.primitives import KERNELS
-from jax_nvfp4.sharding import collectives
+from jax_nvfp4 import QuantizeSpec, reference
+from jax_nvfp4.ops import KERNELS
+from jax_nvfp4.testing import collectives
 
 DTYPES = [ml_dtypes.bfloat16, np.float16, np.float32]
 SEED = jnp.zeros(2, jnp.uint32)
@@ -37,18 +37,22 @@ LAYOUTS = {
 }
 MODES = ("mae", "mse")
 
-_reference_quantize = jax.jit(reference.quantize_core, static_argnames=reference.QUANTIZE_OPTIONS)
-_reference_amax = jax.jit(reference.amax_core, static_argnames=("rht", "row_scaled"))
+_reference_core = jax.jit(reference.quantize_core, static_argnames="spec")
+_reference_amax = jax.jit(reference.amax_core, static_argnames=("rht_amax", "per_row"))
 _reference_dequantize = jax.jit(reference.dequantize_core, static_argnames=("cols", "dtype", "e4m3_max"))
+
+
+def _reference_quantize(x, amax, amax_t, seed, **opts):
+    return _reference_core(x, amax, amax_t, seed, spec=QuantizeSpec(**opts))
 
 
 def options(layout: str, fos, *, rowwise=True, columnwise=True, rht=False) -> dict:
     """quantize_core's keyword options."""
-    opts = {"rowwise": rowwise, "columnwise": columnwise, "rht": rht, "stochastic": False, "row_scaled": False}
+    opts = {"rowwise": rowwise, "columnwise": columnwise, "rht": rht, "stochastic_rounding": False, "row_scaled": False}
     opts |= LAYOUTS[layout]
     if fos is not None:
         mode, fast_math, e4m3_max = fos
-        opts |= {"four_over_six": mode, "four_over_six_fast_math": fast_math, "e4m3_max": e4m3_max}
+        opts |= {"four_over_six_error": mode, "four_over_six_fast_math": fast_math, "e4m3_max": e4m3_max}
     return opts
 
 
@@ -66,7 +70,7 @@ def assert_same_bytes(got, want, what=""):
 
 @functools.cache
 def _kernel_quantize(flags: tuple):
-    return jax.jit(lambda x, a, at, s: KERNELS.quantize(x, a, at, s, **dict(flags)))
+    return jax.jit(lambda x, a, at, s: KERNELS.quantize(x, a, at, s, spec=QuantizeSpec(**dict(flags))))
 
 
 def kernel_quantize(x, amax, amax_t, **opts):
@@ -75,7 +79,7 @@ def kernel_quantize(x, amax, amax_t, **opts):
 
 def amaxes(x, opts):
     """(amax, amax_t) of x [B, M, N] from the kernel, as quantize takes them."""
-    got = jax.jit(lambda x: KERNELS.amax(x, None, opts["rht"], opts["row_scaled"]))(x)
+    got = jax.jit(lambda x: KERNELS.amax(x, amax_mesh_axes=None, rht_amax=opts["rht"], per_row=opts["row_scaled"]))(x)
     return got if opts["rht"] or opts["row_scaled"] else (got[0], got[0])
 
 
@@ -164,24 +168,24 @@ def test_quantize_matches_reference(case):
     rht=st.booleans(),
 )
 def test_row_scaled_amax(x, rht):
-    got = jax.jit(lambda x: KERNELS.amax(x, None, rht, True))(x)
-    want = _reference_amax(x, rht=rht, row_scaled=True)
+    got = jax.jit(lambda x: KERNELS.amax(x, amax_mesh_axes=None, rht_amax=rht, per_row=True))(x)
+    want = _reference_amax(x, rht_amax=rht, per_row=True)
     assert len(got) == 2
     for g, w, name in zip(got, want, ("amax", "amax_t"), strict=True):
         assert_same_bytes(g, w, name)
 
 
-def test_row_scaled_amax_of_several_row_axes_is_flat():
-    """x [B, *R, N]: amax [B, prod(R)] (and quantize takes it back), amax_t [B, N]."""
+def test_row_scaled_amax_of_several_row_axes_keeps_them():
+    """x [B, *R, N]: amax [B, *R] (the one shape of a per-row amax, which quantize takes back), amax_t [B, N]."""
     x = _entries(np.random.default_rng(5), (4, 16, 24), ml_dtypes.bfloat16)  # [3, 4, 16, 24]
-    amax, amax_t = jax.jit(lambda x: KERNELS.amax(x, None, True, True))(x)
+    amax, amax_t = jax.jit(lambda x: KERNELS.amax(x, amax_mesh_axes=None, rht_amax=True, per_row=True))(x)
     flat = x.reshape(3, 64, 24)
-    want = _reference_amax(flat, rht=True, row_scaled=True)
-    assert_same_bytes(amax, want[0], "amax")
+    want = _reference_amax(flat, rht_amax=True, per_row=True)
+    assert_same_bytes(amax, want[0].reshape(3, 4, 16), "amax")
     assert_same_bytes(amax_t, want[1], "amax_t")
     opts = options("row_scaled", ("mse", True, 256), rht=True)
-    got = jax.jit(lambda x, a, at: KERNELS.quantize(x, a, at, SEED, **opts))(x, amax, amax_t)
-    for g, w in zip(got, _reference_quantize(flat, amax, amax_t, SEED, **opts), strict=True):
+    got = jax.jit(lambda x, a, at: KERNELS.quantize(x, a, at, SEED, spec=QuantizeSpec(**opts)))(x, amax, amax_t)
+    for g, w in zip(got, _reference_quantize(flat, want[0], amax_t, SEED, **opts), strict=True):
         assert_same_bytes(g.reshape(w.shape), w)
 
 
@@ -229,7 +233,7 @@ def test_16x16_copies_choose_on_their_own_errors():
         if name.startswith("4o6sel_2d_"):
             _, x, opts = load(name)
             amax = reference.amax_core(x[None])[0]
-            outs = kernel_quantize(x[None], amax, amax, rht=False, stochastic=False, **opts)
+            outs = kernel_quantize(x[None], amax, amax, rht=False, stochastic_rounding=False, **opts)
             tiles, tiles_t = (np.asarray(outs[k]).view(np.uint8)[0, ::16] for k in (1, 3))  # [M/16, N/16], [N/16, M/16]
             differ += int(np.sum(tiles != tiles_t.T))
     assert differ > 0
@@ -241,7 +245,7 @@ def test_golden_through_the_kernel(name):
     g, x, opts = load(name)
     row_scaled = opts.get("row_scaled", False)
     amax, amax_t = amaxes(x[None], {"rht": False, "row_scaled": row_scaled})
-    outs = kernel_quantize(x[None], amax, amax_t, rht=False, stochastic=False, **opts)
+    outs = kernel_quantize(x[None], amax, amax_t, rht=False, stochastic_rounding=False, **opts)
     data, scale, *columnwise = (o[0] for o in outs)
     _assert_golden(g, opts["columnwise"], data, scale, amax[0], *(columnwise or (None, None)), amax_t[0])
 
@@ -251,8 +255,8 @@ def test_golden_through_the_kernel(name):
     [
         {"row_scaled": True, "block_2d": True},
         {"e4m3_max": 256},
-        {"four_over_six": "mae", "stochastic": True},
-        {"four_over_six": "max"},
+        {"four_over_six_error": "mae", "stochastic_rounding": True},
+        {"four_over_six_error": "max"},
     ],
 )
 def test_undefined_option_combinations_raise(opts):
@@ -260,7 +264,7 @@ def test_undefined_option_combinations_raise(opts):
     x = jnp.ones((1, 16, 16), jnp.float32)
     amax = jnp.ones((1, 16), jnp.float32) if full["row_scaled"] else jnp.ones((1,), jnp.float32)
     with pytest.raises(ValueError):
-        KERNELS.quantize(x, amax, amax, SEED, **full)
+        KERNELS.quantize(x, amax, amax, SEED, spec=QuantizeSpec(**full))
 
 
 # ---- sharding: a row's amax reduces over the column shards, a column's over the row shards ----
@@ -278,8 +282,8 @@ def test_sharded_row_scaled_amax_and_quantize(rht):
     opts = options("row_scaled", ("mae", False, 448), rht=rht)
 
     def run(x):
-        amax, amax_t = KERNELS.amax(x, None, rht, True)
-        data, scale, *columnwise = KERNELS.quantize(x, amax, amax_t, SEED, **opts)
+        amax, amax_t = KERNELS.amax(x, amax_mesh_axes=None, rht_amax=rht, per_row=True)
+        data, scale, *columnwise = KERNELS.quantize(x, amax, amax_t, SEED, spec=QuantizeSpec(**opts))
         return amax, amax_t, data, scale, *columnwise, KERNELS.dequantize(data, scale, amax, cols=256, dtype=x.dtype)
 
     want = run(x)

@@ -17,10 +17,9 @@ from conftest import SPECIAL_VALUES, examples, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_nvfp4 import _ffi, reference
+from jax_nvfp4 import QuantizeSpec, _ffi, reference
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
-OPTIONS = ("rowwise", "columnwise", "block_2d", "rht", "stochastic")
 
 
 @functools.cache
@@ -33,7 +32,7 @@ def _platform() -> str:
 def kernel_amax(x, *, rht: bool):
     _platform()
     out = [jax.ShapeDtypeStruct((x.shape[0],), jnp.float32)] * (2 if rht else 1)
-    return jax.jit(lambda x: jax.ffi.ffi_call("nvfp4_amax", out)(x, rht=rht, row_scaled=False))(x)
+    return jax.jit(lambda x: jax.ffi.ffi_call("nvfp4_amax", out)(x, rht_amax=rht, per_row=False))(x)
 
 
 def kernel_quantize(x, amax, amax_t, seed, **opts):
@@ -51,12 +50,18 @@ def kernel_quantize(x, amax, amax_t, seed, **opts):
             jax.ShapeDtypeStruct((bsz, cols, -(-rows // 16)), jnp.float8_e4m3fn),
         ]
     call = jax.ffi.ffi_call("nvfp4_quantize", out)
-    attrs = {"row_scaled": False, "four_over_six": np.int32(0), "four_over_six_fast_math": False} | opts
-    return jax.jit(lambda *a: call(*a, e4m3_max=np.int32(448), **attrs))(x, amax, amax_t, seed)
+    attrs = QuantizeSpec(**opts).kernel_attrs()
+    return jax.jit(lambda *a: call(*a, **attrs))(x, amax, amax_t, seed)
 
 
-_reference_amax = jax.jit(reference.amax_core, static_argnames=("rht",))
-_reference_quantize = jax.jit(reference.quantize_core, static_argnames=OPTIONS)
+_reference_amax = jax.jit(reference.amax_core, static_argnames=("rht_amax",))
+_reference_core = jax.jit(reference.quantize_core, static_argnames="spec")
+
+
+def _reference_quantize(x, amax, amax_t, seed, **opts):
+    return _reference_core(x, amax, amax_t, seed, spec=QuantizeSpec(**opts))
+
+
 _reference_rht = jax.jit(reference.rht_columns, static_argnums=1)
 
 
@@ -90,7 +95,7 @@ seeds = st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)).map(
 @settings(max_examples=examples(30))
 def test_amax_rht(x):
     got = kernel_amax(x, rht=True)
-    want = _reference_amax(x, rht=True)
+    want = _reference_amax(x, rht_amax=True)
     assert len(got) == len(want) == 2
     for a, b in zip(got, want, strict=True):
         assert_same_bytes(a, b)
@@ -106,7 +111,7 @@ def quantize_cases(draw):
         "columnwise": True if rht else draw(st.booleans()),
         "block_2d": block_2d,
         "rht": rht,
-        "stochastic": draw(st.booleans()),
+        "stochastic_rounding": draw(st.booleans()),
     }
     if not (opts["rowwise"] or opts["columnwise"]):
         opts["rowwise"] = True
@@ -121,7 +126,7 @@ def quantize_cases(draw):
 @settings(max_examples=examples(60))
 def test_quantize(case):
     x, opts, seed, amax_t_kind = case
-    amax, amax_rht = _reference_amax(x, rht=True) if opts["rht"] else (_reference_amax(x)[0], None)
+    amax, amax_rht = _reference_amax(x, rht_amax=True) if opts["rht"] else (_reference_amax(x)[0], None)
     amax_t = amax_rht if opts["rht"] else amax
     if amax_t_kind == "scaled":
         amax_t = amax_t * np.float32(3.0)
@@ -141,7 +146,7 @@ def test_stochastic_every_step(dtype, block_2d):
     base = np.linspace(-7.0, 7.0, 2 * 33 * 48, dtype=np.float32).reshape(2, 33, 48)
     x = jnp.asarray((base * rng.uniform(0.9, 1.1, base.shape)).astype(dtype))
     amax = jnp.full((2,), 6.0, jnp.float32)  # encode scale near 448: the values land on all steps
-    opts = dict(rowwise=True, columnwise=True, block_2d=block_2d, rht=False, stochastic=True)
+    opts = dict(rowwise=True, columnwise=True, block_2d=block_2d, rht=False, stochastic_rounding=True)
     for _ in range(3):
         seed = jnp.asarray(rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32))
         got = kernel_quantize(x, amax, amax, seed, **opts)
@@ -161,7 +166,7 @@ def test_rht_needs_rows_multiple_of_16():
         kernel_amax(x, rht=True)
     amax = jnp.ones((1,), jnp.float32)
     seed = jnp.zeros((2,), jnp.uint32)
-    opts = dict(rowwise=False, columnwise=True, block_2d=False, rht=True, stochastic=False)
+    opts = dict(rowwise=False, columnwise=True, block_2d=False, rht=True, stochastic_rounding=False)
     with pytest.raises(Exception, match="multiple of 16"):
         kernel_quantize(x, amax, amax, seed, **opts)
 

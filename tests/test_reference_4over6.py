@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from golden_files import load
 
-from jax_nvfp4 import _bits, reference
+from jax_nvfp4 import QuantizeSpec, _bits, reference
 from jax_nvfp4 import _reference_4over6 as fos
 
 SEED = jnp.zeros(2, jnp.uint32)
@@ -18,8 +18,14 @@ SEED = jnp.zeros(2, jnp.uint32)
 
 def _quantize(x, amax, amax_t=None, **options):
     """quantize_core of [B, R, C] under a fresh jit (so a monkeypatched helper is traced)."""
-    options = {"rowwise": True, "columnwise": False, "block_2d": False, "rht": False, "stochastic": False} | options
-    core = jax.jit(functools.partial(reference.quantize_core, **options))
+    options = {
+        "rowwise": True,
+        "columnwise": False,
+        "block_2d": False,
+        "rht": False,
+        "stochastic_rounding": False,
+    } | options
+    core = jax.jit(functools.partial(reference.quantize_core, spec=QuantizeSpec(**options)))
     outs = core(x, amax, amax if amax_t is None else amax_t, SEED)
     return [np.asarray(o).view(np.uint8) if o.dtype.itemsize == 1 else np.asarray(o) for o in outs]
 
@@ -40,7 +46,7 @@ def test_ties_keep_map6_and_a_smaller_map4_error_wins(mode, fast_math, e4m3_max)
     x[0, 0, :2] = [12, -12]  # exact on both grids (+-6 * 2, +-4 * 3): err4 == err6 == 0
     x[0, 0, 16:18] = [12, 9]  # 9 = 4.5 * 2 rounds to 8 on map-6, is 3 * 3 on map-4
     amax = jnp.full((1,), 6.0 * e4m3_max, jnp.float32)
-    opts = {"four_over_six": mode, "four_over_six_fast_math": fast_math, "e4m3_max": e4m3_max}
+    opts = {"four_over_six_error": mode, "four_over_six_fast_math": fast_math, "e4m3_max": e4m3_max}
     data, scale = _quantize(jnp.asarray(x), amax, **opts)
     codes = _unpack(data)[0, 0]
     assert scale[0, 0].tolist() == [E4M3[2.0], E4M3[3.0]]
@@ -116,7 +122,7 @@ def test_4over6_mse_roundtrip_error_is_at_most_plain(fast_math, e4m3_max):
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((1, 64, 256)) * np.exp(rng.standard_normal((1, 64, 1))), jnp.bfloat16)
     plain = _roundtrip_mse(x, {})
-    options = {"four_over_six": "mse", "four_over_six_fast_math": fast_math, "e4m3_max": e4m3_max}
+    options = {"four_over_six_error": "mse", "four_over_six_fast_math": fast_math, "e4m3_max": e4m3_max}
     assert _roundtrip_mse(x, options) <= plain
 
 
@@ -126,8 +132,8 @@ def test_row_scaled_is_one_global_quantization_per_row(four_over_six):
     rng = np.random.default_rng(3)
     m, n = 32, 48
     x = jnp.asarray(rng.standard_normal((1, m, n)) * 10.0 ** rng.integers(-3, 4, (1, m, 1)), jnp.bfloat16)
-    opts = {"four_over_six": four_over_six}
-    amax_rows, amax_cols = reference.amax_core(x, row_scaled=True)
+    opts = {"four_over_six_error": four_over_six}
+    amax_rows, amax_cols = reference.amax_core(x, per_row=True)
     np.testing.assert_array_equal(amax_rows[0], np.abs(np.asarray(x[0], np.float32)).max(axis=1))
     np.testing.assert_array_equal(amax_cols[0], np.abs(np.asarray(x[0], np.float32)).max(axis=0))
     data, scale, data_t, scale_t = _quantize(x, amax_rows, amax_cols, columnwise=True, row_scaled=True, **opts)
@@ -151,9 +157,9 @@ def test_row_scaled_is_one_global_quantization_per_row(four_over_six):
     [
         {"row_scaled": True, "block_2d": True},
         {"e4m3_max": 256},  # only with 4over6 (TransformerEngine silently uses 448)
-        {"e4m3_max": 300, "four_over_six": "mse"},
-        {"four_over_six": "MAE"},
-        {"four_over_six": "mae", "stochastic": True},
+        {"e4m3_max": 300, "four_over_six_error": "mse"},
+        {"four_over_six_error": "MAE"},
+        {"four_over_six_error": "mae", "stochastic_rounding": True},
     ],
 )
 def test_undefined_option_combinations_raise(options):

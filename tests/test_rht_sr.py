@@ -31,11 +31,11 @@ def test_kernels_give_the_reference_bytes(rows, cols, dtype, seed, estimate, sto
     rng = np.random.default_rng(seed)
     x = jnp.asarray(random_tensor(rng, (rows, cols), dtype, spread=3, specials=tuple(SPECIAL_VALUES), frac=0.05))
     key = jax.random.key(seed) if stochastic else None
-    opts = dict(columnwise=True, rht=True, rht_amax_estimate=estimate, stochastic_rounding_key=key)
+    opts = dict(columnwise=True, rht=True, rht_amax_factor=estimate, rng_key=key)
     assert_same_tensor(jax_nvfp4.quantize(x, **opts), reference.quantize(x, **opts))
     # Stochastic rounding alone, 1x16 and 16x16 blocks.
     for block_2d in (False, True):
-        opts = dict(columnwise=True, block_2d=block_2d, stochastic_rounding_key=jax.random.key(seed))
+        opts = dict(columnwise=True, block_2d=block_2d, rng_key=jax.random.key(seed))
         assert_same_tensor(jax_nvfp4.quantize(x, **opts), reference.quantize(x, **opts))
 
 
@@ -60,7 +60,7 @@ def test_rht_amax_estimate_is_the_amax_times_the_factor():
     x = jax.random.normal(jax.random.key(0), (64, 48), jnp.bfloat16)
     exact = jax_nvfp4.quantize(x, columnwise=True, rht=True)
     for factor in (1.0, 2.0, 4.0, 0.3):
-        t = jax_nvfp4.quantize(x, columnwise=True, rht=True, rht_amax_estimate=factor)
+        t = jax_nvfp4.quantize(x, columnwise=True, rht=True, rht_amax_factor=factor)
         assert np.float32(t.amax_t) == np.float32(t.amax) * np.float32(factor)
         np.testing.assert_array_equal(np.asarray(t.data), np.asarray(exact.data))  # the rowwise copy is unchanged
     # A chunk's transform is at most 4x its max, so the factor 4 never undershoots.
@@ -76,12 +76,12 @@ def test_rht_and_estimate_errors():
     with pytest.raises(ValueError, match="multiple of 16"):
         jax_nvfp4.quantize(jnp.ones((24, 32)), columnwise=True, rht=True)
     with pytest.raises(ValueError, match="only with rht"):
-        jax_nvfp4.quantize(x, columnwise=True, rht_amax_estimate=2.0)
+        jax_nvfp4.quantize(x, columnwise=True, rht_amax_factor=2.0)
     for bad in (0.0, -1.0, float("inf"), "2"):
         with pytest.raises(ValueError, match="positive finite"):
-            jax_nvfp4.quantize(x, columnwise=True, rht=True, rht_amax_estimate=bad)
+            jax_nvfp4.quantize(x, columnwise=True, rht=True, rht_amax_factor=bad)
     with pytest.raises(TypeError, match="PRNG key"):
-        jax_nvfp4.quantize(x, stochastic_rounding_key=jnp.zeros(3, jnp.uint32))
+        jax_nvfp4.quantize(x, rng_key=jnp.zeros(3, jnp.uint32))
 
 
 # Values between E2M1 grid points once scaled (amax 6 gives a unit block scale for blocks with max 6).
@@ -95,7 +95,7 @@ def test_stochastic_rounding_is_unbiased(impl):
     x = jnp.asarray(np.tile(_BETWEEN, (256, 1)))  # 256 rows, one block each
     keys = jax.random.split(jax.random.key(0), 16)
     # 16 keys x 256 rows = 4096 draws of each value; amax fixed so every draw has the same scales.
-    deq = jax.vmap(lambda k: q.dequantize(q.quantize(x, amax=6.0, stochastic_rounding_key=k)))(keys)
+    deq = jax.vmap(lambda k: q.dequantize(q.quantize(x, amax=6.0, rng_key=k)))(keys)
     mean = np.asarray(deq).reshape(-1, 16).mean(axis=0)
     nearest = np.asarray(q.dequantize(q.quantize(x, amax=6.0)))[0]
     unit = np.float32(nearest[-1]) / 6.0  # the dequantized value of code step 1 (6.0 is on the grid)
@@ -110,9 +110,9 @@ def test_stochastic_rounding_is_unbiased(impl):
 def test_stochastic_rounding_is_a_function_of_the_key(impl):
     q = IMPLEMENTATIONS[impl].quantize
     x = jax.random.normal(jax.random.key(0), (64, 64), jnp.float32)
-    a = q(x, columnwise=True, stochastic_rounding_key=jax.random.key(1))
-    b = q(x, columnwise=True, stochastic_rounding_key=jax.random.key(1))
-    c = q(x, columnwise=True, stochastic_rounding_key=jax.random.key(2))
+    a = q(x, columnwise=True, rng_key=jax.random.key(1))
+    b = q(x, columnwise=True, rng_key=jax.random.key(1))
+    c = q(x, columnwise=True, rng_key=jax.random.key(2))
     assert_same_tensor(a, b)
     assert not np.array_equal(np.asarray(a.data), np.asarray(c.data))
     # Only codes move, by at most one grid step; scales and amax are round-to-nearest's.
@@ -121,6 +121,6 @@ def test_stochastic_rounding_is_a_function_of_the_key(impl):
     # Specials: values on the grid (0, +-6 after scaling, inf clamped to 6) never move; NaN gives code 0.
     special = jnp.asarray(np.array([[0.0, -0.0, 6.0, -6.0, np.inf, -np.inf, np.nan, 3.0] * 2], np.float32))
     for key in range(4):
-        got = q(special, amax=6.0, stochastic_rounding_key=jax.random.key(key))
+        got = q(special, amax=6.0, rng_key=jax.random.key(key))
         want = q(special, amax=6.0)
         np.testing.assert_array_equal(np.asarray(got.data), np.asarray(want.data))

@@ -59,13 +59,13 @@ def test_row_scaled_tensor_layout_and_metadata():
 
 def test_4over6_records_e4m3_max_and_keeps_the_layout():
     x = _x((40, 72), dtype=jnp.bfloat16)
-    t = reference.quantize(x, columnwise=True, four_over_six="mse", e4m3_max=256)
+    t = reference.quantize(x, columnwise=True, four_over_six_error="mse", e4m3_max=256)
     plain = reference.quantize(x, columnwise=True)
     assert (t.e4m3_max, t.row_scaled) == (256, False)
     for name in ("data", "scale", "data_t", "scale_t"):
         assert getattr(t, name).shape == getattr(plain, name).shape
     assert_same_bytes(t.amax, plain.amax)  # the amax is max|x| either way; E changes the scales
-    assert reference.quantize(x, four_over_six="mae").e4m3_max == 448
+    assert reference.quantize(x, four_over_six_error="mae").e4m3_max == 448
 
 
 @pytest.mark.parametrize(
@@ -95,7 +95,11 @@ def test_public_reference_quantize_gives_the_golden_bytes(name):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(row_scaled=True), dict(four_over_six="mse", e4m3_max=256), dict(row_scaled=True, four_over_six="mae")],
+    [
+        dict(row_scaled=True),
+        dict(four_over_six_error="mse", e4m3_max=256),
+        dict(row_scaled=True, four_over_six_error="mae"),
+    ],
     ids=["row_scaled", "4over6_e256", "row_scaled_4over6"],
 )
 def test_dequantize_reads_amax_and_e4m3_max_from_the_tensor(options):
@@ -113,7 +117,7 @@ def test_dequantize_reads_amax_and_e4m3_max_from_the_tensor(options):
 def test_row_scaled_round_trip_with_the_tensors_amax():
     """Requantizing the dequantized tensor with its own per-row amax gives the same bytes."""
     x = _x((2, 8, 64), seed=2, dtype=jnp.bfloat16) * jnp.logspace(-4, 4, 16).reshape(2, 8, 1).astype(jnp.bfloat16)
-    for options in (dict(), dict(four_over_six="mse"), dict(four_over_six="mae", e4m3_max=256)):
+    for options in (dict(), dict(four_over_six_error="mse"), dict(four_over_six_error="mae", e4m3_max=256)):
         q = reference.quantize(x, row_scaled=True, **options)
         r = reference.quantize(reference.dequantize(q), row_scaled=True, amax=q.amax, **options)
         assert_same_bytes(_canonical_zero_codes(r.data), _canonical_zero_codes(q.data))
@@ -154,10 +158,10 @@ def test_4over6_lowers_the_mean_round_trip_error(block_2d):
 
     plain_mse, plain_mae = errors()
     for e4m3_max in (448, 256):
-        mse, _ = errors(four_over_six="mse", e4m3_max=e4m3_max)
+        mse, _ = errors(four_over_six_error="mse", e4m3_max=e4m3_max)
         assert mse < (0.9 if not block_2d else 0.999) * plain_mse
     if not block_2d:
-        _, mae = errors(four_over_six="mae")
+        _, mae = errors(four_over_six_error="mae")
         assert mae < 0.97 * plain_mae
 
 
@@ -169,13 +173,13 @@ def test_4over6_lowers_the_mean_round_trip_error(block_2d):
     ("options", "match"),
     [
         (dict(row_scaled=True, block_2d=True), "1x16 blocks only"),
-        (dict(four_over_six="max"), "four_over_six must be None or one of"),
-        (dict(four_over_six="MSE"), "four_over_six must be None or one of"),
-        (dict(four_over_six="mse", e4m3_max=300), "e4m3_max must be 448 or 256"),
-        (dict(four_over_six="mse", e4m3_max=True), "e4m3_max must be 448 or 256"),
+        (dict(four_over_six_error="max"), "four_over_six_error must be None or one of"),
+        (dict(four_over_six_error="MSE"), "four_over_six_error must be None or one of"),
+        (dict(four_over_six_error="mse", e4m3_max=300), "e4m3_max must be 448 or 256"),
+        (dict(four_over_six_error="mse", e4m3_max=True), "e4m3_max must be 448 or 256"),
         (dict(e4m3_max=256), "applies only with 4over6"),
         (dict(four_over_six_fast_math=True), "four_over_six_fast_math applies only with 4over6"),
-        (dict(four_over_six="mae", stochastic_rounding_key=jax.random.key(0)), "no stochastic rounding"),
+        (dict(four_over_six_error="mae", rng_key=jax.random.key(0)), "no stochastic rounding"),
         (dict(row_scaled=True, amax=1.0), r"one amax per row, shape x.shape\[:-1\] = \(32,\)"),
         (dict(row_scaled=True, amax=jnp.ones(64)), "one amax per row"),
         (dict(row_scaled=True, amax=jnp.ones(32), columnwise=True), "one per column"),
@@ -192,7 +196,7 @@ def test_unsupported_combinations_raise_clear_errors(impl, options, match):
 
 def test_pytree_jit_and_vmap_keep_the_new_fields():
     x = _x((4, 16, 32), seed=5, dtype=jnp.bfloat16) * jnp.arange(1, 5, dtype=jnp.bfloat16)[:, None, None]
-    t = reference.quantize(x[0], columnwise=True, row_scaled=True, four_over_six="mse", e4m3_max=256)
+    t = reference.quantize(x[0], columnwise=True, row_scaled=True, four_over_six_error="mse", e4m3_max=256)
     leaves, treedef = jax.tree.flatten(t)
     assert len(leaves) == 6  # the arrays; row_scaled and e4m3_max are static metadata
     assert_same_tensor(jax.tree.unflatten(treedef, leaves), t)
@@ -222,7 +226,7 @@ def test_row_scaled_rht_copy_has_per_column_amaxes_of_the_transform():
 
     transformed = _bits.from_bits(reference.rht_columns(_bits.to_bits(x[None]), x.dtype))[0]  # [N, M]
     np.testing.assert_array_equal(np.asarray(t.amax_t), np.abs(np.asarray(transformed, np.float32)).max(1))
-    est = reference.quantize(x, columnwise=True, rht=True, rht_amax_estimate=2.0, row_scaled=True)
+    est = reference.quantize(x, columnwise=True, rht=True, rht_amax_factor=2.0, row_scaled=True)
     want = np.abs(np.asarray(x, np.float32)).max(0) * np.float32(2.0)
     np.testing.assert_array_equal(np.asarray(est.amax_t), want)
     with pytest.raises(ValueError, match="Random Hadamard"):
@@ -237,7 +241,9 @@ def _tensor(codes, scale_codes, amax, *, row_scaled=False, e4m3_max=448) -> jax_
     scale = jnp.asarray(scale_codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn))
     return jax_nvfp4.NVFP4Tensor(
         jnp.asarray(data), scale, jnp.asarray(amax, jnp.float32), None, None, None, codes.shape,
-        jnp.dtype(jnp.bfloat16), row_scaled=row_scaled, e4m3_max=e4m3_max,
+        jnp.dtype(jnp.bfloat16),
+        spec=jax_nvfp4.QuantizeSpec(row_scaled=row_scaled, four_over_six_error="mse" if e4m3_max != 448 else None,
+                                    e4m3_max=e4m3_max),
     )  # fmt: skip
 
 
@@ -263,8 +269,8 @@ def test_row_scaled_gemm_is_exact_when_float32_can_hold_it():
 _GEMM_CASES = {
     "a_rows": (dict(row_scaled=True), dict(block_2d=True)),
     "c_rows": (dict(), dict(row_scaled=True)),
-    "both_rows_4over6": (dict(row_scaled=True, four_over_six="mse", e4m3_max=256), dict(row_scaled=True)),
-    "per_tensor_e256": (dict(four_over_six="mae", e4m3_max=256), dict(four_over_six="mse")),
+    "both_rows_4over6": (dict(row_scaled=True, four_over_six_error="mse", e4m3_max=256), dict(row_scaled=True)),
+    "per_tensor_e256": (dict(four_over_six_error="mae", e4m3_max=256), dict(four_over_six_error="mse")),
 }
 
 
@@ -284,7 +290,7 @@ def test_gemm_scales_in_the_documented_order(case):
     assert got.shape == (2, 12, 20) and got.dtype == np.float32
 
     def neutral(t):  # decode scale exactly 1
-        return dataclasses.replace(t, amax=jnp.float32(2688), row_scaled=False, e4m3_max=448)
+        return dataclasses.replace(t, amax=jnp.float32(2688), spec=jax_nvfp4.QuantizeSpec())
 
     acc = np.asarray(jax_nvfp4.gemm(neutral(a), neutral(c))).reshape(24, 20)
     f32 = np.float32
@@ -321,12 +327,15 @@ def test_nan_in_a_row_scaled_operand_poisons_only_its_row():
 
 
 def test_gemm_checks_a_row_scaled_operands_amax_shape():
-    from jax_nvfp4.gemm import Operand, emulated_gemm
+    from jax_nvfp4.gemm import emulated_gemm
 
     t = reference.quantize(_x((16, 32)), row_scaled=True)
-    op = Operand(t.data[None], t.scale[None], t.amax, row_scaled=True)  # amax [16], not [1, 16]
+    # A batch of one [1, 16, 32] whose amax is [16], not [1, 16].
+    op = jax_nvfp4.NVFP4Tensor(
+        t.data[None], t.scale[None], t.amax, None, None, None, (1, 16, 32), t.dtype, t.spec, True
+    )
     with pytest.raises(ValueError, match=r"amax must be \[B, \*R\]"):
-        emulated_gemm(op, op, 32, jnp.float32)
+        emulated_gemm(op, op, jnp.float32)
 
 
 # ---- all_gather in shard_map ----

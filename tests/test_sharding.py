@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
-from jax_nvfp4.sharding import collectives
+from jax_nvfp4.testing import collectives
 
 CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS, set in conftest.py)")
@@ -124,7 +124,7 @@ def test_amax_mesh_axes_scopes_the_reduction():
     with pytest.raises(ValueError, match="amax_mesh_axes"):
         jax_nvfp4.quantize(x, amax=1.0, amax_mesh_axes=("x",))
     with pytest.raises(TypeError, match="mesh axis names"):
-        jax_nvfp4.amax(x, mesh_axes=(0,))
+        jax_nvfp4.amax(x, amax_mesh_axes=(0,))
 
 
 def test_recipe_amax_mesh_axes_scopes_dot_general():

@@ -1,5 +1,5 @@
 // Global amax: max |x| per batch entry, as an integer max over magnitude bits
-// (exact, and any NaN wins and comes out canonical). With `rht`, the same pass
+// (exact, and any NaN wins and comes out canonical). With `rht_amax`, the same pass
 // also gives the amax of the Random Hadamard Transform of x^T (16-row chunks of
 // each column, rounded to the input dtype).
 #include <algorithm>
@@ -34,17 +34,17 @@ void stripe_rht_max(const typename L::T* x, int64_t cols, std::vector<float>& v,
     m_rht = std::max(m_rht, magnitude_bits(L::narrow(v[i])));
 }
 
-// Row-scaled amax of one [rows, cols] matrix: the max of each row (amax_rows)
-// and of each column, or with rht of each column's transformed chunks (amax_cols).
+// Per-row amax of one [rows, cols] matrix: the max of each row (amax_rows)
+// and of each column, or with rht_amax of each column's transformed chunks (amax_cols).
 template <typename L>
-void row_scaled_amax(const typename L::T* x, int64_t rows, int64_t cols, bool rht, float* amax_rows,
-                     float* amax_cols) {
-  const int64_t cost = rows * cols * int64_t(sizeof(typename L::T)) * (rht ? 8 : 1);
+void per_row_amax(const typename L::T* x, int64_t rows, int64_t cols, bool rht_amax,
+                  float* amax_rows, float* amax_cols) {
+  const int64_t cost = rows * cols * int64_t(sizeof(typename L::T)) * (rht_amax ? 8 : 1);
   parallel_for(rows, cost, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r)
       amax_rows[r] = amax_from_bits(max_magnitude_bits<L>(x + r * cols, cols));
   });
-  // Columns in chunks of kWidth, each chunk down all the rows (16 at a time with rht).
+  // Columns in chunks of kWidth, each chunk down all the rows (16 at a time with rht_amax).
   constexpr int64_t kWidth = 256;
   const int64_t chunks = (cols + kWidth - 1) / kWidth;
   parallel_for(chunks, cost, [&](int64_t lo, int64_t hi) {
@@ -53,7 +53,7 @@ void row_scaled_amax(const typename L::T* x, int64_t rows, int64_t cols, bool rh
     for (int64_t chunk = lo; chunk < hi; ++chunk) {
       const int64_t c0 = chunk * kWidth, width = std::min(kWidth, cols - c0);
       std::fill(m.begin(), m.end(), 0u);
-      if (rht) {
+      if (rht_amax) {
         for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
           for (int64_t r = 0; r < kBlock; ++r)
             for (int64_t c = 0; c < width; ++c)
@@ -74,27 +74,27 @@ void row_scaled_amax(const typename L::T* x, int64_t rows, int64_t cols, bool rh
   });
 }
 
-ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht, bool row_scaled) {
+ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax, bool per_row) {
   int64_t batch = 0, rows = 0, cols = 0;
-  float *amax, *amax_rht;
-  if (auto e = check_amax(x, outs, rht, row_scaled, batch, rows, cols, amax, amax_rht); e.failure())
+  float *amax, *amax_t;
+  if (auto e = check_amax(x, outs, rht_amax, per_row, batch, rows, cols, amax, amax_t); e.failure())
     return e;
   const int64_t per_batch = rows * cols;
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     for (int64_t b = 0; b < batch; ++b) {
-      if (row_scaled) {
-        row_scaled_amax<L>(data + b * per_batch, rows, cols, rht, amax + b * rows,
-                           amax_rht + b * cols);
+      if (per_row) {
+        per_row_amax<L>(data + b * per_batch, rows, cols, rht_amax, amax + b * rows,
+                        amax_t + b * cols);
         continue;
       }
       const auto* xb = data + b * per_batch;
       // Split the tensor into chunks, reduce each on its own thread, then combine.
       constexpr int64_t kChunks = 64;
       uint32_t partial[kChunks] = {}, partial_rht[kChunks] = {};
-      const int64_t cost = per_batch * int64_t(sizeof(typename L::T)) * (rht ? 8 : 1);
-      if (rht) {
+      const int64_t cost = per_batch * int64_t(sizeof(typename L::T)) * (rht_amax ? 8 : 1);
+      if (rht_amax) {
         // Chunks of whole 16-row stripes.
         const int64_t stripes = rows / kBlock;
         const int64_t chunk = (stripes + kChunks - 1) / kChunks;
@@ -122,7 +122,7 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht, bool r
         m_rht = std::max(m_rht, partial_rht[c]);
       }
       amax[b] = amax_from_bits(m);
-      if (rht) amax_rht[b] = amax_from_bits(m_rht);
+      if (rht_amax) amax_t[b] = amax_from_bits(m_rht);
     }
   });
   return ok ? ffi::Error::Success() : invalid("amax input must be bfloat16, float16 or float32");
@@ -131,7 +131,9 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht, bool r
 }  // namespace
 }  // namespace nvfp4::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    Nvfp4AmaxCpu, nvfp4::cpu::amax_impl,
-    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingRets().Attr<bool>("rht").Attr<bool>(
-        "row_scaled"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4AmaxCpu, nvfp4::cpu::amax_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<bool>("rht_amax")
+                                  .Attr<bool>("per_row"));

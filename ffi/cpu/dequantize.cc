@@ -1,6 +1,6 @@
-// NVFP4 dequantization: value = fp32(E2M1 * E4M3 scale) * amax / (6 E), E =
-// e4m3_max (448, or 256 with 4over6), with one amax per tensor or per row
-// (row-scaled); written as float32, bfloat16 or float16.
+// NVFP4 dequantization: value = fp32(E2M1 * E4M3 scale) * amax / (6 E), E the
+// spec's block-scale range (448, or 256 with 4over6), with one amax per tensor
+// or per row; written as float32, bfloat16 or float16.
 #include "cpu/common.h"
 #include "cpu/handlers.h"
 
@@ -10,13 +10,13 @@ namespace {
 // Rows [row_begin, row_end) of one matrix; row r's amax is amax[r * amax_stride].
 template <typename S>
 void dequantize_rows(const uint8_t* data, const uint8_t* scale, const float* amax,
-                     int64_t amax_stride, int e4m3_max, int64_t cols, int64_t row_begin,
-                     int64_t row_end, typename S::T* out) {
+                     int64_t amax_stride, const DequantizeSpec& spec, int64_t cols,
+                     int64_t row_begin, int64_t row_end, typename S::T* out) {
   const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
   std::vector<float> row(scale_cols * kBlock, 0.0f);
   float* __restrict v = row.data();
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const float gds = dequantize_scale(amax[r * amax_stride], e4m3_max);
+    const float gds = spec.global_decode_scale(amax[r * amax_stride]);
     const uint8_t* __restrict d = data + r * data_cols;
     const uint8_t* __restrict s = scale + r * scale_cols;
     // Split into loops that vectorize: decode codes, scale by blocks, convert.
@@ -35,10 +35,10 @@ void dequantize_rows(const uint8_t* data, const uint8_t* scale, const float* ama
 
 ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
                            ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out,
-                           int32_t e4m3_max) {
+                           DequantizeSpec spec) {
   int64_t batch = 0, rows = 0, cols = 0;
-  bool row_scaled = false;
-  if (auto e = check_dequantize(data, scale, amax, *out, e4m3_max, batch, rows, cols, row_scaled);
+  bool per_row = false;
+  if (auto e = check_dequantize(data, scale, amax, *out, spec, batch, rows, cols, per_row);
       e.failure())
     return e;
   const uint8_t* d = data.typed_data();
@@ -56,8 +56,8 @@ ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
                          const int64_t end = std::min(hi - i + r, rows);
                          dequantize_rows<S>(d + b * rows * packed_size(cols),
                                             s + b * rows * num_blocks(cols),
-                                            row_scaled ? a + b * rows : a + b, row_scaled ? 1 : 0,
-                                            e4m3_max, cols, r, end, o + b * rows * cols);
+                                            per_row ? a + b * rows : a + b, per_row ? 1 : 0, spec,
+                                            cols, r, end, o + b * rows * cols);
                          i += end - r;
                        }
                      });
@@ -75,4 +75,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4DequantizeCpu, nvfp4::cpu::dequantize_impl,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int32_t>("e4m3_max"));
+                                  .Attrs<nvfp4::DequantizeSpec>());

@@ -97,7 +97,7 @@ inline void choose_1d(const float* v, int64_t n, const uint32_t* mag, const Glob
                       FourOverSix fos, FosScratch& f, uint8_t* __restrict scale,
                       float* __restrict enc) {
   candidates(mag, g, n, f);
-  const float divisor = n > 0 ? g[0].divisor : 0.0f;  // one e4m3_max per call
+  const float divisor = n > 0 ? g[0].divisor : 0.0f;  // one range E per call
   with_error_mode(fos, [&](auto mse, auto fast) { error_terms<mse, fast>(v, n, divisor, f); });
   column_sums(f.e6, n, f.err6);
   column_sums(f.e4, n, f.err4);

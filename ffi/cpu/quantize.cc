@@ -3,8 +3,8 @@
 // transposed), with 1x16 or 16x16 blocks. Each 16-row stripe is converted to
 // float32 once and stays in cache for both copies. Options: the columnwise copy
 // of the Random Hadamard Transform of x^T (rht), and stochastic rounding with
-// counter-based Threefry random words (stochastic); row-scaled global scales
-// (one amax per row of x and per row of x^T) and 4over6 block scaling.
+// counter-based Threefry random words (stochastic_rounding); row-scaled global
+// scales (one amax per row of x and per row of x^T) and 4over6 block scaling.
 #include <cstring>
 
 #include "cpu/common.h"
@@ -35,7 +35,7 @@ struct Stripe {
 
 // The options of one quantize call and one batch entry's global scales.
 struct Options {
-  QuantizeAttrs a;
+  QuantizeSpec spec;
   GlobalScales g;          // from amax: the rowwise copy and 16x16 blocks (not row-scaled)
   GlobalScales g_t;        // from amax_t: the columnwise 1x16 copy (not row-scaled)
   const float* amax_rows;  // row-scaled: the entry's amax per row of x [M] (rowwise)
@@ -45,10 +45,10 @@ struct Options {
 
   // Global scales of row m of the rowwise copy and of row n of the columnwise one.
   GlobalScales row(int64_t m) const {
-    return a.row_scaled ? global_scales(amax_rows[m], a.e4m3_max) : g;
+    return spec.row_scaled ? spec.global_scales(amax_rows[m]) : g;
   }
   GlobalScales column(int64_t n) const {
-    return a.row_scaled ? global_scales(amax_cols[n], a.e4m3_max) : g_t;
+    return spec.row_scaled ? spec.global_scales(amax_cols[n]) : g_t;
   }
 };
 
@@ -158,17 +158,17 @@ void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, int64_t w
   st.code.resize(width);
   st.mag.resize(nb);
   st.enc.resize(nb);
-  if (p.a.stochastic) st.rand.resize(width);
+  if (p.spec.stochastic_rounding) st.rand.resize(width);
   for (int64_t r = 0; r < nrows; ++r) {
     const float* v = st.value.data() + r * width;
     uint8_t* scale = o.scale + (m0 + r) * nb;
     const GlobalScales g = p.row(m0 + r);
     block_max(v, st.mag.data(), nb);
-    if (p.a.fos.on())
-      row_4over6(st, v, nb, g, p.a.fos, scale);
+    if (p.spec.four_over_six().on())
+      row_4over6(st, v, nb, g, p.spec.four_over_six(), scale);
     else
       block_scales(st.mag.data(), nb, g, scale, st.enc.data());
-    if (p.a.stochastic) {
+    if (p.spec.stochastic_rounding) {
       const uint32_t base = (p.b * uint32_t(rows) + uint32_t(m0 + r)) * uint32_t(cols);
       random_words(p.seed, base, 1, 0, st.rand.data(), width);
       encode_blocks_stochastic(v, st.enc.data(), st.rand.data(), st.code.data(), nb);
@@ -185,7 +185,7 @@ void stripe_words(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t
                   const Options& p) {
   st.rand.resize(kBlock * width);
   uint32_t* __restrict w = st.rand.data();
-  if (p.a.block_2d) {
+  if (p.spec.block_2d) {
     // One quantization for both copies, drawn from the rowwise stream: element
     // (b, m, n) has index (b Mp + m) N + n, Mp = M padded to 16 (the reference
     // indexes the padded [B, Mp, Np] tile array).
@@ -209,7 +209,7 @@ void stripe_words(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t
 void encode_columns(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t m0,
                     const Options& p) {
   st.code.resize(kBlock * width);
-  if (p.a.stochastic) {
+  if (p.spec.stochastic_rounding) {
     stripe_words(st, rows, cols, width, m0, p);
     for (int64_t r = 0; r < kBlock; ++r)
       encode_stochastic(st.value.data() + r * width, st.enc.data(), st.rand.data() + r * width,
@@ -262,11 +262,11 @@ void tile_scales(Stripe& st, int64_t width, const Options& p) {
     for (int k = 0; k < kBlock; ++k) m = std::max(m, st.mag[b * kBlock + k]);
     st.mag[b] = m;
   }
-  if (p.a.fos.on()) {
+  if (p.spec.four_over_six().on()) {
     st.scale_t.resize(width);
     st.enc_t.resize(width);
-    choose_2d(st.value.data(), width, st.mag.data(), p.g, p.a.fos, st.fos, st.scale.data(),
-              st.enc.data(), st.scale_t.data(), st.enc_t.data());
+    choose_2d(st.value.data(), width, st.mag.data(), p.g, p.spec.four_over_six(), st.fos,
+              st.scale.data(), st.enc.data(), st.scale_t.data(), st.enc_t.data());
     spread_tiles(st.scale_t, nb);
     spread_tiles(st.enc_t, nb);
   } else {
@@ -279,15 +279,15 @@ void tile_scales(Stripe& st, int64_t width, const Options& p) {
 // Scales and encode scales of the columnwise 1x16 blocks (one per column of the
 // stripe) from the column maxima st.mag.
 void column_scales(Stripe& st, int64_t cols, int64_t width, const Options& p) {
-  if (!p.a.fos.on() && !p.a.row_scaled) {
+  if (!p.spec.four_over_six().on() && !p.spec.row_scaled) {
     block_scales(st.mag.data(), width, p.g_t, st.scale.data(), st.enc.data());
     return;
   }
   st.g.resize(width);
   for (int64_t c = 0; c < width; ++c) st.g[c] = c < cols ? p.column(c) : p.g_t;  // padding: unused
-  if (p.a.fos.on())
-    choose_1d(st.value.data(), width, st.mag.data(), st.g.data(), p.a.fos, st.fos, st.scale.data(),
-              st.enc.data());
+  if (p.spec.four_over_six().on())
+    choose_1d(st.value.data(), width, st.mag.data(), st.g.data(), p.spec.four_over_six(), st.fos,
+              st.scale.data(), st.enc.data());
   else
     block_scales_each(st.mag.data(), width, st.g.data(), st.scale.data(), st.enc.data());
 }
@@ -298,7 +298,7 @@ void column_scales(Stripe& st, int64_t cols, int64_t width, const Options& p) {
 template <typename L>
 void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t m0,
                      const Options& p, const QuantizeOutputs& o, Stripe& st) {
-  const bool block_2d = p.a.block_2d;
+  const bool block_2d = p.spec.block_2d;
   const int64_t nrows = std::min<int64_t>(kBlock, rows - m0);
   const int64_t width = num_blocks(cols) * kBlock;
   st.value.resize(kBlock * width);
@@ -307,7 +307,7 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
   if (!block_2d && !o.data_t) return;
 
   // Columnwise 1x16 or 16x16: one encode scale per column of the stripe.
-  if (p.a.rht && !block_2d) {
+  if (p.spec.columnwise_rht()) {
     // The columnwise copy of the RHT of x^T (M % 16 == 0: no padded rows);
     // the rowwise copy is done, so the stripe is transformed in place.
     rht_rows(st.value.data(), width);
@@ -327,7 +327,7 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
   encode_columns(st, rows, cols, width, m0, p);
   if (o.data && block_2d) store_rows_2d(st, nrows, cols, width, m0, o);
   if (!o.data_t) return;
-  if (block_2d && p.a.fos.on()) {
+  if (block_2d && p.spec.four_over_six().on()) {
     // x^T's own 4over6 choice: re-encode with the columnwise copy's scales.
     st.scale.swap(st.scale_t);
     st.enc.swap(st.enc_t);
@@ -337,20 +337,11 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
 }
 
 ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
-                         ffi::Buffer<ffi::U32> seed, ffi::RemainingRets outs, bool rowwise,
-                         bool columnwise, bool block_2d, bool rht, bool stochastic, bool row_scaled,
-                         int32_t four_over_six, bool four_over_six_fast_math, int32_t e4m3_max) {
+                         ffi::Buffer<ffi::U32> seed, ffi::RemainingRets outs, QuantizeSpec spec) {
   int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs all;
-  const QuantizeAttrs a{rowwise,
-                        columnwise,
-                        block_2d,
-                        rht,
-                        stochastic,
-                        row_scaled,
-                        FourOverSix{four_over_six, four_over_six_fast_math},
-                        e4m3_max};
-  if (auto e = check_quantize(x, amax, amax_t, seed, outs, a, batch, rows, cols, all); e.failure())
+  if (auto e = check_quantize(x, amax, amax_t, seed, outs, spec, batch, rows, cols, all);
+      e.failure())
     return e;
   const float* amax_data = amax.typed_data();
   const float* amax_t_data = amax_t.typed_data();
@@ -360,18 +351,19 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buff
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     const int64_t cost = batch * rows * cols * int64_t(sizeof(typename L::T)) *
-                         (stochastic || a.fos.on() ? 8 : 1) * (rht ? 2 : 1);
+                         (spec.stochastic_rounding || spec.four_over_six().on() ? 8 : 1) *
+                         (spec.rht ? 2 : 1);
     parallel_for(batch * stripes, cost, [&](int64_t lo, int64_t hi) {
       Stripe st;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t b = i / stripes, stripe = i % stripes;
-        Options p{a, GlobalScales{}, GlobalScales{}, nullptr, nullptr, key, uint32_t(b)};
-        if (row_scaled) {
+        Options p{spec, GlobalScales{}, GlobalScales{}, nullptr, nullptr, key, uint32_t(b)};
+        if (spec.row_scaled) {
           p.amax_rows = amax_data + b * rows;
           p.amax_cols = amax_t_data + b * cols;
         } else {
-          p.g = global_scales(amax_data[b], e4m3_max);
-          p.g_t = global_scales(amax_t_data[b], e4m3_max);
+          p.g = spec.global_scales(amax_data[b]);
+          p.g_t = spec.global_scales(amax_t_data[b]);
         }
         quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock, p,
                            all.entry(b, rows, cols), st);
@@ -392,12 +384,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCpu, nvfp4::cpu::quantize_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingRets()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("columnwise")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("row_scaled")
-                                  .Attr<int32_t>("four_over_six")
-                                  .Attr<bool>("four_over_six_fast_math")
-                                  .Attr<int32_t>("e4m3_max"));
+                                  .Attrs<nvfp4::QuantizeSpec>());

@@ -1,9 +1,9 @@
 // Global amax on the GPU: max |x| per batch entry, as an integer max over
 // magnitude bits (exact, and any NaN wins and comes out canonical), like the
-// CPU kernel. With `rht` the same pass also gives the amax of the Random
+// CPU kernel. With `rht_amax` the same pass also gives the amax of the Random
 // Hadamard Transform of x^T: each thread reads 16 rows of one column (a chunk),
-// keeps them in registers and transforms them. Row-scaled, the amax of each row
-// of x and of each row of x^T (or of its transform).
+// keeps them in registers and transforms them. Per row (per_row), the amax of
+// each row of x and of each row of x^T (or of its transform).
 #include "cuda/common.cuh"
 #include "cuda/handlers.h"
 
@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(kThreads)
 // threads of a warp read consecutive columns (coalesced).
 template <typename L>
 __global__ void __launch_bounds__(kThreads)
-    amax_rht_kernel(const typename L::T* x, int64_t rows, int64_t cols, int64_t chunks,
-                    uint32_t* bits, uint32_t* bits_rht) {
+    amax_t_kernel(const typename L::T* x, int64_t rows, int64_t cols, int64_t chunks,
+                  uint32_t* bits, uint32_t* bits_rht) {
   const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
   const typename L::T* xb = x + b * rows * cols;
   const int64_t items = (rows / kBlock) * cols;
@@ -66,13 +66,13 @@ __global__ void __launch_bounds__(kThreads)
   block_max_into(m_rht, bits_rht + b);
 }
 
-// Row-scaled: block (b, stripe, tile) owns 16 rows x kThreads columns, a
+// Per row: block (b, stripe, tile) owns 16 rows x kThreads columns, a
 // thread one column. Each row's max is a warp max folded atomically into
-// row_bits; each column's max (of its transformed chunk with rht) into col_bits.
+// row_bits; each column's max (of its transformed chunk with rht_amax) into col_bits.
 template <typename L>
 __global__ void __launch_bounds__(kThreads)
-    row_scaled_amax_kernel(const typename L::T* x, int64_t rows, int64_t cols, int64_t stripes,
-                           int64_t tiles, bool rht, uint32_t* row_bits, uint32_t* col_bits) {
+    per_row_amax_kernel(const typename L::T* x, int64_t rows, int64_t cols, int64_t stripes,
+                        int64_t tiles, bool rht_amax, uint32_t* row_bits, uint32_t* col_bits) {
   const int64_t tile = blockIdx.x % tiles, stripe = (blockIdx.x / tiles) % stripes;
   const int64_t b = blockIdx.x / (tiles * stripes);
   const int64_t c = tile * kThreads + threadIdx.x, m0 = stripe * kBlock;
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x % 32 == 0 && r < nrows) atomicMax(row_bits + b * rows + m0 + r, m);
   }
   if (c >= cols) return;
-  if (rht) rht16_narrow<L>(v);  // M % 16 == 0: all 16 rows are real
+  if (rht_amax) rht16_narrow<L>(v);  // M % 16 == 0: all 16 rows are real
   uint32_t m = 0;
 #pragma unroll
   for (int r = 0; r < kBlock; ++r) m = max(m, magnitude_bits(v[r]));
@@ -106,8 +106,8 @@ ffi::Error finish(cudaStream_t stream, uint32_t* bits, int64_t n) {
   return launch<amax_finish>("amax", grid_stride_blocks(n, kThreads), kThreads, 0, stream, bits, n);
 }
 
-ffi::Error row_scaled_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rht, int64_t batch,
-                           int64_t rows, int64_t cols, float* amax, float* amax_t) {
+ffi::Error per_row_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rht_amax, int64_t batch,
+                        int64_t rows, int64_t cols, float* amax, float* amax_t) {
   auto* row_bits = reinterpret_cast<uint32_t*>(amax);
   auto* col_bits = reinterpret_cast<uint32_t*>(amax_t);
   if (auto e = zero(row_bits, batch * rows * int64_t(sizeof(uint32_t)), stream); e.failure())
@@ -122,9 +122,9 @@ ffi::Error row_scaled_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rh
     using L = decltype(loader);
     if (blocks <= 0) return;
     launched =
-        launch<row_scaled_amax_kernel<L>>("amax", unsigned(blocks), kThreads, 0, stream,
-                                          static_cast<const typename L::T*>(x.untyped_data()), rows,
-                                          cols, stripes, tiles, rht, row_bits, col_bits);
+        launch<per_row_amax_kernel<L>>("amax", unsigned(blocks), kThreads, 0, stream,
+                                       static_cast<const typename L::T*>(x.untyped_data()), rows,
+                                       cols, stripes, tiles, rht_amax, row_bits, col_bits);
   });
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
   if (launched.failure()) return launched;
@@ -132,19 +132,19 @@ ffi::Error row_scaled_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rh
   return finish(stream, col_bits, batch * cols);
 }
 
-ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht,
-                     bool row_scaled) {
+ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax,
+                     bool per_row) {
   int64_t batch = 0, rows = 0, cols = 0;
-  float *amax, *amax_rht;
-  if (auto e = check_amax(x, outs, rht, row_scaled, batch, rows, cols, amax, amax_rht); e.failure())
+  float *amax, *amax_t;
+  if (auto e = check_amax(x, outs, rht_amax, per_row, batch, rows, cols, amax, amax_t); e.failure())
     return e;
-  if (row_scaled) return row_scaled_amax(stream, x, rht, batch, rows, cols, amax, amax_rht);
+  if (per_row) return per_row_amax(stream, x, rht_amax, batch, rows, cols, amax, amax_t);
   if (batch == 0) return ffi::Error::Success();
   if (batch > INT32_MAX) return invalid("amax input is too large for one launch");
   auto* bits = reinterpret_cast<uint32_t*>(amax);
-  auto* bits_rht = reinterpret_cast<uint32_t*>(amax_rht);
+  auto* bits_rht = reinterpret_cast<uint32_t*>(amax_t);
   if (auto e = zero(bits, batch * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
-  if (rht)
+  if (rht_amax)
     if (auto e = zero(bits_rht, batch * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
   const int64_t per_batch = rows * cols;
   // Enough blocks per entry to fill the GPU, each reading at least kValuesPerBlock.
@@ -157,9 +157,9 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
     if (per_batch <= 0) return;
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     const unsigned blocks = unsigned(batch * chunks);
-    if (rht)  // kThreads chunks of 16 values per block and iteration
-      launched = launch<amax_rht_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols,
-                                            chunks, bits, bits_rht);
+    if (rht_amax)  // kThreads chunks of 16 values per block and iteration
+      launched = launch<amax_t_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols,
+                                          chunks, bits, bits_rht);
     else
       launched = launch<amax_kernel<L>>("amax", blocks, kThreads, 0, stream, data, per_batch,
                                         chunks, bits);
@@ -167,7 +167,7 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
   if (launched.failure()) return launched;
   if (auto e = finish(stream, bits, batch); e.failure()) return e;
-  return rht ? finish(stream, bits_rht, batch) : ffi::Error::Success();
+  return rht_amax ? finish(stream, bits_rht, batch) : ffi::Error::Success();
 }
 
 }  // namespace
@@ -178,5 +178,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4AmaxCuda, nvfp4::cuda::amax_impl,
                                   .Ctx<nvfp4::cuda::StreamContext>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .RemainingRets()
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("row_scaled"));
+                                  .Attr<bool>("rht_amax")
+                                  .Attr<bool>("per_row"));

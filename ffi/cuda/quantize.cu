@@ -51,9 +51,7 @@ struct Params {
   const float* amax_t;   // [B] (row-scaled: [B, N]): the columnwise 1x16 copy
   const uint32_t* seed;  // [2]: the Threefry key of stochastic rounding (device memory)
   int64_t rows, cols, stripes, tiles;
-  bool block_2d, rht, row_scaled;
-  FourOverSix fos;
-  int32_t e4m3_max;
+  QuantizeSpec spec;  // its rht applies as columnwise_rht(): a columnwise 1x16 copy
   QuantizeOutputs o;
 };
 
@@ -81,7 +79,7 @@ __device__ __forceinline__ void quantize_tile(const float (&v)[kBlock], uint32_t
   uint8_t code[kBlock];
   if constexpr (kMode == Mode::kFourOverSix) {
     Candidate row, col;
-    tile(v, bamax, g, p.fos, row, col);
+    tile(v, bamax, g, p.spec.four_over_six(), row, col);
     if (o.data) {
 #pragma unroll
       for (int r = 0; r < kBlock; ++r)
@@ -122,7 +120,7 @@ __device__ __forceinline__ void quantize_stripe(const typename L::T* x, const Pa
   const int64_t b = blockIdx.x / (p.tiles * p.stripes);
   const int64_t c = tile * kTile + threadIdx.x, m0 = stripe * kBlock;
   const int64_t nrows = min(int64_t(kBlock), rows - m0);
-  const GlobalScales g = p.row_scaled ? GlobalScales{} : global_scales(p.amax[b], p.e4m3_max);
+  const GlobalScales g = p.spec.row_scaled ? GlobalScales{} : p.spec.global_scales(p.amax[b]);
   Seed seed{0, 0};
   if constexpr (kMode == Mode::kStochastic) seed = Seed{p.seed[0], p.seed[1]};
 
@@ -135,7 +133,7 @@ __device__ __forceinline__ void quantize_stripe(const typename L::T* x, const Pa
     v[r] = (r < nrows && c < cols) ? L::load(xc[r * cols]) : 0.0f;
     column_mag = max(column_mag, magnitude_bits(v[r]));
   }
-  if (p.block_2d) {
+  if (p.spec.block_2d) {
     quantize_tile<kMode>(v, column_mag, g, b, m0, c, nrows, p, seed);
     return;
   }
@@ -148,11 +146,11 @@ __device__ __forceinline__ void quantize_stripe(const typename L::T* x, const Pa
 #pragma unroll
     for (int r = 0; r < kBlock; ++r) {
       const GlobalScales g_r =
-          p.row_scaled ? global_scales(r < nrows ? p.amax[row0 + r] : 0.0f, p.e4m3_max) : g;
+          p.spec.row_scaled ? p.spec.global_scales(r < nrows ? p.amax[row0 + r] : 0.0f) : g;
       const float bamax = amax_from_bits(group16_max(magnitude_bits(v[r])));
       uint8_t s, code;
       if constexpr (kMode == Mode::kFourOverSix) {
-        const Candidate chosen = row_chunk(v[r], bamax, g_r, p.fos);
+        const Candidate chosen = row_chunk(v[r], bamax, g_r, p.spec.four_over_six());
         s = chosen.scale;
         code = quantize_value(v[r], chosen.enc);
       } else {
@@ -168,18 +166,20 @@ __device__ __forceinline__ void quantize_stripe(const typename L::T* x, const Pa
   if (o.data_t) {
     // 1x16 columnwise: the thread's own 16 values are the block, or with rht
     // their transform (M % 16 == 0, so all 16 rows are real), in registers.
-    if (p.rht) {
+    if (p.spec.columnwise_rht()) {
       rht16_narrow<L>(v);
       column_mag = 0;
 #pragma unroll
       for (int r = 0; r < kBlock; ++r) column_mag = max(column_mag, magnitude_bits(v[r]));
     }
-    const float amax_t = p.row_scaled ? (c < cols ? p.amax_t[b * cols + c] : 0.0f) : p.amax_t[b];
-    const GlobalScales g_t = global_scales(amax_t, p.e4m3_max);
+    const float amax_t =
+        p.spec.row_scaled ? (c < cols ? p.amax_t[b * cols + c] : 0.0f) : p.amax_t[b];
+    const GlobalScales g_t = p.spec.global_scales(amax_t);
     uint8_t s;
     float enc;
     if constexpr (kMode == Mode::kFourOverSix) {
-      const Candidate chosen = column_chunk(v, amax_from_bits(column_mag), g_t, p.fos);
+      const Candidate chosen =
+          column_chunk(v, amax_from_bits(column_mag), g_t, p.spec.four_over_six());
       s = chosen.scale;
       enc = chosen.enc;
     } else {
@@ -212,20 +212,10 @@ __global__ void __launch_bounds__(kTile, 1)
 
 ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
                          ffi::Buffer<ffi::F32> amax_t, ffi::Buffer<ffi::U32> seed,
-                         ffi::RemainingRets outs, bool rowwise, bool columnwise, bool block_2d,
-                         bool rht, bool stochastic, bool row_scaled, int32_t four_over_six,
-                         bool four_over_six_fast_math, int32_t e4m3_max) {
+                         ffi::RemainingRets outs, QuantizeSpec spec) {
   int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs o;
-  const QuantizeAttrs a{rowwise,
-                        columnwise,
-                        block_2d,
-                        rht,
-                        stochastic,
-                        row_scaled,
-                        FourOverSix{four_over_six, four_over_six_fast_math},
-                        e4m3_max};
-  if (auto e = check_quantize(x, amax, amax_t, seed, outs, a, batch, rows, cols, o); e.failure())
+  if (auto e = check_quantize(x, amax, amax_t, seed, outs, spec, batch, rows, cols, o); e.failure())
     return e;
   const int64_t stripes = num_blocks(rows), tiles = (cols + kTile - 1) / kTile;
   const int64_t blocks = batch * stripes * tiles;
@@ -237,21 +227,17 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                  cols,
                  stripes,
                  tiles,
-                 block_2d,
-                 rht && columnwise && !block_2d,
-                 row_scaled,
-                 a.fos,
-                 e4m3_max,
+                 spec,
                  o};
   ffi::Error launched = ffi::Error::Success();
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     if (blocks <= 0) return;
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
-    if (stochastic)
+    if (spec.stochastic_rounding)
       launched = launch<quantize_kernel<L, Mode::kStochastic>>("quantize", unsigned(blocks), kTile,
                                                                0, stream, data, p);
-    else if (a.fos.on())
+    else if (spec.four_over_six().on())
       launched = launch<quantize_4over6_kernel<L>>("quantize", unsigned(blocks), kTile, 0, stream,
                                                    data, p);
     else
@@ -273,12 +259,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCuda, nvfp4::cuda::quantize_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingRets()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("columnwise")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("row_scaled")
-                                  .Attr<int32_t>("four_over_six")
-                                  .Attr<bool>("four_over_six_fast_math")
-                                  .Attr<int32_t>("e4m3_max"));
+                                  .Attrs<nvfp4::QuantizeSpec>());

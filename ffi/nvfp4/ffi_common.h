@@ -6,13 +6,11 @@
 #include <string>
 #include <utility>
 
-#include "nvfp4/four_over_six.h"
 #include "nvfp4/numerics.h"
+#include "nvfp4/spec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nvfp4 {
-
-namespace ffi = xla::ffi;
 
 // Element loaders: every input dtype is read as an exact float32; narrow()
 // rounds a float32 to the nearest value of the input dtype (RNE, the RHT output).
@@ -80,10 +78,6 @@ bool dispatch_input(ffi::DataType dtype, Fn&& fn) {
   return dispatch_float<LoadF32, LoadBF16, LoadF16>(dtype, std::forward<Fn>(fn));
 }
 
-inline ffi::Error invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "nvfp4: " + msg);
-}
-
 // Checks that a buffer is [B, rows, cols] and unpacks the dims.
 inline bool dims3(const ffi::AnyBuffer& buf, int64_t& b, int64_t& rows, int64_t& cols) {
   const auto d = buf.dimensions();
@@ -113,51 +107,27 @@ struct QuantizeOutputs {
   }
 };
 
-// The options of one quantize call (its FFI attributes).
-struct QuantizeAttrs {
-  bool rowwise, columnwise, block_2d, rht, stochastic;
-  bool row_scaled;  // amax per row of x [B, M], amax_t per row of x^T [B, N]
-  FourOverSix fos;
-  int32_t e4m3_max;  // 448, or 256 with 4over6
-};
-
-// The option combinations reference.check_options defines.
-inline ffi::Error check_options(const QuantizeAttrs& a) {
-  if (a.fos.mode < kFourOverSixOff || a.fos.mode > kFourOverSixMse)
-    return invalid("quantize four_over_six must be 0 (off), 1 (MAE) or 2 (MSE)");
-  if (a.e4m3_max != 448 && a.e4m3_max != 256)
-    return invalid("quantize e4m3_max must be 448 or 256");
-  if (a.e4m3_max != 448 && !a.fos.on()) return invalid("e4m3_max=256 applies only with 4over6");
-  if (a.row_scaled && a.block_2d) return invalid("row-scaled NVFP4 has 1x16 blocks only");
-  if (a.fos.on() && a.stochastic) return invalid("no stochastic rounding with 4over6");
-  return ffi::Error::Success();
-}
-
 // Checks quantize's [B, M, N] input, its amax and amax_t ([B], or [B, M] and
-// [B, N] when row-scaled), the seed uint32 [2], the options and the dtype and
+// [B, N] when row-scaled), the seed uint32 [2], the spec and the dtype and
 // size of each requested output (in the order data, scale, data_t, scale_t);
 // unpacks the dims and fills `o`.
 inline ffi::Error check_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax,
                                  const ffi::Buffer<ffi::F32>& amax_t,
                                  const ffi::Buffer<ffi::U32>& seed, ffi::RemainingRets& outs,
-                                 const QuantizeAttrs& a, int64_t& batch, int64_t& rows,
+                                 const QuantizeSpec& spec, int64_t& batch, int64_t& rows,
                                  int64_t& cols, QuantizeOutputs& o) {
   if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
-  if (auto e = check_options(a); e.failure()) return e;
-  const int64_t n_amax = int64_t(amax.element_count()), n_amax_t = int64_t(amax_t.element_count());
-  if (a.row_scaled) {
-    if ((a.rowwise && n_amax != batch * rows) || (a.columnwise && n_amax_t != batch * cols))
-      return invalid("row-scaled quantize amax and amax_t must be [B, M] and [B, N]");
-  } else if (n_amax != batch || n_amax_t != batch) {
-    return invalid("quantize amax and amax_t must be [B]");
-  }
+  if (auto e = spec.validate(); e.failure()) return e;
+  if (auto e = spec.check_amax_counts(int64_t(amax.element_count()),
+                                      int64_t(amax_t.element_count()), batch, rows, cols);
+      e.failure())
+    return e;
   if (seed.element_count() != 2) return invalid("quantize seed must be uint32 [2]");
-  if (a.rht && a.columnwise && !a.block_2d && rows % kBlock != 0)
-    return invalid("quantize with rht needs M (the columnwise block axis) a multiple of 16");
+  if (auto e = spec.check_rows(rows); e.failure()) return e;
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
   const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
                             cols * packed_size(rows), cols * num_blocks(rows)};
-  const bool wanted[4] = {a.rowwise, a.rowwise, a.columnwise, a.columnwise};
+  const bool wanted[4] = {spec.rowwise, spec.rowwise, spec.columnwise, spec.columnwise};
   size_t next = 0;
   for (int i = 0; i < 4; ++i) {
     *ptrs[i] = nullptr;
@@ -173,48 +143,49 @@ inline ffi::Error check_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-// Checks amax's [B, M, N] input and its 1 result (amax [B]) or, with rht, 2
-// results (amax, amax_rht [B]); row-scaled, always 2 results: the amax of each
+// Checks amax's [B, M, N] input and its 1 result (amax [B]) or, with rht_amax, 2
+// results (amax, amax_t [B]); per row, always 2 results: the amax of each
 // row of x [B, M] and of each row of x^T (or of its RHT) [B, N]. Unpacks the
 // dims and the result pointers.
-inline ffi::Error check_amax(const ffi::AnyBuffer& x, ffi::RemainingRets& outs, bool rht,
-                             bool row_scaled, int64_t& batch, int64_t& rows, int64_t& cols,
-                             float*& amax, float*& amax_rht) {
+inline ffi::Error check_amax(const ffi::AnyBuffer& x, ffi::RemainingRets& outs, bool rht_amax,
+                             bool per_row, int64_t& batch, int64_t& rows, int64_t& cols,
+                             float*& amax, float*& amax_t) {
   if (!dims3(x, batch, rows, cols)) return invalid("amax expects a [B, M, N] input");
-  if (rht && rows % kBlock != 0) return invalid("amax with rht needs M a multiple of 16");
-  const size_t wanted = rht || row_scaled ? 2 : 1;
+  if (rht_amax && rows % kBlock != 0) return invalid("amax with rht_amax needs M a multiple of 16");
+  const size_t wanted = rht_amax || per_row ? 2 : 1;
   if (outs.size() != wanted)
-    return invalid(wanted == 2 ? "amax with rht or row_scaled has 2 results" : "amax has 1 result");
-  const int64_t sizes[2] = {row_scaled ? batch * rows : batch, row_scaled ? batch * cols : batch};
+    return invalid(wanted == 2 ? "amax with rht_amax or per-row has 2 results"
+                               : "amax has 1 result");
+  const int64_t sizes[2] = {per_row ? batch * rows : batch, per_row ? batch * cols : batch};
   float* ptrs[2] = {nullptr, nullptr};
   for (size_t i = 0; i < wanted; ++i) {
     auto buf = outs.get<ffi::AnyBuffer>(i);
     if (!buf.has_value()) return invalid("amax is missing a result");
     if ((*buf)->element_type() != ffi::DataType::F32 ||
         int64_t((*buf)->element_count()) != sizes[i])
-      return invalid(row_scaled ? "row-scaled amax results must be float32 [B, M] and [B, N]"
-                                : "amax results must be float32 [B]");
+      return invalid(per_row ? "per-row amax results must be float32 [B, M] and [B, N]"
+                             : "amax results must be float32 [B]");
     ptrs[i] = static_cast<float*>((*buf)->untyped_data());
   }
   amax = ptrs[0];
-  amax_rht = ptrs[1];
+  amax_t = ptrs[1];
   return ffi::Error::Success();
 }
 
-// Checks dequantize's operands against its [B, M, N] output and unpacks the
-// dims; `row_scaled` is set when amax is [B, M] (one per row), not [B].
+// Checks dequantize's operands against its [B, M, N] output and the spec, and
+// unpacks the dims; `per_row` is set when amax is [B, M] (one per row), not [B].
 inline ffi::Error check_dequantize(const ffi::Buffer<ffi::U8>& data, const ffi::AnyBuffer& scale,
                                    const ffi::Buffer<ffi::F32>& amax, const ffi::AnyBuffer& out,
-                                   int32_t e4m3_max, int64_t& batch, int64_t& rows, int64_t& cols,
-                                   bool& row_scaled) {
+                                   const DequantizeSpec& spec, int64_t& batch, int64_t& rows,
+                                   int64_t& cols, bool& per_row) {
   if (!dims3(out, batch, rows, cols)) return invalid("dequantize output must be [B, M, N]");
   if (scale.element_type() != ffi::DataType::F8E4M3FN)
     return invalid("dequantize scales must be float8_e4m3fn");
-  if (e4m3_max != 448 && e4m3_max != 256) return invalid("dequantize e4m3_max must be 448 or 256");
-  row_scaled = amax.dimensions().size() == 2;
+  if (auto e = spec.validate(); e.failure()) return e;
+  per_row = amax.dimensions().size() == 2;
   if (int64_t(data.element_count()) != batch * rows * packed_size(cols) ||
       int64_t(scale.element_count()) != batch * rows * num_blocks(cols) ||
-      int64_t(amax.element_count()) != (row_scaled ? batch * rows : batch) ||
+      int64_t(amax.element_count()) != (per_row ? batch * rows : batch) ||
       amax.dimensions().size() > 2)
     return invalid("dequantize operand sizes do not match the output shape (amax [B] or [B, M])");
   return ffi::Error::Success();

@@ -13,7 +13,7 @@
 
 namespace nvfp4 {
 
-// The FFI attribute `four_over_six`: 0 off, 1 MAE, 2 MSE.
+// The 4over6 error mode of a QuantizeSpec: 0 off, 1 MAE, 2 MSE.
 constexpr int32_t kFourOverSixOff = 0;
 constexpr int32_t kFourOverSixMae = 1;
 constexpr int32_t kFourOverSixMse = 2;
@@ -34,7 +34,7 @@ NVFP4_HD float clamp_e4m3(float v) {  // NaN passes through
 // The two candidate scales (E4M3 codes) of a block with max magnitude `bamax`:
 // base = fp32(bamax / 6) * ges (not the default path's bamax * fp32(ges / 6)),
 // s6 = E4M3(clamp(base)), s4 = E4M3(clamp(fp32(base * 1.5))). The clamp stays
-// 448 whatever e4m3_max.
+// 448 whatever the spec's range E.
 struct Candidates {
   uint8_t s6, s4;
 };

@@ -308,8 +308,9 @@ NVFP4_HD void rht16(float (&v)[kBlock]) {
 // ---- scales ----
 
 // Global scales derived from an amax (one per tensor, or one per row when
-// row-scaled). `e4m3_max` (E: 448, or 256 with 4over6) is the block-scale range
-// the global scale aims at; it changes only ges and the divisor 6 E.
+// row-scaled). The spec's range E (448, or 256 with 4over6) is the block-scale
+// range the global scale aims at; the scales see it only as the divisor
+// fp32(6 E), which changes ges alone (QuantizeSpec::global_scales passes it).
 struct GlobalScales {
   float encode;       // ges = min(6 E / amax, FLT_MAX), 0 replaced by 1
   float encode_div6;  // ges * fp32(1/6): the block-scale multiplier
@@ -318,11 +319,11 @@ struct GlobalScales {
   float divisor;      // fp32(6 E)
 };
 
-// fp32(6 E): 2688 or 1536, both exact.
-NVFP4_HD float six_times(int e4m3_max) { return kE2M1Max * float(e4m3_max); }
+// fp32(6 E) of a block-scale range E: 2688 or 1536, both exact.
+NVFP4_HD float six_times(int32_t range) { return kE2M1Max * float(range); }
 
-NVFP4_HD GlobalScales global_scales(float amax, int e4m3_max = 448) {
-  const float divisor = six_times(e4m3_max);
+// The global scales of an amax for the divisor fp32(6 E).
+NVFP4_HD GlobalScales global_scales(float amax, float divisor) {
   float ges = divisor / amax;
   if (ges > kFloatMax) ges = kFloatMax;  // NaN stays NaN
   if (ges == 0.0f) ges = 1.0f;           // only when amax is inf
@@ -353,12 +354,12 @@ NVFP4_HD uint8_t quantize_value_stochastic(float x, float encode_scale, uint32_t
   return float_to_e2m1_stochastic(x * encode_scale, word);
 }
 
-// Global decode scale of dequantization and of the GEMM: amax / (6 E), as the
-// reference GEMM applies it. Unlike the quantizer's 1 / ges it stays inf for an
-// infinite amax, so a tensor that held inf never dequantizes to finite values.
-NVFP4_HD float dequantize_scale(float amax, int e4m3_max = 448) {
-  return amax / six_times(e4m3_max);
-}
+// Global decode scale of dequantization and of the GEMM: amax / (6 E), the
+// divisor fp32(6 E) as GlobalScales::divisor, as the reference GEMM applies it
+// (DequantizeSpec::global_decode_scale passes it). Unlike the quantizer's
+// 1 / ges it stays inf for an infinite amax, so a tensor that held inf never
+// dequantizes to finite values.
+NVFP4_HD float dequantize_scale(float amax, float divisor) { return amax / divisor; }
 
 // Dequantized value in float32: fp32(e2m1 * s) * dequantize_scale(amax). Any NaN (a NaN scale or
 // global scale) comes out as the canonical quiet NaN, so the bytes are defined.

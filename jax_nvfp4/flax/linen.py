@@ -32,7 +32,7 @@ class NVFP4DotGeneral(nn.Module):
     For ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.MultiHeadDotProductAttention``
     (``qkv_dot_general_cls`` / ``out_dot_general_cls``); pass
     ``functools.partial(NVFP4DotGeneral, recipe=...)`` to change the recipe.
-    It holds no variables. With ``recipe.stochastic_rounding`` it takes a key
+    It holds no variables. With ``recipe.needs_rng_key`` it takes a key
     from the ``"nvfp4"`` RNG stream (``RNG_STREAM``) when the stream is given;
     without it, taking gradients raises an error that says so.
     """
@@ -41,7 +41,7 @@ class NVFP4DotGeneral(nn.Module):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         """``jax_nvfp4.dot_general`` with this module's recipe."""
-        if self.recipe.stochastic_rounding and "rng_key" not in kwargs and self.has_rng(RNG_STREAM):
+        if self.recipe.needs_rng_key and "rng_key" not in kwargs and self.has_rng(RNG_STREAM):
             kwargs["rng_key"] = self.make_rng(RNG_STREAM)
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
 

@@ -29,7 +29,7 @@ _DEFAULT_RECIPE = Recipe()
 class NVFP4DotGeneral(nnx.Module):
     """``lax.dot_general`` in NVFP4, as an NNX module for ``dot_general=``.
 
-    With ``recipe.stochastic_rounding`` (the default) it forks a stream from
+    With ``recipe.needs_rng_key`` (the default) it forks a stream from
     ``rngs["nvfp4"]`` (``RNG_STREAM``) at construction, as ``nnx.Dropout``
     does, and passes a fresh key from it to each call. ``nnx.Rngs`` falls back
     to its ``default`` stream when it has no ``"nvfp4"`` one (with neither it
@@ -47,7 +47,7 @@ class NVFP4DotGeneral(nnx.Module):
         """Args:
         recipe: the NVFP4 recipe; ``Recipe()`` by default.
         rngs: an ``nnx.Rngs`` (its ``"nvfp4"`` stream, else its ``default``)
-          or an ``nnx.RngStream``; used only with ``recipe.stochastic_rounding``.
+          or an ``nnx.RngStream``; used only with ``recipe.needs_rng_key``.
         """
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
@@ -55,7 +55,7 @@ class NVFP4DotGeneral(nnx.Module):
         if not (rngs is None or isinstance(rngs, (nnx.Rngs, nnx.RngStream))):
             raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None, got {type(rngs).__name__}")
         self.rngs: nnx.RngStream | None = nnx.data(None)
-        if rngs is not None and recipe.stochastic_rounding:
+        if rngs is not None and recipe.needs_rng_key:
             if isinstance(rngs, nnx.Rngs):
                 if RNG_STREAM not in rngs and "default" not in rngs:
                     raise ValueError(
@@ -69,7 +69,7 @@ class NVFP4DotGeneral(nnx.Module):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         """``jax_nvfp4.dot_general`` with this module's recipe and, if it rounds stochastically, a new key."""
-        if self.recipe.stochastic_rounding and self.rngs is not None and kwargs.get("rng_key") is None:
+        if self.recipe.needs_rng_key and self.rngs is not None and kwargs.get("rng_key") is None:
             kwargs["rng_key"] = self.rngs()
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
 

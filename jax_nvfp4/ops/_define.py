@@ -1,7 +1,7 @@
 """One helper that declares a kernel-backed, partitionable JAX primitive.
 
-Each op is declared once: its name, abstract evaluation, the pure-JAX
-reference that defines it, which of its parameters are FFI attributes, and
+Each op (one file of this package) is declared once: its name, abstract
+evaluation, the pure-JAX reference that defines it, its FFI attributes, and
 how it shards (a ``Partitioning``). The helper wires the rest:
 
 - a *kernel* primitive that runs on one device: lowered to the FFI kernel on
@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,28 +54,15 @@ class Partitioning:
     partition: Callable
 
 
-class _WithDefaults(Primitive):
-    """A primitive whose optional params take defaults at bind, so that callers written before an option existed
-    keep working."""
-
-    def __init__(self, name: str, defaults: Mapping[str, Any]):
-        super().__init__(name)
-        self.defaults = dict(defaults)
-
-    def bind(self, *args, **params):
-        return super().bind(*args, **{**self.defaults, **params})
-
-
 def define(
     name: str,
     *,
     abstract_eval: Callable,
     reference: Callable,
     partitioning: Partitioning,
-    ffi_attrs: Sequence[str | tuple[str, Callable]] = (),
+    ffi_attrs: Callable[..., dict] = lambda **_: {},
     adapt: Callable | None = None,
     shared: Sequence[int] = (),
-    defaults: Mapping[str, Any] | None = None,
 ) -> Primitive:
     """Declare primitive ``name`` backed by FFI target ``name`` (multiple results).
 
@@ -84,16 +70,13 @@ def define(
       abstract_eval: (*avals, **params) -> tuple of ShapedArray.
       reference: (*arrays, **params) -> tuple of arrays; the pure-JAX definition.
       partitioning: the op's Shardy rule and partition function.
-      ffi_attrs: the params passed to the kernel as attributes (the others,
-        e.g. output dtype, are carried by the result types): a name, or
-        (name, convert) where the kernel takes ``convert(param)`` (e.g. an
-        option string as its int32 code).
+      ffi_attrs: (**params) -> the kernel's FFI attributes (params such as the
+        output dtype are carried by the result types instead).
       adapt: (bind, *arrays, **params) -> results: runs the kernel (``bind``)
         on operands the public op accepts but the kernel does not as is
         (e.g. reshaped); by default the operands go to the kernel unchanged.
       shared: indices of operands without the leading batch axis, which all
         entries share (e.g. a random seed).
-      defaults: values of optional params, filled in at bind.
     """
     kernel_prim = Primitive(name + "_kernel")
     kernel_prim.multiple_results = True
@@ -102,17 +85,15 @@ def define(
     mlir.register_lowering(kernel_prim, mlir.lower_fun(lambda *a, **p: tuple(reference(*a, **p))))
     ffi_rule = jax.ffi.ffi_lowering(name)
 
-    converters = [(a, None) if isinstance(a, str) else a for a in ffi_attrs]
-
     def kernel_lowering(ctx, *args, **params):
-        attrs = {k: params[k] if convert is None else convert(params[k]) for k, convert in converters}
-        return ffi_rule(ctx, *args, **attrs)
+        return ffi_rule(ctx, *args, **ffi_attrs(**params))
 
     for platform in _ffi.platforms_with(name):
         mlir.register_lowering(kernel_prim, kernel_lowering, platform=platform)
 
-    prim = _WithDefaults(name, defaults or {})
+    prim = Primitive(name)
     prim.multiple_results = True
+    prim.ffi_attrs = ffi_attrs  # for whoever calls the FFI target directly (tests/cuda_host.py)
 
     @functools.cache
     def jitted(params: tuple) -> Callable:

@@ -1,26 +1,22 @@
-"""Which quantization options the spec defines, and which combinations of them.
+"""Checks of single arguments, each raising an error that names the argument.
 
-One home for the rule, shared by the public frontend (which checks before any
-work) and the reference core (which the kernels must match).
+Options are static (they pick the kernel), so each is checked in Python before
+anything is traced. Combinations of quantization options are the business of
+``QuantizeSpec.validate`` alone.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4.formats import INPUT_DTYPES
-from jax_nvfp4.tensor import NVFP4Tensor
-
-FOUR_OVER_SIX_MODES = ("mae", "mse")
-"""4over6 error measures: the block's candidate with the smaller mean absolute / squared error wins."""
-
-E4M3_MAX_CHOICES = (448, 256)
-"""Block-scale ranges the global scale may aim at; 256 only with 4over6."""
 
 
 def check_flag(name: str, value) -> bool:
@@ -82,23 +78,25 @@ def check_real(name: str, value) -> None:
         raise TypeError(f"{name} must be an array of real numbers (or one number), got {dtype or type(value).__name__}")
 
 
-def check_tensor(name: str, t) -> NVFP4Tensor:
-    """``t`` if it is an NVFP4Tensor, else TypeError naming the argument."""
-    if not isinstance(t, NVFP4Tensor):
-        raise TypeError(f"{name} must be an NVFP4Tensor (from quantize), got {type(t).__name__}")
-    return t
+def check_key(key, name: str) -> jax.Array:
+    """One JAX PRNG key (typed, or a raw uint32 [2] key), else an error naming the option ``name``."""
+    if not isinstance(key, jax.Array | np.ndarray):
+        raise TypeError(f"{name} must be a JAX PRNG key (jax.random.key), got {type(key).__name__}")
+    key = jnp.asarray(key)
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and (key.dtype != jnp.uint32 or key.shape != (2,)):
+        raise TypeError(f"{name} must be a JAX PRNG key (jax.random.key), got {key.dtype}{key.shape}")
+    if key.shape != () and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        raise ValueError(f"{name} must be one key, got shape {key.shape}")
+    return key
 
 
-def check_options(*, block_2d: bool, stochastic: bool, row_scaled: bool, four_over_six, e4m3_max: int) -> int:
-    """Raise ValueError for option combinations the spec does not define; returns e4m3_max as an int."""
-    if row_scaled and block_2d:
-        raise ValueError("row-scaled NVFP4 has 1x16 blocks only (block_2d=False)")
-    if four_over_six is not None:
-        check_choice("four_over_six", four_over_six, FOUR_OVER_SIX_MODES, f"None or one of {FOUR_OVER_SIX_MODES}")
-    if four_over_six is not None and stochastic:
-        raise ValueError("4over6 picks between round-to-nearest candidates: no stochastic rounding with it")
-    e4m3_max = check_choice("e4m3_max", e4m3_max, E4M3_MAX_CHOICES, "448 or 256")
-    if e4m3_max != 448 and four_over_six is None:
-        # TransformerEngine's reference silently uses 448 here; an explicit error instead.
-        raise ValueError("e4m3_max=256 applies only with 4over6 (four_over_six='mae' or 'mse')")
-    return e4m3_max
+def renamed(options: dict, old: str, new: str, owner: str) -> dict:
+    """``options`` with a deprecated keyword ``old`` moved to ``new`` (a DeprecationWarning), or as is."""
+    if old not in options:
+        return options
+    if new in options:
+        raise TypeError(f"{owner} got both {new}= and its old spelling {old}=")
+    warnings.warn(f"{owner}: {old}= is deprecated, use {new}=", DeprecationWarning, stacklevel=3)
+    options = dict(options)
+    options[new] = options.pop(old)
+    return options

@@ -1,0 +1,141 @@
+"""``nvfp4_gemm``: a (data, scale, amax) [B, *Ra, *L], c (data, scale, amax) [B, *Rc, *L] -> [B, *Ra, *Rc].
+
+y[b, i, j] = sum over the ``contract_ndim`` axes L of a[b, i, l] * c[b, j, l] times the product of the
+global decode scales fp32(amax / 2688) of a and c (amax [B] each); the last L axis is packed and blocked,
+``length`` values long. Emulated exactly with a bf16 dot (see ``jax_nvfp4.gemm``): an E2M1 value times an
+E4M3 scale is exact in bfloat16 and the products in float32; only the float32 accumulation rounds. One
+primitive, so that it partitions as a whole: whatever collective brings the operands to the layout of the
+output moves their packed codes and scales, never dequantized values. Scales travel as their E4M3 bytes
+(uint8): XLA on CPU widens float8 collectives to f16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_nvfp4 import _bits as b
+from jax_nvfp4 import _reference_core
+from jax_nvfp4.formats import BLOCK, E2M1_MAX, E4M3_MAX
+from jax_nvfp4.ops._define import Partitioning, define, shaped
+from jax_nvfp4.ops._sharding import Factors, fits, mesh_size, without
+from jax_nvfp4.ops.dequantize import dequantize
+
+
+def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
+    """``E2M1(code) * block_scale`` as bfloat16 [B, R, length]; exact (no global scale).
+
+    The dequantize primitive with amax = 6 * 448, whose global decode scale is 1.
+    """
+    unit = jnp.full(data.shape[:1], E2M1_MAX * E4M3_MAX, jnp.float32)
+    return dequantize(data, scale, unit, cols=length, dtype=jnp.dtype(jnp.bfloat16))
+
+
+def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
+    """fp32(amax_a / 2688) * fp32(amax_c / 2688), rounded exactly and symmetric in a and c."""
+    a, c = (_reference_core.dequantize_scale(b.to_bits(jnp.asarray(x, jnp.float32))) for x in (amax_a, amax_c))
+    return b.from_bits(b.mul(a, c))
+
+
+def split(shape, contract_ndim: int) -> tuple[tuple[int, ...], int]:
+    """[B, *R, *L] -> (R, prod of the L axes before the last)."""
+    return tuple(shape[1 : len(shape) - contract_ndim]), math.prod(shape[len(shape) - contract_ndim : -1])
+
+
+def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype):
+    def values(data, scale):  # [B, *R, *L] -> bf16 [B, prod(R), prod(L)]
+        rows, lead = split(data.shape, contract_ndim)
+        b = data.shape[0]
+        scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+        v = block_values(data.reshape(b, -1, data.shape[-1]), scale.reshape(b, -1, scale.shape[-1]), length)
+        return v.reshape(b, math.prod(rows), lead * length), rows
+
+    (a, a_rows), (c, c_rows) = values(a_data, a_scale), values(c_data, c_scale)
+    acc = lax.dot_general(a, c, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit.
+    y = (acc * global_decode_scale(a_amax, c_amax)[:, None, None]).astype(out_dtype)
+    return (y.reshape(a.shape[0], *a_rows, *c_rows),)
+
+
+def _abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype):
+    a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
+    return (shaped((a_data.shape[0], *a_rows, *c_rows), out_dtype),)
+
+
+def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype):
+    f = Factors(axis_sizes)
+    _, lp, ls = f.dim("l", length, blocked=True)
+    lead_l = [f"k{i}" for i in range(contract_ndim - 1)]
+    a_rows = [f"a{i}" for i in range(len(in_shapes[0]) - 1 - contract_ndim)]
+    c_rows = [f"c{i}" for i in range(len(in_shapes[3]) - 1 - contract_ndim)]
+    a, c = (" ".join(["b", *rows, *lead_l]) for rows in (a_rows, c_rows))
+    rule = f"{a} {lp}, {a} {ls}, b, {c} {lp}, {c} {ls}, b -> " + " ".join(["b", *a_rows, *c_rows])
+    reduction = (*lead_l, "lb") if "lb" in lp else tuple(lead_l)
+    return f.rule(rule, reduction_factors=reduction)
+
+
+def _common_prefix(a: tuple[str, ...], c: tuple[str, ...]) -> tuple[str, ...]:
+    n = 0
+    while n < min(len(a), len(c)) and a[n] == c[n]:
+        n += 1
+    return a[:n]
+
+
+def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype):
+    """Keep the output sharded as wanted; move the *quantized* operands to fit.
+
+    The output takes the sharding propagation asks for (by default a's rows
+    and c's rows). A contracting axis stays sharded on the mesh axes both
+    operands share (leading ones); the partial float32 sums are then reduced:
+    reduce-scattered onto an output axis that wants that mesh axis,
+    all-reduced otherwise. Every other mismatch is resolved by resharding the
+    operands, i.e. by collectives on packed codes and E4M3 scales.
+    """
+    k = contract_ndim
+    a_shape, c_shape, a_dims, c_dims = in_shapes[0], in_shapes[3], in_dims[0], in_dims[3]
+    ra, rc = len(a_shape) - 1 - k, len(c_shape) - 1 - k
+    out_sizes = (a_shape[0], *a_shape[1 : 1 + ra], *c_shape[1 : 1 + rc])
+    want = out_dims[0] if out_dims is not None else (a_dims[0], *a_dims[1 : 1 + ra], *c_dims[1 : 1 + rc])
+    b = fits(mesh, a_shape[0], want[0])
+    l_sizes = (*a_shape[1 + ra : -1], length)
+    contract, used = [], b
+    for i, size in enumerate(l_sizes):
+        axes = without(_common_prefix(a_dims[1 + ra + i], c_dims[1 + rc + i]), used)
+        contract.append(fits(mesh, size, axes, BLOCK if i == k - 1 else 1))
+        used += contract[-1]
+    reduced = used[len(b) :]
+    out, rows, scatter = [b], [], {}
+    for j in range(1, len(out_sizes)):
+        kept = fits(mesh, out_sizes[j], without(want[j], used))
+        used += kept
+        rows.append(kept)
+        # Contracting mesh axes this output axis wants as its minor-most ones are reduce-scattered onto it.
+        extra = want[j][len(kept) :]
+        divides = out_sizes[j] % mesh_size(mesh, kept + extra) == 0
+        if extra and want[j][: len(kept)] == kept and all(a in reduced for a in extra) and divides:
+            scatter[j] = extra
+        out.append(kept + scatter.get(j, ()))
+    all_reduced = without(reduced, [a for axes in scatter.values() for a in axes])
+    local_length = length // mesh_size(mesh, contract[-1])
+
+    def local(*args):
+        (y,) = kernel(*args, length=local_length, out_dtype=jnp.dtype(jnp.float32))
+        if all_reduced:
+            y = lax.psum(y, all_reduced)
+        for dim, axes in scatter.items():
+            y = lax.psum_scatter(y, axes, scatter_dimension=dim, tiled=True)
+        return (y.astype(out_dtype),)
+
+    a_op, c_op = (b, *rows[:ra], *contract), (b, *rows[ra:], *contract)
+    return [a_op, a_op, (b,), c_op, c_op, (b,)], [tuple(out)], local
+
+
+gemm_p = define(
+    "nvfp4_gemm",
+    abstract_eval=_abstract,
+    reference=_reference,
+    partitioning=Partitioning(_rule, _partition),
+)

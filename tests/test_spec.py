@@ -1,0 +1,133 @@
+"""QuantizeSpec: one static parameter, one validation, one mapping to the kernels; old keywords still work."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernels import assert_same_tensor
+
+import jax_nvfp4
+from jax_nvfp4 import QuantizeSpec, Recipe
+
+FACTOR = {"rht_amax_factor": 2.0}
+X = jax.random.normal(jax.random.key(0), (32, 48), jnp.float32)
+
+
+def test_the_quantize_primitive_carries_one_spec():
+    spec = QuantizeSpec(columnwise=True, four_over_six_error="mse", e4m3_max=256)
+    jaxpr = jax.make_jaxpr(lambda x: jax_nvfp4.quantize(x, spec))(X)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "nvfp4_quantize"]
+    assert eqn.params == {"spec": spec}
+
+
+def test_keywords_build_the_spec_the_tensor_records():
+    t = jax_nvfp4.quantize(X, columnwise=True, block_2d=True)
+    assert t.spec == QuantizeSpec(columnwise=True, block_2d=True)
+    assert_same_tensor(jax_nvfp4.quantize(X, t.spec), t)
+    keyed = jax_nvfp4.quantize(X, rng_key=jax.random.key(1))
+    assert keyed.spec.stochastic_rounding
+
+
+def test_spec_is_hashable_and_normalises_numpy_values():
+    a = QuantizeSpec(block_2d=np.bool_(True), four_over_six_error=np.str_("mae"), e4m3_max=np.int64(256))
+    b = QuantizeSpec(block_2d=True, four_over_six_error="mae", e4m3_max=256)
+    assert a == b and hash(a) == hash(b) and type(a.e4m3_max) is int
+    assert QuantizeSpec(amax_mesh_axes="fsdp").amax_mesh_axes == ("fsdp",)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"rowwise": False}, "rowwise=True or columnwise=True"),
+        ({"rht": True}, "rht applies to the columnwise copy"),
+        ({"rht_amax_factor": 2.0}, "only with rht"),
+        ({"row_scaled": True, "block_2d": True}, "1x16 blocks only"),
+        ({"four_over_six_error": "mse", "stochastic_rounding": True}, "no stochastic rounding"),
+        ({"four_over_six_fast_math": True}, "four_over_six_fast_math applies only with 4over6"),
+        ({"e4m3_max": 256}, "e4m3_max=256 applies only with 4over6"),
+    ],
+)
+def test_validate_is_where_combinations_fail(fields, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizeSpec(**fields)
+    with pytest.raises(ValueError, match=match):  # replace() validates too
+        dataclasses.replace(QuantizeSpec(), **fields)
+
+
+def test_kernel_attrs_are_the_fields_the_cpp_spec_decodes():
+    attrs = QuantizeSpec(columnwise=True, four_over_six_error="mse", e4m3_max=256).kernel_attrs()
+    assert list(attrs) == [
+        "rowwise",
+        "columnwise",
+        "block_2d",
+        "rht",
+        "stochastic_rounding",
+        "row_scaled",
+        "four_over_six_error",
+        "four_over_six_fast_math",
+        "e4m3_max",
+    ]
+    assert attrs["four_over_six_error"] == 2 and attrs["e4m3_max"] == 256
+    assert isinstance(attrs["e4m3_max"], np.int32) and isinstance(attrs["four_over_six_error"], np.int32)
+
+
+def test_quantize_takes_a_spec_or_keywords_not_both():
+    with pytest.raises(TypeError, match="not both"):
+        jax_nvfp4.quantize(X, QuantizeSpec(), columnwise=True)
+    with pytest.raises(TypeError, match="QuantizeSpec"):
+        jax_nvfp4.quantize(X, "columnwise")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        jax_nvfp4.quantize(X, colwise=True)
+
+
+def test_the_key_goes_with_stochastic_rounding():
+    with pytest.raises(ValueError, match="needs rng_key"):
+        jax_nvfp4.quantize(X, QuantizeSpec(stochastic_rounding=True))
+    with pytest.raises(ValueError, match="stochastic_rounding=False"):
+        jax_nvfp4.quantize(X, QuantizeSpec(), rng_key=jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ({"four_over_six": "mse"}, {"four_over_six_error": "mse"}),
+        ({"columnwise": True, "rht": True, "rht_amax_estimate": 2.0}, {"columnwise": True, "rht": True, **FACTOR}),
+        ({"stochastic_rounding_key": jax.random.key(3)}, {"rng_key": jax.random.key(3)}),
+    ],
+)
+def test_old_quantize_keywords_still_work_with_a_warning(old, new):
+    with pytest.warns(DeprecationWarning, match="is deprecated"):
+        t = jax_nvfp4.quantize(X, **old)
+    assert_same_tensor(t, jax_nvfp4.quantize(X, **new))
+
+
+def test_old_amax_and_recipe_keywords_still_work_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="mesh_axes= is deprecated"):
+        a = jax_nvfp4.amax(X, mesh_axes=("x",))
+    assert np.asarray(a) == np.asarray(jax_nvfp4.amax(X))
+    with pytest.warns(DeprecationWarning, match="four_over_six_e4m3_max= is deprecated"):
+        r = Recipe(four_over_six_e4m3_max=448)
+    assert r == Recipe(e4m3_max=448)
+    with pytest.raises(TypeError, match="both"):
+        jax_nvfp4.quantize(X, four_over_six="mse", four_over_six_error="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Recipe(e4m3_max=448)  # the new spelling warns of nothing
+
+
+def test_recipe_hands_each_operand_its_spec():
+    recipe = Recipe(four_over_six="weights", stochastic_rounding=True, row_scaled_gradients=True)
+    w = recipe.spec("w", columnwise=True, tokens=64)
+    assert w == QuantizeSpec(columnwise=True, block_2d=True, four_over_six_error="mse", e4m3_max=256)
+    dy = recipe.spec("dy", columnwise=True, tokens=64)
+    assert (dy.rht, dy.stochastic_rounding, dy.row_scaled, dy.four_over_six_error) == (True, True, True, None)
+    # The transform needs whole chunks of 16 tokens, and a columnwise copy.
+    assert not recipe.spec("dy", columnwise=True, tokens=40).rht
+    assert not recipe.spec("x", columnwise=False, tokens=64).rht
+    estimated = dataclasses.replace(recipe, rht_amax_estimate=True).spec("x", columnwise=True, tokens=64)
+    assert estimated.rht_amax_factor == recipe.rht_amax_factor_x
