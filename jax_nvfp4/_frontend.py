@@ -64,7 +64,7 @@ def _max_entry(amax: jax.Array) -> jax.Array:
 
 def _amaxes(backend: Backend, x: jax.Array, spec: QuantizeSpec, amax) -> tuple[jax.Array, jax.Array]:
     """(amax, amax_t) of x [B, *R, N]: one for the whole tensor (all B entries), [B] each, or per row, [B, *R]
-    and [B, N]. ``amax``: a given one ([] or [B, *R]), else from an amax pass reduced over the mesh."""
+    and [B, N]. ``amax``: a given one ([B] or [B, *R]), else from an amax pass reduced over the mesh."""
     b, n = x.shape[0], x.shape[-1]
     if spec.row_scaled and amax is not None:
         return amax, jnp.zeros((b, n), jnp.float32)  # amax_t: no columnwise copy reads it
@@ -76,7 +76,7 @@ def _amaxes(backend: Backend, x: jax.Array, spec: QuantizeSpec, amax) -> tuple[j
         outs = (amax,)
         if spec.measures_rht_amax:  # the transform's amax still comes from a pass over x
             outs += (backend.amax(x, amax_mesh_axes=None, rht_amax=True, per_row=False)[1],)
-    if not spec.row_scaled:  # one amax for the whole tensor, each of its B entries quantized with it
+    if not spec.row_scaled and b > 1:  # one amax for the whole tensor, each of its B entries quantized with it
         outs = [jnp.broadcast_to(_max_entry(a), (b,)) for a in outs]
     # amax_t: the transform's, the columns', or the tensor's (estimating the transform's from it)
     return outs[0], spec.columnwise_amax(outs[-1])
@@ -85,8 +85,8 @@ def _amaxes(backend: Backend, x: jax.Array, spec: QuantizeSpec, amax) -> tuple[j
 def quantize_batch(backend: Backend, x: jax.Array, spec: QuantizeSpec, *, amax=None, rng_key=None) -> NVFP4Tensor:
     """Quantize B independent tensors x [B, *R, N] as ``spec`` says: a batched NVFP4Tensor.
 
-    The one pipeline of every quantization. ``amax``: given (float32 [] for
-    the whole tensor, or [B, *R] per row), else computed. ``rng_key``: the key
+    The one pipeline of every quantization. ``amax``: given (float32 [B], the
+    whole tensor's, or [B, *R] per row), else computed. ``rng_key``: the key
     of stochastic rounding (needed with ``spec.stochastic_rounding``, unused without).
     """
     spec.check_rows(math.prod(x.shape[1:-1]))
@@ -139,7 +139,7 @@ def amax_fn(backend: Backend) -> Callable:
 
 
 def _given_amax(amax, spec: QuantizeSpec, lead: tuple[int, ...], rows: tuple[int, ...]) -> jax.Array:
-    """A user's amax as float32: [] for the tensor, or the rows' amaxes (``lead``) as [1, *rows] when row-scaled."""
+    """A user's amax as float32: [1] for the tensor, or the rows' amaxes (``lead``) as [1, *rows] when row-scaled."""
     if spec.amax_mesh_axes is not None:
         raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
     if spec.row_scaled and spec.columnwise:
@@ -154,7 +154,7 @@ def _given_amax(amax, spec: QuantizeSpec, lead: tuple[int, ...], rows: tuple[int
         if spec.row_scaled:
             raise ValueError(f"row-scaled amax= holds one amax per row, shape x.shape[:-1] = {want}, got {amax.shape}")
         raise ValueError(f"amax must be a scalar, got shape {amax.shape}")
-    return amax.reshape(1, *rows) if spec.row_scaled else amax
+    return amax.reshape(1, *rows) if spec.row_scaled else amax.reshape(1)
 
 
 def quantize_fn(backend: Backend) -> Callable:

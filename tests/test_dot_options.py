@@ -106,8 +106,8 @@ def test_row_scaled_estimated_transform_amax():
     recipe = Recipe(row_scaled_activations=True, rht_amax_estimate=True, stochastic_rounding=False)
     x, w, dy = _problem()
     _, _, dw = _grads(_dot(recipe), x, w, dy)
-    qdy = quantize(dy, columnwise=True, rht=True, rht_amax_estimate=recipe.rht_amax_factor_dy)
-    qx = quantize(x, columnwise=True, rht=True, row_scaled=True, rht_amax_estimate=recipe.rht_amax_factor_x)
+    qdy = quantize(dy, columnwise=True, rht=True, rht_amax_factor=recipe.rht_amax_factor_dy)
+    qx = quantize(x, columnwise=True, rht=True, row_scaled=True, rht_amax_factor=recipe.rht_amax_factor_x)
     assert_same_bytes(dw, gemm(columnwise_as_rowwise(qdy), columnwise_as_rowwise(qx), w.dtype).T)
 
 
