@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_nvfp4._backend import Backend
 from jax_nvfp4._checks import check_flag, check_key, check_mesh_axes, check_out_dtype, check_real, renamed
@@ -222,7 +223,7 @@ def quantize_fn(backend: Backend) -> Callable:
 
 
 def dequantize_fn(backend: Backend) -> Callable:
-    def dequantize(t: NVFP4Tensor, dtype=jnp.float32, columnwise: bool = False) -> jax.Array:
+    def dequantize(t: NVFP4Tensor, dtype: DTypeLike = jnp.float32, columnwise: bool = False) -> jax.Array:
         """Dequantize to ``dtype``: value = fp32(E2M1 * scale) * (amax / (6 E)).
 
         E = ``t.spec.e4m3_max`` (448: amax / 2688); ``amax`` is the tensor's, or

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from jax_nvfp4._checks import check_key, check_out_dtype
 from jax_nvfp4._frontend import quantize_batch, row_axes
@@ -92,11 +94,11 @@ _jitted_matmul = jax.jit(_matmul, static_argnums=3)
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
-    dimension_numbers,
-    precision=None,
-    preferred_element_type=None,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
     *,
-    out_sharding=None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     recipe: Recipe | None = None,
     rng_key: jax.Array | None = None,
 ) -> jax.Array:

@@ -34,6 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_nvfp4 import _bits as b
 from jax_nvfp4._checks import check_out_dtype, check_real
@@ -156,7 +157,9 @@ def _as_batch(t: NVFP4Tensor) -> NVFP4Tensor:
     return NVFP4Tensor(data, scale, amax, None, None, None, (1, t.rows, t.cols), t.dtype, t.spec, batched=True)
 
 
-def gemm(a: NVFP4Tensor, c: NVFP4Tensor, out_dtype=jnp.float32, bias: jax.Array | None = None) -> jax.Array:
+def gemm(
+    a: NVFP4Tensor, c: NVFP4Tensor, out_dtype: DTypeLike = jnp.float32, bias: jax.Array | None = None
+) -> jax.Array:
     """NVFP4 GEMM of two rowwise-quantized tensors: ``a @ c.T`` over their last axis.
 
     Args:

@@ -49,7 +49,7 @@ def _gather_columns(x: jax.Array, axis_name, outer: int) -> jax.Array:
     return g.transpose(1, 2, 0, 3).reshape(n, -1)
 
 
-def all_gather(t: NVFP4Tensor, axis_name, *, axis: int = 0, tiled: bool = True) -> NVFP4Tensor:
+def all_gather(t: NVFP4Tensor, axis_name: str | tuple[str, ...], *, axis: int = 0, tiled: bool = True) -> NVFP4Tensor:
     """All-gather a quantized tensor over mesh axis ``axis_name`` (inside ``shard_map``).
 
     The result equals quantizing the gathered high-precision tensor with the
