@@ -29,6 +29,7 @@ Row scales are applied to its float32 result, elementwise ops XLA shards itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -44,24 +45,40 @@ from jax_nvfp4.ops.gemm import gemm_p, split
 from jax_nvfp4.tensor import NVFP4Tensor, check_tensor
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["data", "scale", "amax"],
+    meta_fields=["contract_ndim", "length", "per_row", "e4m3_max"],
+)
+@dataclasses.dataclass(frozen=True)
 class _Copy:
     """One copy of a batched tensor as a GEMM operand: [B, *R, *L] blocked along the last axis.
 
     The rowwise copy of [B, *R, N] contracts N; the columnwise one, [B, N, *R[:-1], ceil(R[-1]/2)],
-    contracts the R axes.
+    contracts the R axes. Only what the GEMM reads, so that its jit cache does not split on the rest of a spec.
     """
 
-    def __init__(self, t: NVFP4Tensor, columnwise: bool):
+    data: jax.Array
+    scale: jax.Array
+    amax: jax.Array
+    contract_ndim: int
+    length: int
+    per_row: bool
+    e4m3_max: int
+
+    @classmethod
+    def of(cls, t: NVFP4Tensor, columnwise: bool) -> _Copy:
         if columnwise:
-            self.data, self.scale, self.amax = t.data_t, t.scale_t, t.amax_t
-            self.contract_ndim, self.length = len(t.shape) - 2, t.shape[-2]
+            arrays, contract_ndim, length = (t.data_t, t.scale_t, t.amax_t), len(t.shape) - 2, t.shape[-2]
         else:
-            self.data, self.scale, self.amax = t.data, t.scale, t.amax
-            self.contract_ndim, self.length = 1, t.shape[-1]
-        if self.data is None:
+            arrays, contract_ndim, length = (t.data, t.scale, t.amax), 1, t.shape[-1]
+        if arrays[0] is None:
             raise ValueError(f"this GEMM needs the {'columnwise' if columnwise else 'rowwise'} copy of its operand")
-        self.per_row, self.e4m3_max = t.spec.row_scaled, t.spec.e4m3_max
-        self.rows = split(self.data.shape, self.contract_ndim)[0]
+        return cls(*arrays, contract_ndim, length, t.spec.row_scaled, t.spec.e4m3_max)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return split(self.data.shape, self.contract_ndim)[0]
 
 
 def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
@@ -98,11 +115,10 @@ def _row_scale(op: _Copy, before: int, after: int) -> jax.Array:
     return s.reshape(s.shape[0], *(1,) * before, *op.rows, *(1,) * after)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "a_columnwise", "c_columnwise"))
 def emulated_gemm(
     a: NVFP4Tensor,
     c: NVFP4Tensor,
-    out_dtype,
+    out_dtype: DTypeLike,
     *,
     a_columnwise: bool = False,
     c_columnwise: bool = False,
@@ -115,9 +131,14 @@ def emulated_gemm(
     global decode scales, then ``bias`` (float32, broadcast against the
     output), apply in the order of the module docstring.
     """
-    ca, cc = _Copy(a, a_columnwise), _Copy(c, c_columnwise)
+    ca, cc = _Copy.of(a, a_columnwise), _Copy.of(c, c_columnwise)
     if ca.contract_ndim != cc.contract_ndim or ca.length != cc.length:
         raise ValueError("the two GEMM operands contract different axes")
+    return _gemm(ca, cc, jnp.dtype(out_dtype), bias)
+
+
+@functools.partial(jax.jit, static_argnames="out_dtype")
+def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None) -> jax.Array:
     plain = not (ca.per_row or cc.per_row) and ca.e4m3_max == cc.e4m3_max == 448
     if plain and bias is None:
         return _bind(ca, cc, ca.amax, cc.amax, out_dtype)  # the scale product inside

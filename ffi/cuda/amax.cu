@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(kThreads)
 // threads of a warp read consecutive columns (coalesced).
 template <typename L>
 __global__ void __launch_bounds__(kThreads)
-    amax_t_kernel(const typename L::T* x, int64_t rows, int64_t cols, int64_t chunks,
-                  uint32_t* bits, uint32_t* bits_rht) {
+    amax_rht_kernel(const typename L::T* x, int64_t rows, int64_t cols, int64_t chunks,
+                    uint32_t* bits, uint32_t* bits_rht) {
   const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
   const typename L::T* xb = x + b * rows * cols;
   const int64_t items = (rows / kBlock) * cols;
@@ -158,8 +158,8 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     const unsigned blocks = unsigned(batch * chunks);
     if (rht_amax)  // kThreads chunks of 16 values per block and iteration
-      launched = launch<amax_t_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols,
-                                          chunks, bits, bits_rht);
+      launched = launch<amax_rht_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols,
+                                            chunks, bits, bits_rht);
     else
       launched = launch<amax_kernel<L>>("amax", blocks, kThreads, 0, stream, data, per_batch,
                                         chunks, bits);
