@@ -91,12 +91,12 @@ def quantize_batch(backend: Backend, x: jax.Array, spec: QuantizeSpec, *, amax=N
     of stochastic rounding (needed with ``spec.stochastic_rounding``, unused without).
     """
     spec.check_rows(math.prod(x.shape[1:-1]))
-    if spec.stochastic_rounding and rng_key is None:
-        raise ValueError("stochastic_rounding=True needs rng_key= (a JAX PRNG key)")
-    amax, amax_t = _amaxes(backend, x, spec, amax)
     seed = jnp.zeros(2, jnp.uint32)
     if spec.stochastic_rounding:
+        if rng_key is None:
+            raise ValueError("stochastic_rounding=True needs rng_key= (a JAX PRNG key)")
         seed = jax.random.bits(check_key(rng_key, "rng_key"), (2,), jnp.uint32)
+    amax, amax_t = _amaxes(backend, x, spec, amax)
     outs = list(backend.quantize(x, amax, amax_t, seed, spec=spec))
     data, scale = (outs.pop(0), outs.pop(0)) if spec.rowwise else (None, None)
     data_t, scale_t = (outs.pop(0), outs.pop(0)) if spec.columnwise else (None, None)
@@ -126,10 +126,11 @@ def amax_fn(backend: Backend) -> Callable:
         reference ignores ``amax_mesh_axes`` (always the global amax).
         (``mesh_axes=``: the deprecated spelling of ``amax_mesh_axes``.)
         """
-        options = renamed(renamed_options, "mesh_axes", "amax_mesh_axes", "amax")
+        given = {} if amax_mesh_axes is None else {"amax_mesh_axes": amax_mesh_axes}
+        options = renamed(given | renamed_options, "mesh_axes", "amax_mesh_axes", "amax")
         if set(options) - {"amax_mesh_axes"}:
             raise TypeError(f"amax got unexpected keywords {sorted(set(options) - {'amax_mesh_axes'})}")
-        amax_mesh_axes = options.get("amax_mesh_axes", amax_mesh_axes)
+        amax_mesh_axes = options.get("amax_mesh_axes")
         x = _check_input(x)
         xr, axes = _as_rows(x, blocked_rows=False), check_mesh_axes("amax_mesh_axes", amax_mesh_axes)
         per_row = check_flag("row_scaled", row_scaled)
@@ -187,9 +188,10 @@ def quantize_fn(backend: Backend) -> Callable:
         ``rht_amax_estimate`` and ``stochastic_rounding_key`` still work, with
         a DeprecationWarning.
         """
+        options = ({} if rng_key is None else {"rng_key": rng_key}) | options
         for old, new in _RENAMED_QUANTIZE.items():
             options = renamed(options, old, new, "quantize")
-        rng_key = options.pop("rng_key", rng_key)
+        rng_key = options.pop("rng_key", None)
         if spec is None:
             options.setdefault("stochastic_rounding", rng_key is not None)
             spec = QuantizeSpec(**options)
@@ -197,10 +199,8 @@ def quantize_fn(backend: Backend) -> Callable:
             raise TypeError(f"quantize takes a spec or option keywords, not both: got {sorted(options)}")
         elif not isinstance(spec, QuantizeSpec):
             raise TypeError(f"spec must be a jax_nvfp4.QuantizeSpec, got {type(spec).__name__}")
-        if rng_key is not None:
-            check_key(rng_key, "rng_key")
-            if not spec.stochastic_rounding:
-                raise ValueError("rng_key= is the key of stochastic rounding: the spec has stochastic_rounding=False")
+        if rng_key is not None and not spec.stochastic_rounding:
+            raise ValueError("rng_key= is the key of stochastic rounding: the spec has stochastic_rounding=False")
         x = _check_input(x)
         lead, n, m = x.shape[:-1], x.shape[-1], math.prod(x.shape[:-1])
         xr = _as_rows(x, spec.blocked_rows)

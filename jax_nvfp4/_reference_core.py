@@ -261,13 +261,8 @@ def quantize_core(x, amax, amax_t, seed, *, spec: QuantizeSpec):
     per_row=True)``); each row has its own global scales. 4over6 follows
     ``_reference_4over6``; E = ``spec.e4m3_max`` sets the global scales.
     """
-    (bsz, rows, cols), rowwise, columnwise = x.shape, spec.rowwise, spec.columnwise
-    want = spec.amax_shapes(bsz, (rows,), cols)
-    if (rowwise and amax.shape != want[0]) or (columnwise and amax_t.shape != want[1]):
-        raise ValueError(
-            f"amax / amax_t must be {want[0]} / {want[1]} (one per row when row-scaled), "
-            f"got {amax.shape} / {amax_t.shape}"
-        )
+    rowwise, columnwise = spec.rowwise, spec.columnwise
+    spec.check_amaxes(x.shape, amax.shape, amax_t.shape)
     u = b.to_bits(x)
     g = _global_scales(amax, spec.e4m3_max)
     seed = seed if spec.stochastic_rounding else None

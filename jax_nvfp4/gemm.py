@@ -39,9 +39,8 @@ from jax.typing import DTypeLike
 
 from jax_nvfp4 import _bits as b
 from jax_nvfp4._checks import check_out_dtype, check_real
-from jax_nvfp4._reference_core import dequantize_scale
 from jax_nvfp4.formats import E2M1_MAX, E4M3_MAX
-from jax_nvfp4.ops.gemm import gemm_p, split
+from jax_nvfp4.ops.gemm import decode_scale, gemm_p, split
 from jax_nvfp4.tensor import NVFP4Tensor, check_tensor
 
 
@@ -79,11 +78,6 @@ class _Copy:
     @property
     def rows(self) -> tuple[int, ...]:
         return split(self.data.shape, self.contract_ndim)[0]
-
-
-def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
-    """fp32(amax / (6 E)), rounded exactly: an operand's global decode scale (per tensor or per row)."""
-    return b.from_bits(dequantize_scale(b.to_bits(jnp.asarray(amax, jnp.float32)), e4m3_max))
 
 
 def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype) -> jax.Array:

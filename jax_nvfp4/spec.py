@@ -147,10 +147,18 @@ class QuantizeSpec:
                 f"must be a multiple of {BLOCK}"
             )
 
-    def amax_shapes(self, batch: int, rows: tuple[int, ...], cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The shapes of quantize's amax and amax_t for x [batch, *rows, cols]: [B] each, or per row [B, *R] and
-        [B, N] (row-scaled)."""
-        return ((batch, *rows), (batch, cols)) if self.row_scaled else ((batch,), (batch,))
+    def check_amaxes(
+        self, x_shape: tuple[int, ...], amax_shape: tuple[int, ...], amax_t_shape: tuple[int, ...]
+    ) -> None:
+        """Raise ValueError unless quantize's amax and amax_t suit x [B, *R, N]: [B] each, or per row [B, *R] and
+        [B, N] (row-scaled); each checked where its copy is requested."""
+        b, *rows, n = x_shape
+        want = ((b, *rows), (b, n)) if self.row_scaled else ((b,), (b,))
+        if (self.rowwise and amax_shape != want[0]) or (self.columnwise and amax_t_shape != want[1]):
+            raise ValueError(
+                f"amax / amax_t must be {want[0]} / {want[1]} (one per row when row-scaled), "
+                f"got {amax_shape} / {amax_t_shape}"
+            )
 
     def columnwise_amax(self, amax_t: jax.Array) -> jax.Array:
         """The columnwise copy's amax from the measured one: times ``rht_amax_factor`` where the spec estimates

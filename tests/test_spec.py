@@ -115,6 +115,10 @@ def test_old_amax_and_recipe_keywords_still_work_with_a_warning():
     assert r == Recipe(e4m3_max=448)
     with pytest.raises(TypeError, match="both"):
         jax_nvfp4.quantize(X, four_over_six="mse", four_over_six_error="mse")
+    with pytest.raises(TypeError, match="both"):
+        jax_nvfp4.quantize(X, rng_key=jax.random.key(0), stochastic_rounding_key=jax.random.key(0))
+    with pytest.raises(TypeError, match="both"):
+        jax_nvfp4.amax(X, amax_mesh_axes=("x",), mesh_axes=("x",))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Recipe(e4m3_max=448)  # the new spelling warns of nothing

@@ -34,10 +34,14 @@ def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
     return dequantize(data, scale, unit, cols=length, dtype=jnp.dtype(jnp.bfloat16))
 
 
+def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
+    """fp32(amax / (6 E)), rounded exactly: an operand's global decode scale (per tensor or per row)."""
+    return b.from_bits(_reference_core.dequantize_scale(b.to_bits(jnp.asarray(amax, jnp.float32)), e4m3_max))
+
+
 def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
     """fp32(amax_a / 2688) * fp32(amax_c / 2688), rounded exactly and symmetric in a and c."""
-    a, c = (_reference_core.dequantize_scale(b.to_bits(jnp.asarray(x, jnp.float32))) for x in (amax_a, amax_c))
-    return b.from_bits(b.mul(a, c))
+    return b.from_bits(b.mul(b.to_bits(decode_scale(amax_a)), b.to_bits(decode_scale(amax_c))))
 
 
 def split(shape, contract_ndim: int) -> tuple[tuple[int, ...], int]:

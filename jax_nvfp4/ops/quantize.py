@@ -26,12 +26,7 @@ SCALE_DTYPE = jnp.float8_e4m3fn
 def _abstract(x, amax, amax_t, seed, *, spec: QuantizeSpec):
     del seed
     b, *rows, n = x.shape
-    want = spec.amax_shapes(b, tuple(rows), n)
-    if (spec.rowwise and amax.shape != want[0]) or (spec.columnwise and amax_t.shape != want[1]):
-        raise ValueError(
-            f"amax / amax_t must be {want[0]} / {want[1]} (one per row when row-scaled), "
-            f"got {amax.shape} / {amax_t.shape}"
-        )
+    spec.check_amaxes(x.shape, amax.shape, amax_t.shape)
     if len(rows) > 1 and spec.blocked_rows and rows[-1] % BLOCK:
         raise ValueError(f"rows {rows} of several axes need the last to be whole blocks of {BLOCK}")
     spec.check_rows(rows[-1])
