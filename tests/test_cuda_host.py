@@ -72,6 +72,37 @@ def test_quantize_with_given_amax(x, amax, block_2d, sm):
     assert_same_tensor(*both(quantize, x, sm=sm))
 
 
+# Products that land exactly on E2M1's rounding thresholds: with amax 6 * 448 the global scale
+# is 1 and a block whose max is 6 has scale 1.0, so x * enc == x (and with max 3, 2x). The
+# round-down ties (0.25, 1.25, 2.5, 5) need the kernel's tie-safe code index (cuda/e2m1_lut.cuh).
+TIES = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -1.25, -2.5, -5.0, -0.0, 0.0, 1.0, -6.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_2d", [False, True])
+@pytest.mark.parametrize("sm", SMS)
+def test_exact_ties_take_the_tie_safe_index(dtype, block_2d, sm):
+    row = np.array(TIES, np.float32)
+    x = jnp.asarray(np.stack([np.roll(row, k) * (0.5 if k % 2 else 1.0) for k in range(32)]), dtype)
+
+    def quantize(api, x):
+        return api.quantize(x, columnwise=True, block_2d=block_2d, amax=jnp.float32(6 * 448))
+
+    got, want = both(quantize, x, sm=sm)
+    assert_same_tensor(got, want)
+    # The ties were hit: the reference rounds 1.25 down to 1.0 (code 2) and -2.5 to -2 (code 12).
+    codes = np.asarray(want.data[0]).view(np.uint8)
+    assert (codes[1] >> 4, codes[5] & 0xF) == (2, 12)
+
+
+def test_code_table_indices_are_exhaustively_right():
+    """Over every float32 bit pattern but signalling NaNs (arithmetic makes none), the tie-safe
+    index of the E2M1 code table gives float_to_e2m1's code, and the fast index does too but for
+    the round-down ties and -0.0, the cases the kernel rules out before taking it."""
+    safe, fast, excluded = cuda_host.module.e2m1_table_mismatches()
+    assert (safe, fast, excluded) == (0, 0, 9)
+
+
 @given(x=tensors(), out_dtype=st.sampled_from(DTYPES), block_2d=st.booleans())
 def test_dequantize_and_amax(x, out_dtype, block_2d):
     t = jax_nvfp4.quantize(x, columnwise=True, block_2d=block_2d)

@@ -61,4 +61,14 @@ inline unsigned grid_stride_blocks(int64_t n, int threads) {
   return unsigned(std::clamp<int64_t>(blocks, 1, int64_t(1) << 16));
 }
 
+// CUDA blocks of a persistent grid: a few per multiprocessor of the current device.
+inline int resident_blocks() {
+  int device = 0, multiprocessors = 1;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
+          cudaSuccess)
+    multiprocessors = 1;
+  return 4 * std::max(multiprocessors, 1);
+}
+
 }  // namespace nvfp4::cuda

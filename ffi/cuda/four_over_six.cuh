@@ -1,29 +1,13 @@
-// 4over6 on the GPU, for the quantize kernel's layout: a thread holds one
-// column of a 16-row stripe, a row's 1x16 chunk is 16 lanes of a warp. A
-// chunk's error is still the sum of its 16 terms in element order: along a row
-// the 16 lanes' terms are gathered by shuffles and added in lane order (every
-// lane gets the same sum), down a column the thread adds its own terms.
+// 4over6 on the GPU, for the quantize kernel's layout: a thread holds 16 rows x 8 columns, so
+// a columnwise 1x16 chunk is one thread's and a rowwise chunk is two lanes' (lanes 2k and
+// 2k + 1, columns 0-7 and 8-15 of the block). A chunk's error is still the sum of its 16
+// terms in element order from 0: the even lane sums its 8, the odd lane continues from that
+// sum, decides, and hands the decision back.
 #pragma once
 
 #include "nvfp4/four_over_six.h"
 
 namespace nvfp4::cuda {
-
-// Sum of the 16 lanes' values of a lane group, lane 0 first; the same in every lane.
-__device__ __forceinline__ float group16_sequential_sum(float e) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kBlock; ++k) acc = acc + __shfl_sync(~0u, e, k, kBlock);
-  return acc;
-}
-
-// Tree sum of the 16 lanes' values of a lane group (lanes i and i + 8, then 4,
-// 2 and 1 apart: tree_sum16); the same in every lane, as float addition commutes.
-__device__ __forceinline__ float group16_tree_sum(float e) {
-#pragma unroll
-  for (int h = kBlock / 2; h > 0; h /= 2) e = e + __shfl_xor_sync(~0u, e, h);
-  return e;
-}
 
 // A block's two candidates: scale codes, element encode scales and decoded scales.
 struct Candidate {
@@ -46,21 +30,39 @@ __device__ __forceinline__ void error_terms(float v, const Candidate& c6, const 
   e4 = element_error(quantize_value(v, c4.enc), c4.dec, v, g, fos.mse(), fos.fast_math);
 }
 
-__device__ __forceinline__ Candidate choose(float err6, float err4, const Candidate& c6,
-                                            const Candidate& c4) {
-  const bool map4 = prefer_map4(err4, err6);
-  return Candidate{map4 ? c4.scale : c6.scale, map4 ? c4.enc : c6.enc, map4 ? c4.dec : c6.dec};
+__device__ __forceinline__ Candidate choose(bool map4, const Candidate& c6, const Candidate& c4) {
+  return map4 ? c4 : c6;
 }
 
-// The chosen candidate of a rowwise 1x16 chunk: value v of this lane, the
-// chunk's 16 lanes together (every lane of the warp must call).
-__device__ __forceinline__ Candidate row_chunk(float v, float bamax, const GlobalScales& g,
-                                               FourOverSix fos) {
+// Sums the 16 terms of a chunk held 8 by 8 in a lane pair, in element order: the odd lane's
+// result is the sum, the even lane's its first half (every lane of the warp must call).
+__device__ __forceinline__ float pair_sequential_sum(const float (&t)[8]) {
+  float first = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) first = first + t[k];
+  float sum = __shfl_xor_sync(~0u, first, 1);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) sum = sum + t[k];
+  return sum;
+}
+
+// The odd lane's decision, in both lanes of the pair.
+__device__ __forceinline__ bool pair_decision(bool odd_lane_decides) {
+  const bool other = __shfl_xor_sync(~0u, int(odd_lane_decides), 1) != 0;
+  return (threadIdx.x & 1u) ? odd_lane_decides : other;
+}
+
+// The chosen candidate of a rowwise 1x16 chunk: this lane's 8 values (columns 0-7 of the
+// block in the even lane, 8-15 in the odd one).
+__device__ __forceinline__ Candidate row_chunk(const float (&v)[8], float bamax,
+                                               const GlobalScales& g, FourOverSix fos) {
   Candidate c6, c4;
   candidates(bamax, g, c6, c4);
-  float e6, e4;
-  error_terms(v, c6, c4, g, fos, e6, e4);
-  return choose(group16_sequential_sum(e6), group16_sequential_sum(e4), c6, c4);
+  float t6[8], t4[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) error_terms(v[k], c6, c4, g, fos, t6[k], t4[k]);
+  const float err6 = pair_sequential_sum(t6), err4 = pair_sequential_sum(t4);
+  return choose(pair_decision(prefer_map4(err4, err6)), c6, c4);
 }
 
 // The chosen candidate of a columnwise 1x16 chunk: this thread's 16 values.
@@ -76,39 +78,49 @@ __device__ __forceinline__ Candidate column_chunk(const float (&v)[kBlock], floa
     err6 = err6 + e6;
     err4 = err4 + e4;
   }
-  return choose(err6, err4, c6, c4);
+  return choose(prefer_map4(err4, err6), c6, c4);
 }
 
-// The chosen candidates of a 16x16 tile (16 lanes, 16 values each): for the
-// rowwise copy on the tree sum of its row errors, for the columnwise copy (x^T)
-// on the tree sum of its column errors (every lane of the warp must call).
-__device__ __forceinline__ void tile(const float (&v)[kBlock], float bamax, const GlobalScales& g,
-                                     FourOverSix fos, Candidate& row, Candidate& col) {
+// The chosen candidates of a 16x16 tile held by a lane pair (16 rows x 8 columns each): for
+// the rowwise copy on the tree sum (tree_sum16) of its 16 row errors, for the columnwise copy
+// on the tree sum of its 16 column errors (every lane of the warp must call).
+__device__ __forceinline__ void tile_choice(const float (&v)[kBlock][8], float bamax,
+                                            const GlobalScales& g, FourOverSix fos, Candidate& row,
+                                            Candidate& col) {
   Candidate c6, c4;
   candidates(bamax, g, c6, c4);
-  // Row errors in tree order: rows r and r + 8 are added as they come.
-  float row6[kBlock / 2], row4[kBlock / 2];
-  float col6 = 0.0f, col4 = 0.0f;
+  float row6[kBlock], row4[kBlock], col6[8], col4[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) col6[c] = col4[c] = 0.0f;
 #pragma unroll
   for (int r = 0; r < kBlock; ++r) {
-    float e6, e4;
-    error_terms(v[r], c6, c4, g, fos, e6, e4);
-    col6 = col6 + e6;
-    col4 = col4 + e4;
-    const float r6 = group16_sequential_sum(e6), r4 = group16_sequential_sum(e4);
-    row6[r % 8] = r < 8 ? r6 : row6[r % 8] + r6;
-    row4[r % 8] = r < 8 ? r4 : row4[r % 8] + r4;
+    float t6[8], t4[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      error_terms(v[r][c], c6, c4, g, fos, t6[c], t4[c]);
+      col6[c] = col6[c] + t6[c];
+      col4[c] = col4[c] + t4[c];
+    }
+    row6[r] = pair_sequential_sum(t6);
+    row4[r] = pair_sequential_sum(t4);
+  }
+  // Rows: the odd lane has the row errors. Columns: the tree's first level adds columns i and
+  // i + 8, one in each lane (addition commutes, so both lanes get the same sums).
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    col6[c] = col6[c] + __shfl_xor_sync(~0u, col6[c], 1);
+    col4[c] = col4[c] + __shfl_xor_sync(~0u, col4[c], 1);
   }
 #pragma unroll
-  for (int h = kBlock / 4; h > 0; h /= 2) {
+  for (int h = 4; h > 0; h /= 2) {
 #pragma unroll
     for (int i = 0; i < h; ++i) {
-      row6[i] = row6[i] + row6[i + h];
-      row4[i] = row4[i] + row4[i + h];
+      col6[i] = col6[i] + col6[i + h];
+      col4[i] = col4[i] + col4[i + h];
     }
   }
-  row = choose(row6[0], row4[0], c6, c4);
-  col = choose(group16_tree_sum(col6), group16_tree_sum(col4), c6, c4);
+  row = choose(pair_decision(prefer_map4(tree_sum16(row4), tree_sum16(row6))), c6, c4);
+  col = choose(prefer_map4(col4[0], col6[0]), c6, c4);
 }
 
 }  // namespace nvfp4::cuda

@@ -144,6 +144,28 @@ NVFP4_HD uint8_t float_to_e4m3(float v) {
   return uint8_t(mag > 0x7F800000u ? kE4M3NaN : code);
 }
 
+// The E4M3 codes of two block scales as cvt.rn.satfinite.e4m3x2.f32 gives them: (code(hi) << 8)
+// | code(lo), rounded to nearest even, clamped to +-448, a NaN as 0x7F (fix_nan_scales turns
+// it into the reference's 0xFF). The host computes it with float_to_e4m3.
+NVFP4_HD uint32_t e4m3x2_satfinite(float hi, float lo) {
+#if defined(__CUDA_ARCH__)
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  const auto code = [](float v) -> uint32_t {
+    if (v != v) return 0x7Fu;
+    return float_to_e4m3(v > kE4M3Max ? kE4M3Max : (v < -kE4M3Max ? -kE4M3Max : v));
+  };
+  return (code(hi) << 8) | code(lo);
+#endif
+}
+
+// Scale codes packed in bytes, none 0xFF: the NaN code 0x7F becomes the reference's 0xFF.
+NVFP4_HD uint32_t fix_nan_scales(uint32_t packed) {
+  return packed | ((packed + 0x01010101u) & 0x80808080u);
+}
+
 // ---- E2M1 ----
 
 NVFP4_HD float e2m1_to_float(uint8_t code) {
@@ -253,22 +275,32 @@ NVFP4_HD uint32_t random_word(Seed key, uint32_t index, uint32_t stream) {
   return (index & 1u) ? w.y1 : w.y0;
 }
 
-// The random words of the 16 consecutive indices base, base + 1, ..., base + 15
-// (wrapping): 9 hashes instead of 16, as consecutive indices share counters in pairs.
-NVFP4_HD void random_words16(Seed key, uint32_t base, uint32_t stream, uint32_t (&w)[kBlock]) {
-  const bool odd = (base & 1u) != 0;
+// The random words of the N (even) consecutive indices base, base + 1, ..., base + N - 1
+// (wrapping): consecutive indices share counters in pairs, so N / 2 hashes, and one more
+// when base is odd.
+template <int N>
+NVFP4_HD void random_words(Seed key, uint32_t base, uint32_t stream, uint32_t (&w)[N]) {
+  static_assert(N % 2 == 0, "random_words takes an even count");
   const uint32_t c0 = base >> 1;
+  if ((base & 1u) == 0) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int k = 0; k <= kBlock / 2; ++k) {
-    // Indices 2 (c0 + k) and 2 (c0 + k) + 1 are elements 2k - odd and 2k + 1 - odd.
-    const Words y = threefry2x32(key, (c0 + uint32_t(k)) & 0x7FFFFFFFu, stream);
-    if (k >= 1) w[2 * k - 1] = odd ? y.y0 : w[2 * k - 1];
-    if (k < kBlock / 2) {
-      w[2 * k] = odd ? y.y1 : y.y0;
-      w[2 * k + 1] = y.y1;  // replaced by the next hash's first word when odd
+    for (int k = 0; k < N / 2; ++k) {
+      const Words y = threefry2x32(key, (c0 + uint32_t(k)) & 0x7FFFFFFFu, stream);
+      w[2 * k] = y.y0;
+      w[2 * k + 1] = y.y1;
     }
+    return;
+  }
+  // Odd base: element 2k - 1 is the first word of hash k, element 2k the second.
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int k = 0; k <= N / 2; ++k) {
+    const Words y = threefry2x32(key, (c0 + uint32_t(k)) & 0x7FFFFFFFu, stream);
+    if (k >= 1) w[2 * k - 1] = y.y0;
+    if (k < N / 2) w[2 * k] = y.y1;
   }
 }
 

@@ -8,6 +8,7 @@
 // equivalents against the semantics the CUDA documentation gives the instructions.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__CUDA_ARCH__) && \
@@ -60,6 +61,62 @@ NVFP4_PTX_HD uint8_t cvt_rn_satfinite_e2m1x2(float hi, float lo) {
   return uint8_t(packed & 0xFF);
 #else
   return uint8_t((e2m1_rn_satfinite(hi) << 4) | e2m1_rn_satfinite(lo));
+#endif
+}
+
+// ---- Hopper-and-later instructions of the quantize kernels (sm_89+: every target we build) ----
+
+// __byte_perm(a, b, sel): byte k of the result is byte (sel >> 4k) & 7 of the 8 bytes b:a.
+NVFP4_PTX_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t bytes = (uint64_t(b) << 32) | a;
+  uint32_t out = 0;
+  for (int k = 0; k < 4; ++k)
+    out |= uint32_t((bytes >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k);
+  return out;
+#endif
+}
+
+// The larger magnitude of each 16-bit half of two bfloat16x2 (kBf16) or float16x2 words, as
+// max.NaN.xorsign.abs does it: a NaN wins; the sign bits are garbage (the caller masks them).
+// The portable version takes the integer max of the magnitudes, which orders non-negative
+// floats alike and puts every NaN above inf; only a NaN's payload may differ, and callers
+// read any NaN as NaN.
+template <bool kBf16>
+NVFP4_PTX_HD uint32_t max_magnitude_x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  if constexpr (kBf16)
+    asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  const uint32_t lo = std::max(a & 0x7FFFu, b & 0x7FFFu);
+  const uint32_t hi = std::max((a >> 16) & 0x7FFFu, (b >> 16) & 0x7FFFu);
+  return lo | (hi << 16);
+#endif
+}
+
+// min(a, b) where a NaN wins (min.NaN.f32).
+NVFP4_PTX_HD float min_nan(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+#else
+  return a != a ? a : (b != b ? b : (b < a ? b : a));
+#endif
+}
+
+// x * y + z rounded once (the FFMA instruction; std::fma on the host).
+NVFP4_PTX_HD float fma_rn(float x, float y, float z) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(x, y, z);
+#else
+  return __builtin_fmaf(x, y, z);
 #endif
 }
 

@@ -9,13 +9,17 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cstring>
 #include <string>
+#include <thread>
 
+#include "cuda/e2m1_lut.cuh"
 #include "cuda/handlers.h"
 #include "cuda/host/probes.h"
 #include "cuda/host/runtime.h"
 #include "nvfp4/ptx.h"
+#include "nvfp4/subnormal_guard.h"
 
 namespace nb = nanobind;
 
@@ -62,6 +66,40 @@ nb::bytes cvt_e2m1x2(Floats hi, Floats lo) {
   return nb::bytes(out.data(), out.size());
 }
 
+// Counts the float32 bit patterns (all but signalling NaNs) whose E2M1 code from the code table
+// differs from float_to_e2m1's: by the tie-safe index, and by the fast index outside the cases
+// it is not used for (round-down ties and -0.0, counted as excluded).
+nb::tuple e2m1_table_mismatches() {
+  uint8_t lut[nvfp4::cuda::kLutSize];
+  for (uint32_t i = 0; i < uint32_t(nvfp4::cuda::kLutSize); ++i) lut[i] = nvfp4::cuda::lut_entry(i);
+  constexpr int kParts = 4;
+  std::array<std::array<uint64_t, 3>, kParts> counts{};
+  std::vector<std::thread> threads;
+  for (int part = 0; part < kParts; ++part)
+    threads.emplace_back([&, part] {
+      nvfp4::SubnormalGuard guard;
+      auto& [safe, fast, excluded] = counts[part];
+      const uint64_t begin = (uint64_t(part) << 32) / kParts,
+                     end = (uint64_t(part + 1) << 32) / kParts;
+      for (uint64_t i = begin; i < end; ++i) {
+        const uint32_t u = uint32_t(i), mag = u & 0x7FFFFFFFu;
+        if (mag > 0x7F800000u && !(u & 0x400000u)) continue;
+        const float v = nvfp4::bits_float(u), a = nvfp4::bits_float(mag);
+        const uint8_t want = nvfp4::float_to_e2m1(v);
+        safe += lut[(u + ((u >> 22) & 1u) - 1u) >> nvfp4::cuda::kLutShift] != want;
+        if (u == 0x80000000u || a == 0.25f || a == 1.25f || a == 2.5f || a == 5.0f)
+          ++excluded;
+        else
+          fast += lut[u >> nvfp4::cuda::kLutShift] != want;
+      }
+    });
+  for (auto& t : threads) t.join();
+  uint64_t total[3] = {0, 0, 0};
+  for (const auto& c : counts)
+    for (int k = 0; k < 3; ++k) total[k] += c[k];
+  return nb::make_tuple(total[0], total[1], total[2]);
+}
+
 }  // namespace
 
 NB_MODULE(_nvfp4_cuda_host, m) {
@@ -73,6 +111,9 @@ NB_MODULE(_nvfp4_cuda_host, m) {
   m.def("cvt_rn_satfinite_e2m1x2", &cvt_e2m1x2, nb::arg("hi"), nb::arg("lo"),
         "The bytes cvt.rn.satfinite.e2m1x2.f32 gives for float32 arrays hi and lo (host "
         "equivalent).");
+  m.def("e2m1_table_mismatches", &e2m1_table_mismatches,
+        "Exhaustive check of the quantize kernel's E2M1 code table (cuda/e2m1_lut.cuh): "
+        "(tie-safe index mismatches, fast index mismatches, cases excluded from the fast one).");
   m.def("probe", &nvfp4::cuda::probes::probe, nb::arg("name"), nb::arg("size"), nb::arg("a") = 0,
         nb::arg("b") = 0, nb::arg("c") = 0, nb::arg("mask") = 0xFFFFFFFFu,
         "Runs one of the model's self-test kernels (probes.cu).");

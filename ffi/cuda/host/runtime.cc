@@ -586,3 +586,14 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t str
   std::memset(ptr, value, bytes);
   return cudaSuccess;
 }
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (attr != cudaDevAttrMultiProcessorCount || device != 0) return cudaErrorInvalidValue;
+  *value = nvfp4::host::kMultiprocessors;
+  return cudaSuccess;
+}

@@ -50,10 +50,20 @@ enum cudaError_t {
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
 
 cudaError_t cudaGetLastError();
 const char* cudaGetErrorString(cudaError_t error);
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream);
+// One device, with nvfp4::host::kMultiprocessors multiprocessors.
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 
 namespace nvfp4::host {
 
@@ -64,6 +74,8 @@ constexpr unsigned kMaxGridDim[3] = {0x7FFFFFFFu, 65535, 65535};
 constexpr size_t kDefaultDynamicShared = 48 * 1024;  // without cudaFuncSetAttribute
 constexpr size_t kMaxDynamicShared = 227 * 1024;     // sm_90's opt-in maximum per block
 constexpr int kWarpSize = 32;
+// Few, so that persistent grids loop over several tiles per block in the tests.
+constexpr int kMultiprocessors = 2;
 
 // The built-in variables of the running thread (set by the scheduler on every switch).
 extern thread_local uint3 thread_idx, block_idx;

@@ -1,0 +1,244 @@
+"""Instruction budget of the CUDA quantize kernel, measured without a GPU.
+
+Builds the kernel's budget entry points (ffi/cuda/quantize.cu, NVFP4_SASS_BUDGET: one tile of
+the steady state per spec, its flags compile-time constants) with nvcc, dumps the SASS with
+cuobjdump, and prints per spec and GPU architecture: SASS instructions a thread issues per
+input element (the entry point's instructions over the 16 x 8 values a thread holds),
+registers and spill bytes (ptxas -v). An entry point with a loop (a backward branch) is
+flagged: its static count is then a lower bound. The bound: an H100 issues about 29 T thread-instructions/s against
+3.35 TB/s of memory, about 25 instructions per element at ~3.1 bytes per element.
+
+`--before REV` measures the kernel of git revision REV the same way (its one-column-per-thread
+stripe kernel: 16 values per thread), through a wrapper that this script writes for it.
+
+Tools: nvcc and cuobjdump from the `nvidia-cuda-nvcc`, `nvidia-cuda-cuobjdump` and
+`nvidia-cuda-nvdisasm` wheels when installed, else from PATH.
+
+    pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+    python benchmarks/sass_budget.py --before ffa032c --json benchmarks/results/sass_budget.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = [  # name: (mode, rowwise, columnwise, block_2d, rht, sr, row_scaled, 4over6, fast, E)
+    ("rowwise_columnwise", "kNearest", 1, 1, 0, 0, 0, 0, 0, 0, 448),
+    ("rowwise", "kNearest", 1, 0, 0, 0, 0, 0, 0, 0, 448),
+    ("columnwise", "kNearest", 0, 1, 0, 0, 0, 0, 0, 0, 448),
+    ("block_2d", "kNearest", 1, 1, 1, 0, 0, 0, 0, 0, 448),
+    ("rht", "kNearest", 1, 1, 0, 1, 0, 0, 0, 0, 448),
+    ("stochastic_rounding", "kStochastic", 1, 1, 0, 0, 1, 0, 0, 0, 448),
+    ("row_scaled", "kNearest", 1, 1, 0, 0, 0, 1, 0, 0, 448),
+    ("four_over_six_fast_math", "kFourOverSix", 1, 1, 0, 0, 0, 0, 2, 1, 256),
+    ("four_over_six", "kFourOverSix", 1, 1, 0, 0, 0, 0, 2, 0, 256),
+]
+AFTER_ELEMENTS = 16 * 8  # a thread's values per tile
+BEFORE_ELEMENTS = 16  # the old kernel: one column of a 16-row stripe per thread
+
+# The old kernel (quantize_stripe<L, Mode>(x, p), Params {amax, amax_t, seed, rows, cols,
+# stripes, tiles, spec, o}) has no budget entry points: this wrapper adds them.
+BEFORE_WRAPPER = """
+#include "cuda/quantize.cu"
+namespace nvfp4::cuda {
+template <typename L, Mode kMode>
+__device__ __forceinline__ void budget_stripe(const typename L::T* x, Params p, QuantizeSpec s) {
+  p.spec = s;
+  __builtin_assume(s.rowwise == (p.o.data != nullptr));
+  __builtin_assume(s.columnwise == (p.o.data_t != nullptr));
+  if (!s.rowwise) p.o.data = nullptr;
+  if (!s.columnwise) p.o.data_t = nullptr;
+  quantize_stripe<L, kMode>(x, p);
+}
+}
+#define NVFP4_BUDGET(name, mode, ...)                                                  \\
+  extern "C" __global__ void budget_quantize_##name(const uint16_t* x,                 \\
+                                                    nvfp4::cuda::Params p) {           \\
+    nvfp4::cuda::budget_stripe<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>(               \\
+        x, p, nvfp4::QuantizeSpec{__VA_ARGS__});                                       \\
+  }
+"""
+
+
+def tool(name: str) -> str:
+    """A CUDA tool from the nvidia wheels if installed, else from PATH."""
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for candidate in Path(base).glob(f"cu*/bin/{name}"):
+                return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which(name)
+    if not found:
+        sys.exit(
+            f"sass_budget: {name} not found (pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
+        )
+    return found
+
+
+def xla_include() -> str:
+    import jaxlib
+
+    return str(Path(jaxlib.__file__).parent / "include")
+
+
+def compile_cubin(source: Path, include: Path, arch: str, out: Path) -> str:
+    """Compiles `source` to a cubin for `arch`; returns ptxas's resource report."""
+    nvcc = tool("nvcc")
+    cmd = [
+        nvcc,
+        f"-arch={arch}",
+        "-cubin",
+        "-o",
+        str(out),
+        str(source),
+        f"-I{include}",
+        f"-I{xla_include()}",
+        "-std=c++17",
+        "--fmad=false",
+        "-ftz=false",
+        "-prec-div=true",
+        "-prec-sqrt=true",
+        "-diag-suppress=940,2473,177",
+        "-DNVFP4_SASS_BUDGET",
+        "-Xptxas",
+        "-v",
+    ]
+    env = dict(os.environ, PATH=f"{Path(nvcc).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if run.returncode:
+        sys.exit(f"sass_budget: nvcc failed:\n{run.stderr}")
+    return run.stderr
+
+
+def resources(report: str) -> dict[str, dict[str, int]]:
+    """Registers and spill bytes per budget entry point, from ptxas -v."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in report.splitlines():
+        if m := re.search(r"Compiling entry function '(budget_quantize_\w+)'", line):
+            current = m.group(1)
+        elif current and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            out.setdefault(current, {})["spills"] = int(m.group(1)) + int(m.group(2))
+        elif current and (m := re.search(r"Used (\d+) registers", line)):
+            out.setdefault(current, {})["registers"] = int(m.group(1))
+            current = None
+    return out
+
+
+def sass_counts(cubin: Path) -> tuple[dict[str, int], set[str]]:
+    """Instructions per budget entry point (no NOP padding or the closing self-branch), and the
+    entry points with a loop, whose static count is a lower bound of what runs."""
+    cuobjdump = tool("cuobjdump")
+    env = dict(os.environ, PATH=f"{Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env, check=True).stdout
+    counts: dict[str, int] = {}
+    loops: set[str] = set()
+    current = None
+    for line in text.splitlines():
+        if m := re.search(r"Function : (budget_quantize_\w+)", line):
+            current = m.group(1)
+            counts[current] = 0
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not (current and m):
+            continue
+        address, instruction = int(m.group(1), 16), m.group(2).strip()
+        opcode = re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+        if opcode == "NOP":
+            continue
+        if opcode.startswith("BRA") and (t := re.search(r"0x([0-9a-f]+)", instruction)):
+            target = int(t.group(1), 16)
+            if target == address:
+                continue  # the self-loop after EXIT
+            if target < address:
+                loops.add(current)  # a static count is then a lower bound
+        counts[current] += 1
+    return counts, loops
+
+
+def measure(source: Path, include: Path, arch: str, elements: int) -> dict[str, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "budget.cubin"
+        report = compile_cubin(source, include, arch, cubin)
+        (counts, loops), res = sass_counts(cubin), resources(report)
+    table = {}
+    for name, *_ in SPECS:
+        key = f"budget_quantize_{name}"
+        if key not in counts:
+            continue
+        table[name] = {
+            "instructions_per_element": round(counts[key] / elements, 2),
+            "registers": res.get(key, {}).get("registers"),
+            "spills": res.get(key, {}).get("spills"),
+            "has_loop": key in loops,
+        }
+    return table
+
+
+def before_source(rev: str, tmp: Path) -> tuple[Path, Path]:
+    """The kernel sources of git revision `rev`, with budget entry points for its kernel."""
+    ffi = tmp / "ffi"
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "ffi"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    lines = [BEFORE_WRAPPER]
+    for name, mode, *flags in SPECS:
+        lines.append(f"NVFP4_BUDGET({name}, {mode}, {', '.join(str(f) for f in flags)})")
+    source = tmp / "budget_before.cu"
+    source.write_text("\n".join(lines) + "\n")
+    return source, ffi
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", action="append", help="nvcc -arch (default: sm_90 and sm_100a)")
+    parser.add_argument("--before", metavar="REV", help="also measure the kernel of this git revision")
+    parser.add_argument("--json", type=Path, help="write the table here")
+    args = parser.parse_args()
+    archs = args.arch or ["sm_90", "sm_100a"]
+    result: dict[str, dict] = {}
+    for arch in archs:
+        print(f"building the budget entry points for {arch} ...", flush=True)
+        result.setdefault(arch, {})["after"] = measure(
+            ROOT / "ffi/cuda/quantize.cu", ROOT / "ffi", arch, AFTER_ELEMENTS
+        )
+        if args.before:
+            print(f"building {args.before}'s kernel for {arch} ...", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                source, include = before_source(args.before, Path(tmp))
+                result[arch]["before"] = measure(source, include, arch, BEFORE_ELEMENTS)
+    plain = "rowwise_columnwise"  # "+": has a loop, the count is a lower bound
+    for arch, tables in result.items():
+        print(f"\n{arch}: SASS instructions per input element (registers, spill bytes)")
+        print(f"{'spec':26} " + " ".join(f"{k:>22}" for k in tables) + "  x plain")
+        for name, *_ in SPECS:
+            cells = []
+            for table in tables.values():
+                row = table.get(name)
+                loop = "+" if row["has_loop"] else " "
+                cells.append(
+                    f"{row['instructions_per_element']:8.2f}{loop}({row['registers']:3}, {row['spills']:4})"
+                    if row
+                    else f"{'-':>22}"
+                )
+            after = tables["after"]
+            ratio = after[name]["instructions_per_element"] / after[plain]["instructions_per_element"]
+            print(f"{name:26} " + " ".join(f"{c:>22}" for c in cells) + f"  {ratio:6.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

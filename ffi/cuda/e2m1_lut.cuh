@@ -1,0 +1,65 @@
+// E2M1 codes by table, for Hopper, which has no E2M1 convert: the code of v = x * enc is
+// lut[bits(v) >> 21]. Every rounding threshold of float_to_e2m1 (0.25, 0.75, 1.25, 1.75, 2.5,
+// 3.5 and 5) is a multiple of 2^21 in float bits, so the code is constant on each chunk of
+// 2^21 bit patterns but for its lowest pattern, and an entry holds the code of the rest.
+// Three lowest patterns need more than a shift (an exhaustive check over all 2^32 floats in
+// tests/test_cuda_host.py proves both indices):
+//   - a threshold where the tie rounds down (0.25, 1.25, 2.5, 5): the chunk below's code;
+//   - -0.0, whose code is 0 where the rest of its chunk (tiny negatives) gives 8;
+//   - inf, whose chunk holds no other float that arithmetic produces: its entry is inf's code.
+// The tie-safe index (bits + bit 22 - 1) >> 21 sends exactly those to the chunk below (bit 22
+// is clear at these thresholds and set at those whose tie rounds up). The fast index, a shift,
+// is right wherever no product is a round-down tie or an underflow to -0.0: the kernel checks
+// that once per batch entry and copy, for all 128 block scales (tie_possible), and takes the
+// tie-safe index where it cannot rule them out. -0.0 inputs never reach the table: products
+// are x * enc + 0, which IEEE rounds to +0.0 where x * enc is exactly -0.0.
+#pragma once
+
+#include <type_traits>
+
+#include "nvfp4/ffi_common.h"
+
+namespace nvfp4::cuda {
+
+constexpr int kLutShift = 21;
+constexpr int kLutSize = 1 << (32 - kLutShift);
+
+// Entry i: the code of the floats with bits in ((i << 21), (i + 1) << 21), or of inf.
+NVFP4_HD uint8_t lut_entry(uint32_t i) {
+  const uint32_t bits = i << kLutShift;
+  const bool inf = (bits & 0x7FFFFFFFu) == 0x7F800000u;
+  return float_to_e2m1(bits_float(inf ? bits : bits | 1u));
+}
+
+// The E2M1 code of fp32(x * enc) from the table (the tie-safe index with kSafe).
+template <bool kSafe>
+NVFP4_HD uint32_t lut_code(const uint8_t* lut, float x, float enc) {
+  const uint32_t u = float_bits(fma_rn(x, enc, 0.0f));
+  return lut[kSafe ? (u + ((u >> 22) & 1u) - 1u) >> kLutShift : u >> kLutShift];
+}
+
+// Whether fp32(x * enc) can be a round-down tie (0.25, 1.25, 2.5 or 5, either sign) or an
+// underflow to -0.0 for some x of loader L's dtype, so that lut_code needs its tie-safe index.
+// x * enc is monotonic in x, and the x with fp32(x * enc) == t lie within 2^-23 of t / enc,
+// closer than the dtype's spacing: only its two neighbours of fp32(t / enc) can hit. float32
+// inputs (24-bit significands) can hit almost always: they always take the tie-safe index.
+template <typename L>
+NVFP4_HD bool tie_possible(float enc) {
+  if constexpr (sizeof(typename L::T) == 4) {
+    return true;
+  } else {
+    constexpr bool kBf16 = std::is_same_v<L, LoadBF16>;
+    // -0.0 needs |x * enc| <= 2^-150 for the smallest x > 0: 2^-133 (bfloat16), 2^-24 (float16).
+    if (enc <= (kBf16 ? 0x1p-17f : 0x1p-126f)) return true;
+    const float ties[4] = {0.25f, 1.25f, 2.5f, 5.0f};
+    for (float t : ties) {
+      const float q = t / enc;
+      const uint32_t near = kBf16 ? float_to_bf16(q) : float_to_f16(q);
+      for (uint32_t h = near - 1u; h != near + 2u; ++h)
+        if (fma_rn(L::load(uint16_t(h)), enc, 0.0f) == t) return true;
+    }
+    return false;
+  }
+}
+
+}  // namespace nvfp4::cuda
