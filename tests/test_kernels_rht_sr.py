@@ -172,7 +172,7 @@ def test_rht_needs_rows_multiple_of_16():
 
 
 # ---- the CUDA kernels' per-thread helpers, run on the host ----
-# The CUDA quantize kernel uses random_words16 (16 consecutive indices from 9 hashes) and rht16 (one
+# The CUDA quantize kernel uses random_words<16> (16 consecutive indices from 8 or 9 hashes) and rht16 (one
 # column's chunk in registers), which the CPU kernels do not (they use vectorized loops): a small host
 # program built from ffi/nvfp4/numerics.h checks them against JAX and the reference.
 
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
   for (uint32_t i = 0; i < n; ++i) {
     if (argv[1][0] == 'w') {
       uint32_t w[nvfp4::kBlock];
-      nvfp4::random_words16(nvfp4::Seed{head[0], head[1]}, in[i], head[2], w);
+      nvfp4::random_words<16>(nvfp4::Seed{head[0], head[1]}, in[i], head[2], w);
       std::memcpy(&out[size_t(i) * 16], w, sizeof(w));
     } else {
       float v[nvfp4::kBlock];
