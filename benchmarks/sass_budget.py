@@ -1,12 +1,13 @@
 """Instruction budget of the CUDA quantize kernel, measured without a GPU.
 
-Builds the kernel's budget entry points (ffi/cuda/quantize.cu, NVFP4_SASS_BUDGET: one tile of
-the steady state per spec, its flags compile-time constants) with nvcc, dumps the SASS with
-cuobjdump, and prints per spec and GPU architecture: SASS instructions a thread issues per
-input element (the entry point's instructions over the 16 x 8 values a thread holds),
-registers and spill bytes (ptxas -v). An entry point with a loop (a backward branch) is
-flagged: its static count is then a lower bound. The bound: an H100 issues about 29 T thread-instructions/s against
-3.35 TB/s of memory, about 25 instructions per element at ~3.1 bytes per element.
+Builds entry points that run one steady-state tile of ffi/cuda/quantize.cu per spec (its hook
+budget_tile under NVFP4_SASS_BUDGET; the spec's flags compile-time constants) with nvcc, dumps
+the SASS with cuobjdump, and prints per spec and GPU architecture: SASS instructions a thread
+issues per input element (the entry point's instructions over the 16 x 8 values a thread
+holds), registers and spill bytes (ptxas -v). An entry point with a loop (a backward branch)
+is flagged: its static count is then a lower bound. The bound: an H100 issues about 29 T
+thread-instructions/s against 3.35 TB/s of memory, about 25 instructions per element at ~3.1
+bytes per element.
 
 `--before REV` measures the kernel of git revision REV the same way (its one-column-per-thread
 stripe kernel: 16 values per thread), through a wrapper that this script writes for it.
@@ -45,8 +46,21 @@ SPECS = [  # name: (mode, rowwise, columnwise, block_2d, rht, sr, row_scaled, 4o
 AFTER_ELEMENTS = 16 * 8  # a thread's values per tile
 BEFORE_ELEMENTS = 16  # the old kernel: one column of a 16-row stripe per thread
 
+# NVFP4_BUDGET(name, mode, spec members...) defines the entry point budget_quantize_<name>,
+# which calls HOOK<LoadBF16, Mode::mode>(x, p, spec): one steady-state tile (or stripe) of a
+# bf16 input. The same launch bound as the kernels: 128 threads.
+ENTRY_MACRO = """
+#define NVFP4_BUDGET(name, mode, ...)                                                  \\
+  extern "C" __global__ void __launch_bounds__(128)                                    \\
+      budget_quantize_##name(const uint16_t* x, nvfp4::cuda::Params p) {               \\
+    nvfp4::cuda::HOOK<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>(                        \\
+        x, p, nvfp4::QuantizeSpec{__VA_ARGS__});                                       \\
+  }
+"""
+# The kernel's own hook (ffi/cuda/quantize.cu under NVFP4_SASS_BUDGET).
+AFTER_WRAPPER = '#include "cuda/quantize.cu"\n' + ENTRY_MACRO.replace("HOOK", "budget_tile")
 # The old kernel (quantize_stripe<L, Mode>(x, p), Params {amax, amax_t, seed, rows, cols,
-# stripes, tiles, spec, o}) has no budget entry points: this wrapper adds them.
+# stripes, tiles, spec, o}) has no hook: this wrapper adds one.
 BEFORE_WRAPPER = """
 #include "cuda/quantize.cu"
 namespace nvfp4::cuda {
@@ -60,13 +74,7 @@ __device__ __forceinline__ void budget_stripe(const typename L::T* x, Params p, 
   quantize_stripe<L, kMode>(x, p);
 }
 }
-#define NVFP4_BUDGET(name, mode, ...)                                                  \\
-  extern "C" __global__ void budget_quantize_##name(const uint16_t* x,                 \\
-                                                    nvfp4::cuda::Params p) {           \\
-    nvfp4::cuda::budget_stripe<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>(               \\
-        x, p, nvfp4::QuantizeSpec{__VA_ARGS__});                                       \\
-  }
-"""
+""" + ENTRY_MACRO.replace("HOOK", "budget_stripe")
 
 
 def tool(name: str) -> str:
@@ -187,17 +195,21 @@ def measure(source: Path, include: Path, arch: str, elements: int) -> dict[str, 
     return table
 
 
-def before_source(rev: str, tmp: Path) -> tuple[Path, Path]:
-    """The kernel sources of git revision `rev`, with budget entry points for its kernel."""
-    ffi = tmp / "ffi"
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "ffi"], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
-    lines = [BEFORE_WRAPPER]
+def budget_source(wrapper: str, tmp: Path) -> Path:
+    """`wrapper` (which includes the kernel) with an entry point per spec, written under tmp."""
+    lines = [wrapper]
     for name, mode, *flags in SPECS:
         lines.append(f"NVFP4_BUDGET({name}, {mode}, {', '.join(str(f) for f in flags)})")
-    source = tmp / "budget_before.cu"
+    source = tmp / "budget.cu"
     source.write_text("\n".join(lines) + "\n")
-    return source, ffi
+    return source
+
+
+def before_ffi(rev: str, tmp: Path) -> Path:
+    """The ffi/ sources of git revision `rev`, extracted under tmp."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "ffi"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    return tmp / "ffi"
 
 
 def main() -> None:
@@ -210,13 +222,14 @@ def main() -> None:
     result: dict[str, dict] = {}
     for arch in archs:
         print(f"building the budget entry points for {arch} ...", flush=True)
-        result.setdefault(arch, {})["after"] = measure(
-            ROOT / "ffi/cuda/quantize.cu", ROOT / "ffi", arch, AFTER_ELEMENTS
-        )
+        with tempfile.TemporaryDirectory() as tmp:
+            source = budget_source(AFTER_WRAPPER, Path(tmp))
+            result.setdefault(arch, {})["after"] = measure(source, ROOT / "ffi", arch, AFTER_ELEMENTS)
         if args.before:
             print(f"building {args.before}'s kernel for {arch} ...", flush=True)
             with tempfile.TemporaryDirectory() as tmp:
-                source, include = before_source(args.before, Path(tmp))
+                include = before_ffi(args.before, Path(tmp))
+                source = budget_source(BEFORE_WRAPPER, Path(tmp))
                 result[arch]["before"] = measure(source, include, arch, BEFORE_ELEMENTS)
     plain = "rowwise_columnwise"  # "+": has a loop, the count is a lower bound
     for arch, tables in result.items():

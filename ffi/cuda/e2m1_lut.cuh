@@ -10,7 +10,7 @@
 // The tie-safe index (bits + bit 22 - 1) >> 21 sends exactly those to the chunk below (bit 22
 // is clear at these thresholds and set at those whose tie rounds up). The fast index, a shift,
 // is right wherever no product is a round-down tie or an underflow to -0.0: the kernel checks
-// that once per batch entry and copy, for all 128 block scales (tie_possible), and takes the
+// that once per batch entry and copy, for all 256 block scale codes (tie_possible), and takes the
 // tie-safe index where it cannot rule them out. -0.0 inputs never reach the table: products
 // are x * enc + 0, which IEEE rounds to +0.0 where x * enc is exactly -0.0.
 #pragma once

@@ -9,7 +9,7 @@
 //   - Columnwise 1x16 blocks are a thread's own 16 values; rowwise blocks are a lane pair's
 //     (xor 1). Maxima are taken on packed 16-bit pairs (max.NaN.xorsign.abs).
 //   - A block's scale is computed once, two at a time by cvt.rn.satfinite.e4m3x2; its encode
-//     scale 1 / (s * gds) comes from a per-entry table of the 128 E4M3 codes.
+//     scale 1 / (s * gds) comes from a per-entry table of the 256 E4M3 codes.
 //   - Codes of nearest rounding come from a 2048-entry table (e2m1_lut.cuh) on sm_90, from the
 //     E2M1 convert on sm_100a/sm_120a; 8 codes pack into a word.
 //   - The columnwise copy goes through a shared-memory tile and is written 16 bytes a store.
@@ -188,48 +188,44 @@ __device__ __forceinline__ float encode_scale(uint32_t s, const Copy& k, const G
   return k.enc ? k.enc[s] : block_encode_scale(uint8_t(s), g);
 }
 
+// The codes code(0), ..., code(7) packed into a word, code k in nibble k.
+template <typename Code>
+__device__ __forceinline__ uint32_t pack8(Code code) {
+  uint32_t word = 0;
+#pragma unroll
+  for (int k = 7; k >= 0; --k) word = (word << 4) | code(k);
+  return word;
+}
+
 // Codes of 8 values rounded to nearest, value k in nibble k: the E2M1 convert where there is
 // one, else the code table (the tie-safe index where the copy needs it).
-template <int kN, typename Get>
+template <typename Get>
 __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, bool safe, float enc, Get get) {
-  uint32_t word = 0;
   if (NVFP4_HAS_FP4_CVT() && !safe) {
     // x * enc + 0: no -0.0 (the convert keeps its sign). A NaN product comes only from a NaN
     // encode scale (a block with a NaN), whose codes are all 0.
+    uint32_t word = 0;
 #pragma unroll
-    for (int k = 0; k < kN; k += 2)
+    for (int k = 0; k < 8; k += 2)
       word |= uint32_t(
                   cvt_rn_satfinite_e2m1x2(fma_rn(get(k + 1), enc, 0.0f), fma_rn(get(k), enc, 0.0f)))
               << (4 * k);
     return enc == enc ? word : 0u;
   }
-  if (safe) {
-#pragma unroll
-    for (int k = kN - 1; k >= 0; --k) word = (word << 4) | lut_code<true>(lut, get(k), enc);
-  } else {
-#pragma unroll
-    for (int k = kN - 1; k >= 0; --k) word = (word << 4) | lut_code<false>(lut, get(k), enc);
-  }
-  return word;
+  if (safe) return pack8([&](int k) { return lut_code<true>(lut, get(k), enc); });
+  return pack8([&](int k) { return lut_code<false>(lut, get(k), enc); });
 }
 
 // Codes of 8 values rounded stochastically by their words.
 template <typename Get>
 __device__ __forceinline__ uint32_t stochastic8(float enc, const uint32_t (&words)[8], Get get) {
-  uint32_t word = 0;
-#pragma unroll
-  for (int k = 7; k >= 0; --k)
-    word = (word << 4) | quantize_value_stochastic(get(k), enc, words[k]);
-  return word;
+  return pack8([&](int k) { return quantize_value_stochastic(get(k), enc, words[k]); });
 }
 
 // Codes of 8 values rounded to nearest by the scalar reference path (4over6's candidates).
 template <typename Get>
 __device__ __forceinline__ uint32_t reference8(float enc, Get get) {
-  uint32_t word = 0;
-#pragma unroll
-  for (int k = 7; k >= 0; --k) word = (word << 4) | quantize_value(get(k), enc);
-  return word;
+  return pack8([&](int k) { return quantize_value(get(k), enc); });
 }
 
 // Transposes 8 words of 8 nibbles (word r, nibble c -> word c, nibble r).
@@ -384,7 +380,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
                        rw);
           words[r] = stochastic8(enc, rw, [&](int k) { return v(r, k); });
         } else {
-          words[r] = nearest8<8>(sh.lut, kr.safe, enc, [&](int k) { return v(r, k); });
+          words[r] = nearest8(sh.lut, kr.safe, enc, [&](int k) { return v(r, k); });
         }
       }
     }
@@ -453,9 +449,8 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
             word[0] = stochastic8(enc0, w0, [&](int k) { return v(r, k); });
             word[1] = stochastic8(enc1, w1, [&](int k) { return v(r + 1, k); });
           } else {
-            const bool safe = kr.safe || spec.row_scaled;
-            word[0] = nearest8<8>(sh.lut, safe, enc0, [&](int k) { return v(r, k); });
-            word[1] = nearest8<8>(sh.lut, safe, enc1, [&](int k) { return v(r + 1, k); });
+            word[0] = nearest8(sh.lut, kr.safe, enc0, [&](int k) { return v(r, k); });
+            word[1] = nearest8(sh.lut, kr.safe, enc1, [&](int k) { return v(r + 1, k); });
           }
         }
         store_row(p, at, r, word[0], scale[0]);
@@ -490,6 +485,9 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
           g[0] = spec.global_scales(c < at.ncols ? a[c] : 0.0f);
           g[1] = spec.global_scales(c + 1 < at.ncols ? a[c + 1] : 0.0f);
         }
+        // The two columns' scale codes, in bytes 0 and 1 (not used by 4over6).
+        const uint32_t pair =
+            kMode == Mode::kFourOverSix ? 0u : scale_pair(bamax[1], bamax[0], g[1], g[0]);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           uint32_t lo, hi, scale;
@@ -501,7 +499,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
             hi = reference8(chosen.enc, get_hi);
             scale = fix_nan_scales(chosen.scale) & 0xFFu;
           } else {
-            const uint32_t s = scale_pair(bamax[j], bamax[j], g[j], g[j]) & 0xFFu;
+            const uint32_t s = (pair >> (8 * j)) & 0xFFu;
             const float enc = encode_scale(s, kc, g[j]);
             scale = fix_nan_scales(s) & 0xFFu;
             if constexpr (kMode == Mode::kStochastic) {
@@ -518,9 +516,8 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
               lo = stochastic8(enc, wl, get);
               hi = stochastic8(enc, wh, get_hi);
             } else {
-              const bool safe = kc.safe || spec.row_scaled;
-              lo = nearest8<8>(sh.lut, safe, enc, get);
-              hi = nearest8<8>(sh.lut, safe, enc, get_hi);
+              lo = nearest8(sh.lut, kc.safe, enc, get);
+              hi = nearest8(sh.lut, kc.safe, enc, get_hi);
             }
           }
           stage_column(sh, c + j, lo, hi, scale);
@@ -535,8 +532,9 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
   }
 }
 
-// The encode scales of batch entry b's 128 scale codes for both copies, and whether each copy
-// needs the tie-safe code index (every thread of the block calls).
+// The encode scales of batch entry b's 256 scale codes for both copies, and whether each copy
+// needs the tie-safe code index; row-scaled copies have no table and always need it (every
+// thread of the block calls).
 template <typename L, Mode kMode>
 __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint32_t b, Copy& kr,
                                               Copy& kc) {
@@ -638,9 +636,10 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 }  // namespace nvfp4::cuda
 
 #if defined(NVFP4_SASS_BUDGET)
-// Entry points of benchmarks/sass_budget.py, built only there: one tile of the steady state
-// (rows of a multiple of 8 values, both or one copy as named, no tie-safe index, the entry's
-// tables ready) with the spec's flags as constants, so that the SASS holds just that path.
+// The hook of benchmarks/sass_budget.py, which builds this file with its entry points: one
+// tile of the steady state (rows of a multiple of 8 values, the copies the spec names, the
+// entry's tables ready, the fast code index unless row-scaled) with the spec's flags as
+// constants, so that the SASS holds just that path.
 namespace nvfp4::cuda {
 template <typename L, Mode kMode>
 __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, QuantizeSpec spec) {
@@ -651,31 +650,13 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   __builtin_assume(spec.columnwise == (p.o.data_t != nullptr));
   if (!spec.rowwise) p.o.data = nullptr;
   if (!spec.columnwise) p.o.data_t = nullptr;
-  const Copy kr{sh.enc[0], false, spec.global_scales(p.amax[0])};
-  const Copy kc{sh.enc[1], false, spec.global_scales(p.amax_t[0])};
+  // As prepare_entry leaves them: row-scaled copies have no table and the tie-safe index.
+  const bool per_row = spec.row_scaled;
+  const Copy kr{per_row ? nullptr : sh.enc[0], per_row, spec.global_scales(p.amax[0])};
+  const Copy kc{per_row ? nullptr : sh.enc[1], per_row, spec.global_scales(p.amax_t[0])};
   quantize_tile<L, kMode>(x, p, sh, blockIdx.x, kr, kc, Seed{p.seed[0], p.seed[1]});
 }
 }  // namespace nvfp4::cuda
-
-// name, mode, then the QuantizeSpec members: rowwise, columnwise, block_2d, rht,
-// stochastic_rounding, row_scaled, four_over_six_error, four_over_six_fast_math, e4m3_max.
-#define NVFP4_BUDGET(name, mode, ...)                                    \
-  extern "C" __global__ void __launch_bounds__(nvfp4::cuda::kThreads)    \
-      budget_quantize_##name(const uint16_t* x, nvfp4::cuda::Params p) { \
-    nvfp4::cuda::budget_tile<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>(  \
-        x, p, nvfp4::QuantizeSpec{__VA_ARGS__});                         \
-  }
-NVFP4_BUDGET(rowwise_columnwise, kNearest, true, true, false, false, false, false, 0, false, 448)
-NVFP4_BUDGET(rowwise, kNearest, true, false, false, false, false, false, 0, false, 448)
-NVFP4_BUDGET(columnwise, kNearest, false, true, false, false, false, false, 0, false, 448)
-NVFP4_BUDGET(block_2d, kNearest, true, true, true, false, false, false, 0, false, 448)
-NVFP4_BUDGET(rht, kNearest, true, true, false, true, false, false, 0, false, 448)
-NVFP4_BUDGET(stochastic_rounding, kStochastic, true, true, false, false, true, false, 0, false, 448)
-NVFP4_BUDGET(row_scaled, kNearest, true, true, false, false, false, true, 0, false, 448)
-NVFP4_BUDGET(four_over_six_fast_math, kFourOverSix, true, true, false, false, false, false, 2, true,
-             256)
-NVFP4_BUDGET(four_over_six, kFourOverSix, true, true, false, false, false, false, 2, false, 256)
-#undef NVFP4_BUDGET
 #else
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCuda, nvfp4::cuda::quantize_impl,

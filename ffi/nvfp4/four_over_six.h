@@ -26,11 +26,6 @@ struct FourOverSix {
   NVFP4_HD bool mse() const { return mode == kFourOverSixMse; }
 };
 
-NVFP4_HD float clamp_e4m3(float v) {  // NaN passes through
-  v = v > kE4M3Max ? kE4M3Max : v;
-  return v < -kE4M3Max ? -kE4M3Max : v;
-}
-
 // The two candidate scales (E4M3 codes) of a block with max magnitude `bamax`:
 // base = fp32(bamax / 6) * ges (not the default path's bamax * fp32(ges / 6)),
 // s6 = E4M3(clamp(base)), s4 = E4M3(clamp(fp32(base * 1.5))). The clamp stays

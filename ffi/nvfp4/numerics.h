@@ -144,6 +144,12 @@ NVFP4_HD uint8_t float_to_e4m3(float v) {
   return uint8_t(mag > 0x7F800000u ? kE4M3NaN : code);
 }
 
+// v clamped to the E4M3 range [-448, 448]; NaN passes through.
+NVFP4_HD float clamp_e4m3(float v) {
+  v = v > kE4M3Max ? kE4M3Max : v;
+  return v < -kE4M3Max ? -kE4M3Max : v;
+}
+
 // The E4M3 codes of two block scales as cvt.rn.satfinite.e4m3x2.f32 gives them: (code(hi) << 8)
 // | code(lo), rounded to nearest even, clamped to +-448, a NaN as 0x7F (fix_nan_scales turns
 // it into the reference's 0xFF). The host computes it with float_to_e4m3.
@@ -154,8 +160,7 @@ NVFP4_HD uint32_t e4m3x2_satfinite(float hi, float lo) {
   return d;
 #else
   const auto code = [](float v) -> uint32_t {
-    if (v != v) return 0x7Fu;
-    return float_to_e4m3(v > kE4M3Max ? kE4M3Max : (v < -kE4M3Max ? -kE4M3Max : v));
+    return v != v ? 0x7Fu : float_to_e4m3(clamp_e4m3(v));
   };
   return (code(hi) << 8) | code(lo);
 #endif
