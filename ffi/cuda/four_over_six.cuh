@@ -83,10 +83,11 @@ __device__ __forceinline__ Candidate column_chunk(const float (&v)[kBlock], floa
 
 // The chosen candidates of a 16x16 tile held by a lane pair (16 rows x 8 columns each): for
 // the rowwise copy on the tree sum (tree_sum16) of its 16 row errors, for the columnwise copy
-// on the tree sum of its 16 column errors (every lane of the warp must call).
-__device__ __forceinline__ void tile_choice(const float (&v)[kBlock][8], float bamax,
-                                            const GlobalScales& g, FourOverSix fos, Candidate& row,
-                                            Candidate& col) {
+// on the tree sum of its 16 column errors (every lane of the warp must call). v(r, c): the
+// value of row r, column c, unpacked where it is used (a 16 x 8 float array would not fit).
+template <typename Get>
+__device__ __forceinline__ void tile_choice(Get v, float bamax, const GlobalScales& g,
+                                            FourOverSix fos, Candidate& row, Candidate& col) {
   Candidate c6, c4;
   candidates(bamax, g, c6, c4);
   float row6[kBlock], row4[kBlock], col6[8], col4[8];
@@ -97,7 +98,7 @@ __device__ __forceinline__ void tile_choice(const float (&v)[kBlock][8], float b
     float t6[8], t4[8];
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      error_terms(v[r][c], c6, c4, g, fos, t6[c], t4[c]);
+      error_terms(v(r, c), c6, c4, g, fos, t6[c], t4[c]);
       col6[c] = col6[c] + t6[c];
       col4[c] = col4[c] + t4[c];
     }

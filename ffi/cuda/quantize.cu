@@ -11,8 +11,10 @@
 //   - A block's scale is computed once, two at a time by cvt.rn.satfinite.e4m3x2; its encode
 //     scale 1 / (s * gds) comes from a per-entry table of the 256 E4M3 codes.
 //   - Codes of nearest rounding come from a 2048-entry table (e2m1_lut.cuh) on sm_90, from the
-//     E2M1 convert on sm_100a/sm_120a; 8 codes pack into a word.
-//   - The columnwise copy goes through a shared-memory tile and is written 16 bytes a store.
+//     E2M1 convert on sm_100a/sm_120a. One pass over the rows unpacks each value once and
+//     gives both copies' codes: a row's 8 codes pack into a word, a column's into its two words.
+//   - The columnwise copy goes through a shared-memory tile (double-buffered, one barrier a
+//     tile) and is written 16 bytes a store.
 // Stochastic rounding draws each Threefry hash for two neighbouring values; 4over6 decides each
 // chunk in registers (four_over_six.cuh); row-scaled copies take per-row global scales.
 #include "cuda/common.cuh"
@@ -28,7 +30,12 @@ constexpr int kCols = 8;                             // columns per thread
 constexpr int kTileRows = (kThreads / 32) * kBlock;  // 64
 constexpr int kTileCols = 32 * kCols;                // 256
 constexpr int kCodes = 256;                          // E4M3 scale codes (0x7F: NaN)
-constexpr int kStagedBytes = kTileRows / 2 + 8;      // +8: fewer shared-memory bank conflicts
+constexpr int kChunks = 2 * kTileCols;               // 16-byte chunks of a staged columnwise tile
+
+// Tiles in batch entries, row tiles and column tiles (a mixed-radix count).
+struct TilePos {
+  uint32_t b, tr, tc;
+};
 
 // The kernel's operands and options (by value).
 struct Params {
@@ -36,29 +43,67 @@ struct Params {
   const float* amax_t;   // [B] (row-scaled: [B, N]): the columnwise 1x16 copy
   const uint32_t* seed;  // [2]: the Threefry key of stochastic rounding (device memory)
   int64_t rows, cols;
-  uint32_t row_tiles, col_tiles, tiles;  // tiles per entry along M and N; in all
-  bool vec;           // N % 8 == 0: 16-byte loads and 4-byte stores of a thread's 8 columns
+  uint32_t batch, row_tiles, col_tiles;
+  struct {
+    uint32_t data_cols, scale_cols;      // bytes of a rowwise data and scale row
+    uint32_t data_cols_t, scale_cols_t;  // of a columnwise one
+  } out;
+  TilePos step;       // the grid's size in tiles: a block's next tile is this far on
+  bool vec_in;        // N % 8 == 0: a thread's 8 columns are one 16-byte load
+  bool vec_rows;      // the rowwise data and scale rows of a tile are whole 16-byte chunks
+  bool vec_cols;      // the columnwise data rows are whole 16-byte chunks, scales 4-byte
   QuantizeSpec spec;  // its rht applies as columnwise_rht(): a columnwise 1x16 copy
   QuantizeOutputs o;
 };
+
+// The next tile of a block: `step` further on in the count (no division).
+__device__ __forceinline__ void advance(TilePos& t, const Params& p) {
+  t.tc += p.step.tc;
+  t.tr += p.step.tr;
+  t.b += p.step.b;
+  if (t.tc >= p.col_tiles) {
+    t.tc -= p.col_tiles;
+    ++t.tr;
+  }
+  if (t.tr >= p.row_tiles) {
+    t.tr -= p.row_tiles;
+    ++t.b;
+  }
+}
 
 // How the codes round: to nearest, stochastically, or to nearest with the 4over6 choice of
 // the block scale (a kernel each, so that each keeps its registers).
 enum class Mode { kNearest, kStochastic, kFourOverSix };
 
-// Per CUDA block: the code table, the current batch entry's encode scales, and the staged
-// columnwise tile.
+// A tile's outputs staged for 16-byte stores. Rowwise: a row's words (8 codes each) and block
+// scales. Columnwise: column col's codes of tile rows 32h..32h+31 in 16-byte chunk
+// staged_chunk(col, h), warp w's 8 bytes at 8 (w % 2); the column scales by column and warp.
+struct Staging {
+  alignas(16) uint32_t row_data[kTileRows][kTileCols / kCols];
+  alignas(16) uint8_t row_scale[kTileRows][kTileCols / kBlock];
+  alignas(16) uint8_t col_data[kChunks][16];
+  alignas(16) uint8_t col_scale[kTileCols][kTileRows / kBlock];
+};
+
+// The chunk of (col, half), XOR-swizzled: a warp's 8-byte stores (lanes 8 columns apart) spread
+// over 8 bank groups instead of 1; the 16-byte reads of consecutive chunks stay conflict-free.
+__device__ __forceinline__ int staged_chunk(int col, int half) {
+  return (2 * col + half) ^ ((col >> 3) & 7);
+}
+
+// Per CUDA block: the code table, the current batch entry's encode scales, and two staged
+// tiles (a tile stages into one while the last one's stores may still read the other, so one
+// barrier a tile suffices).
 struct Shared {
   uint8_t lut[kLutSize];
   float enc[2][kCodes];  // [rowwise, columnwise][scale code]: block_encode_scale
   int safe[2];           // whether that copy needs the tie-safe code index
-  alignas(16) uint8_t data_t[kTileCols][kStagedBytes];
-  alignas(16) uint8_t scale_t[kTileCols][kTileRows / kBlock];
+  Staging staged[2];
 };
 
 // What quantizing one copy needs of its batch entry.
 struct Copy {
-  const float* enc;  // Shared::enc of the copy, or null (row-scaled: per-row scales)
+  const float* enc;  // Shared::enc of the copy (unused when row-scaled: per-row scales)
   bool safe;
   GlobalScales g;  // the entry's global scales (unused when row-scaled)
 };
@@ -76,13 +121,16 @@ __device__ __forceinline__ uint32_t max_magnitude(uint32_t a, uint32_t b) {
     return max(a & 0x7FFFFFFFu, b & 0x7FFFFFFFu);
 }
 
-// The float value of a magnitude in the dtype's bits (the low half of a packed word).
+// The float value of a magnitude in the dtype's bits (the low half of a packed word; the sign
+// bits may be garbage). A NaN stays a NaN, of any payload.
 template <typename L>
 __device__ __forceinline__ float magnitude_value(uint32_t m) {
-  if constexpr (kPacked<L>)
-    return L::load(uint16_t(m & 0x7FFFu));
+  if constexpr (std::is_same_v<L, LoadBF16>)
+    return fabsf(bits_float(m << 16));
+  else if constexpr (kPacked<L>)
+    return fabsf(L::load(uint16_t(m)));
   else
-    return amax_from_bits(m & 0x7FFFFFFFu);
+    return fabsf(bits_float(m));
 }
 
 template <typename L>
@@ -99,22 +147,24 @@ __device__ __forceinline__ float value(const uint32_t (&w)[kBlock][kWords<L>], i
 
 // The thread's values as words (zero outside the input, as the reference pads), the magnitude
 // maxima of its 8 columns (16 rows each) and of its 16 rows (16 columns each, with the pair's
-// lane). `vec`: 16-byte loads (rows of a multiple of 8 values).
+// lane). `vec`: 16-byte loads (rows of a multiple of 8 values); all 16 x 8 values inside the
+// input (the steady state) load without a test.
 template <typename L>
-__device__ __forceinline__ void load_tile(const typename L::T* x, int64_t cols, int nrows,
+__device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols, int nrows,
                                           int ncols, bool vec, uint32_t (&w)[kBlock][kWords<L>],
                                           uint32_t (&col_mag)[kCols], uint32_t (&row_mag)[kBlock]) {
   using T = typename L::T;
   constexpr int kW = kWords<L>;
+  const bool whole = vec && nrows == kBlock && ncols == kCols;
 #pragma unroll
   for (int r = 0; r < kBlock; ++r) {
-    const T* src = x + r * cols;
+    const T* src = x + uint32_t(r) * uint64_t(cols);
     if (vec) {
       uint4 q[kW / 4];
 #pragma unroll
       for (int i = 0; i < kW / 4; ++i)
-        q[i] =
-            (r < nrows && ncols > 0) ? reinterpret_cast<const uint4*>(src)[i] : uint4{0, 0, 0, 0};
+        q[i] = (whole || (r < nrows && ncols > 0)) ? reinterpret_cast<const uint4*>(src)[i]
+                                                   : uint4{0, 0, 0, 0};
 #pragma unroll
       for (int i = 0; i < kW / 4; ++i) {
         w[r][4 * i] = q[i].x;
@@ -176,32 +226,35 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, int64_t cols, 
 
 // ---- scales and codes ----
 
-// The scale codes of two blocks (pre-fix: a NaN is 0x7F) packed as (hi << 8) | lo.
+// The scale codes of two blocks (pre-fix: a NaN is 0x7F) packed as (hi << 8) | lo. The convert's
+// saturation is block_scale's clamp to +-448 (inf too).
 __device__ __forceinline__ uint32_t scale_pair(float bamax_hi, float bamax_lo,
                                                const GlobalScales& g_hi, const GlobalScales& g_lo) {
-  return e4m3x2_satfinite(min_nan(bamax_hi * g_hi.encode_div6, kE4M3Max),
-                          min_nan(bamax_lo * g_lo.encode_div6, kE4M3Max));
+  return e4m3x2_satfinite(bamax_hi * g_hi.encode_div6, bamax_lo * g_lo.encode_div6);
 }
 
-// The element encode scale of scale code s (pre-fix).
-__device__ __forceinline__ float encode_scale(uint32_t s, const Copy& k, const GlobalScales& g) {
-  return k.enc ? k.enc[s] : block_encode_scale(uint8_t(s), g);
+// The element encode scale of scale code s (pre-fix): the entry's table, or a division when the
+// copy is row-scaled.
+__device__ __forceinline__ float encode_scale(const QuantizeSpec& spec, uint32_t s, const Copy& k,
+                                              const GlobalScales& g) {
+  return spec.row_scaled ? block_encode_scale(uint8_t(s), g) : k.enc[s];
 }
 
-// The codes code(0), ..., code(7) packed into a word, code k in nibble k.
+// The codes code(0), ..., code(7) packed into a word, code k in nibble k. (Nibbles do not
+// overlap: + is |, and (word << 4) + code is one LEA.)
 template <typename Code>
 __device__ __forceinline__ uint32_t pack8(Code code) {
   uint32_t word = 0;
 #pragma unroll
-  for (int k = 7; k >= 0; --k) word = (word << 4) | code(k);
+  for (int k = 7; k >= 0; --k) word = (word << 4) + code(k);
   return word;
 }
 
 // Codes of 8 values rounded to nearest, value k in nibble k: the E2M1 convert where there is
-// one, else the code table (the tie-safe index where the copy needs it).
-template <typename Get>
-__device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, bool safe, float enc, Get get) {
-  if (NVFP4_HAS_FP4_CVT() && !safe) {
+// one, else the code table (its tie-safe index with kSafe).
+template <bool kSafe, typename Get>
+__device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get get) {
+  if (NVFP4_HAS_FP4_CVT() && !kSafe) {
     // x * enc + 0: no -0.0 (the convert keeps its sign). A NaN product comes only from a NaN
     // encode scale (a block with a NaN), whose codes are all 0.
     uint32_t word = 0;
@@ -212,8 +265,22 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, bool safe, floa
               << (4 * k);
     return enc == enc ? word : 0u;
   }
-  if (safe) return pack8([&](int k) { return lut_code<true>(lut, get(k), enc); });
-  return pack8([&](int k) { return lut_code<false>(lut, get(k), enc); });
+  return pack8([&](int k) { return lut_code<kSafe>(lut, get(k), enc); });
+}
+
+// nearest8 with the index chosen at run time.
+template <typename Get>
+__device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, bool safe, float enc, Get get) {
+  return safe ? nearest8<true>(lut, enc, get) : nearest8<false>(lut, enc, get);
+}
+
+// The codes of two values rounded to nearest as the byte (code(v1) << 4) | code(v0); with the
+// convert, a NaN encode scale's byte is garbage (the caller zeroes its block).
+template <bool kSafe>
+__device__ __forceinline__ uint32_t nearest2(const uint8_t* lut, float enc, float v0, float v1) {
+  if (NVFP4_HAS_FP4_CVT() && !kSafe)
+    return cvt_rn_satfinite_e2m1x2(fma_rn(v1, enc, 0.0f), fma_rn(v0, enc, 0.0f));
+  return lut_code<kSafe>(lut, v0, enc) + (lut_code<kSafe>(lut, v1, enc) << 4);
 }
 
 // Codes of 8 values rounded stochastically by their words.
@@ -256,280 +323,383 @@ __device__ __forceinline__ void transpose8x8(uint32_t (&a)[8]) {
 
 // Where a thread's 16 x 8 values of a tile sit.
 struct Place {
-  int64_t b, m0, n0;  // batch entry, first row, first column
-  int nrows, ncols;   // of those inside the input (0 to 16, 0 to 8)
+  uint32_t b, m0, n0;  // batch entry, first row, first column
+  int nrows, ncols;    // of those inside the input (0 to 16, 0 to 8)
 };
 
-// Stores the rowwise copy's word of row r (codes of columns n0..n0+7) and, from the lane that
-// holds its rows (the even lane rows 0-7, the odd lane 8-15), the row's block scale.
-__device__ __forceinline__ void store_row(const Params& p, const Place& at, int r, uint32_t word,
-                                          uint32_t scale) {
-  const int64_t cols = p.cols, row = at.b * p.rows + at.m0 + r;
-  if (r >= at.nrows) return;
-  if (at.ncols > 0) {
-    uint8_t* dst = p.o.data + row * packed_size(cols) + at.n0 / 2;
-    if (p.vec) {
-      *reinterpret_cast<uint32_t*>(dst) = word;
-    } else {
-      for (int k = 0; k < (at.ncols + 1) / 2; ++k) dst[k] = uint8_t(word >> (8 * k));
-    }
+// Stages the rowwise copy's word of the thread's row r (the codes of its 8 columns).
+__device__ __forceinline__ void stage_row(Staging& st, int r, uint32_t word) {
+  st.row_data[kBlock * (threadIdx.x / 32) + r][threadIdx.x % 32] = word;
+}
+
+// Stages the rowwise block scale of the thread's row r (its low byte; `r` may differ between
+// the lanes of a pair).
+__device__ __forceinline__ void stage_row_scale(Staging& st, int r, uint32_t scale) {
+  st.row_scale[kBlock * (threadIdx.x / 32) + r][(threadIdx.x % 32) / 2] = uint8_t(scale);
+}
+
+// The first row of the pair's rows whose rowwise scales this lane stages: the even lane rows
+// 0-7, the odd lane 8-15.
+__device__ __forceinline__ int own_rows() { return (threadIdx.x & 1u) ? kBlock / 2 : 0; }
+
+// Copies 16 staged bytes to global memory where `ok`: one 16-byte store where `vec`, else the
+// first n bytes one by one.
+__device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, bool ok, bool vec,
+                                       uint32_t n) {
+  if (vec) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    if (ok) *reinterpret_cast<uint4*>(dst) = v;
+  } else if (ok) {
+    for (uint32_t k = 0; k < 16 && k < n; ++k) dst[k] = src[k];
   }
-  const bool odd = threadIdx.x & 1u;
-  if ((r >= kBlock / 2) == odd && (at.n0 & ~int64_t(kBlock - 1)) < cols)
-    p.o.scale[row * num_blocks(cols) + at.n0 / kBlock] = uint8_t(scale);
+}
+
+// Writes a staged rowwise tile (rows tm0.. of columns tn0..): thread t copies 16-byte chunk
+// t % 8 of rows t / 8 + 16 j, and threads 0-63 the rows' scales.
+__device__ __forceinline__ void store_rows(const Params& p, const Staging& st, uint32_t b,
+                                           uint32_t tm0, uint32_t tn0) {
+  constexpr int kParts = kTileCols / 2 / 16;  // 16-byte chunks of a row's data
+  constexpr int kStep = kThreads / kParts;    // rows apart
+  const uint32_t rows = uint32_t(p.rows), data_cols = p.out.data_cols;
+  const uint32_t row = threadIdx.x / kParts, start = tn0 / 2 + 16 * (threadIdx.x % kParts);
+  uint8_t* dst = p.o.data + (uint64_t(b) * rows + tm0 + row) * data_cols + start;
+  const uint64_t step = uint64_t(kStep) * data_cols;
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(st.row_data[row]) + start - tn0 / 2;
+#pragma unroll
+  for (int j = 0; j < kTileRows / kStep; ++j, dst += step) {
+    const bool ok = tm0 + row + kStep * j < rows && start < data_cols;
+    copy16(dst, src + kStep * j * sizeof(st.row_data[0]), ok, p.vec_rows, data_cols - start);
+  }
+  const uint32_t scale_cols = p.out.scale_cols, first = tn0 / kBlock;
+  if (threadIdx.x < kTileRows)
+    copy16(p.o.scale + (uint64_t(b) * rows + tm0 + threadIdx.x) * scale_cols + first,
+           st.row_scale[threadIdx.x], tm0 + threadIdx.x < rows && first < scale_cols, p.vec_rows,
+           scale_cols - first);
 }
 
 // Stages column c's 16 codes (two words: rows 0-7, 8-15) and block scale.
-__device__ __forceinline__ void stage_column(Shared& sh, int c, uint32_t lo, uint32_t hi,
+__device__ __forceinline__ void stage_column(Staging& st, int c, uint32_t lo, uint32_t hi,
                                              uint32_t scale) {
-  const int col = kCols * (threadIdx.x % 32) + c, warp = threadIdx.x / 32;
-  *reinterpret_cast<uint2*>(&sh.data_t[col][8 * warp]) = uint2{lo, hi};
-  sh.scale_t[col][warp] = uint8_t(scale);
+  const int col = kCols * int(threadIdx.x % 32) + c, warp = threadIdx.x / 32;
+  *reinterpret_cast<uint2*>(&st.col_data[staged_chunk(col, warp / 2)][8 * (warp % 2)]) =
+      uint2{lo, hi};
+  st.col_scale[col][warp] = uint8_t(scale);
 }
 
-// Writes the staged columnwise tile (rows tm0.. of columns tn0..), 16 bytes a store where the
-// rows of the copy allow it.
-__device__ __forceinline__ void store_columns(const Params& p, const Shared& sh, int64_t b,
-                                              int64_t tm0, int64_t tn0) {
-  const int64_t rows = p.rows, cols = p.cols;
-  const int64_t data_cols = packed_size(rows), scale_cols = num_blocks(rows);
-  for (int i = threadIdx.x; i < 2 * kTileCols; i += kThreads) {
-    const int col = i / 2, half = i % 2;
-    const int64_t n = tn0 + col, start = tm0 / 2 + 16 * half;
-    if (n >= cols || start >= data_cols) continue;
-    uint8_t* dst = p.o.data_t + (b * cols + n) * data_cols + start;
-    const uint8_t* src = &sh.data_t[col][16 * half];
-    if (data_cols % 16 == 0) {
-      const uint2 a = *reinterpret_cast<const uint2*>(src),
-                  c = *reinterpret_cast<const uint2*>(src + 8);
-      *reinterpret_cast<uint4*>(dst) = uint4{a.x, a.y, c.x, c.y};
-    } else {
-      for (int k = 0; k < 16 && start + k < data_cols; ++k) dst[k] = src[k];
+// Writes a staged columnwise tile (rows tm0.. of columns tn0..): thread t copies chunk
+// t % 2 of columns t / 2 + 64 j, and the scales of columns t + 128 j.
+__device__ __forceinline__ void store_columns(const Params& p, const Staging& st, uint32_t b,
+                                              uint32_t tm0, uint32_t tn0) {
+  constexpr int kStep = kThreads / 2;  // columns apart
+  const uint32_t cols = uint32_t(p.cols), data_cols = p.out.data_cols_t;
+  const uint32_t col = threadIdx.x / 2, half = threadIdx.x % 2, start = tm0 / 2 + 16 * half;
+  uint8_t* dst = p.o.data_t + (uint64_t(b) * cols + tn0 + col) * data_cols + start;
+  const uint64_t step = uint64_t(kStep) * data_cols;
+#pragma unroll
+  for (int j = 0; j < kTileCols / kStep; ++j, dst += step) {
+    const bool ok = tn0 + col + kStep * j < cols && start < data_cols;
+    // staged_chunk(col + kStep j, half): the swizzle's XOR term is the same for every j.
+    copy16(dst, st.col_data[staged_chunk(col, half) + 2 * kStep * j], ok, p.vec_cols,
+           data_cols - start);
+  }
+  const uint32_t scale_cols = p.out.scale_cols_t, first = tm0 / kBlock;
+  uint8_t* scale = p.o.scale_t + (uint64_t(b) * cols + tn0 + threadIdx.x) * scale_cols + first;
+  const uint64_t scale_step = uint64_t(kThreads) * scale_cols;
+#pragma unroll
+  for (int j = 0; j < kTileCols / kThreads; ++j, scale += scale_step) {
+    const uint32_t c = threadIdx.x + kThreads * j;
+    const bool ok = tn0 + c < cols && first < scale_cols;
+    if (p.vec_cols) {
+      const uint32_t v = *reinterpret_cast<const uint32_t*>(st.col_scale[c]);
+      if (ok) *reinterpret_cast<uint32_t*>(scale) = v;
+    } else if (ok) {
+      for (uint32_t k = 0; k < kTileRows / kBlock && first + k < scale_cols; ++k)
+        scale[k] = st.col_scale[c][k];
     }
   }
-  for (int col = threadIdx.x; col < kTileCols; col += kThreads) {
-    const int64_t n = tn0 + col, start = tm0 / kBlock;
-    if (n >= cols || start >= scale_cols) continue;
-    uint8_t* dst = p.o.scale_t + (b * cols + n) * scale_cols + start;
-    if (scale_cols % 4 == 0) {
-      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(sh.scale_t[col]);
-    } else {
-      for (int k = 0; k < kTileRows / kBlock && start + k < scale_cols; ++k)
-        dst[k] = sh.scale_t[col][k];
+}
+
+// 16x16 blocks: the pair's 16 columns share a block; one quantization serves both copies (with
+// 4over6 each copy makes its own choice).
+template <typename L, Mode kMode>
+__device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging& st,
+                                            const Place& at, const uint32_t (&w)[kBlock][kWords<L>],
+                                            const uint32_t (&col_mag)[kCols], const Copy& kr,
+                                            Seed seed) {
+  const QuantizeSpec& spec = p.spec;
+  const auto v = [&](int r, int c) { return value<L>(w, r, c); };
+  uint32_t mag = col_mag[0];
+#pragma unroll
+  for (int c = 1; c < kCols; ++c) mag = max_magnitude<L>(mag, col_mag[c]);
+  const float bamax = magnitude_value<L>(max_magnitude<L>(mag, __shfl_xor_sync(~0u, mag, 1)));
+  const GlobalScales& g = kr.g;
+  uint32_t words[kBlock], scale_r, scale_c;
+  float enc_c = 0.0f;
+  if constexpr (kMode == Mode::kFourOverSix) {
+    Candidate row, col;
+    tile_choice(v, bamax, g, spec.four_over_six(), row, col);
+    scale_r = row.scale;
+    scale_c = col.scale;
+    enc_c = col.enc;
+#pragma unroll
+    for (int r = 0; r < kBlock; ++r) words[r] = reference8(row.enc, [&](int k) { return v(r, k); });
+  } else {
+    const uint32_t s = scale_pair(bamax, bamax, g, g) & 0xFFu;
+    const float enc = kr.enc[s];
+    scale_r = scale_c = s;
+    // Stochastic words come from the rowwise stream of the padded [B, Mp, Np] tile array.
+    const uint32_t rows_padded = uint32_t(num_blocks(p.rows) * kBlock);
+#pragma unroll
+    for (int r = 0; r < kBlock; ++r) {
+      if constexpr (kMode == Mode::kStochastic) {
+        uint32_t rw[8];
+        random_words(seed,
+                     (uint32_t(at.b) * rows_padded + uint32_t(at.m0 + r)) * uint32_t(p.cols) +
+                         uint32_t(at.n0),
+                     0, rw);
+        words[r] = stochastic8(enc, rw, [&](int k) { return v(r, k); });
+      } else {
+        words[r] = nearest8(sh.lut, kr.safe, enc, [&](int k) { return v(r, k); });
+      }
+    }
+  }
+  scale_r = fix_nan_scales(scale_r) & 0xFFu;
+  scale_c = fix_nan_scales(scale_c) & 0xFFu;
+  if (p.o.data) {
+#pragma unroll
+    for (int r = 0; r < kBlock; ++r) stage_row(st, r, words[r]);
+#pragma unroll
+    for (int i = 0; i < kBlock / 2; ++i) stage_row_scale(st, own_rows() + i, scale_r);
+  }
+  if (p.o.data_t) {
+    if constexpr (kMode == Mode::kFourOverSix) {
+#pragma unroll
+      for (int r = 0; r < kBlock; ++r) words[r] = reference8(enc_c, [&](int k) { return v(r, k); });
+    }
+    uint32_t lo[8], hi[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      lo[r] = words[r];
+      hi[r] = words[r + 8];
+    }
+    transpose8x8(lo);
+    transpose8x8(hi);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) stage_column(st, c, lo[c], hi[c], scale_c);
+  }
+}
+
+// 1x16 blocks, one pass over the rows: the rowwise copy's words and scales, and with `fused`
+// the columnwise copy's codes (nearest rounding of the values themselves: no rht) from the same
+// unpacked values. kSafe: the code table's tie-safe index, for both copies.
+template <typename L, Mode kMode, bool kSafe>
+__device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Staging& st,
+                                              const Place& at,
+                                              const uint32_t (&w)[kBlock][kWords<L>],
+                                              const uint32_t (&col_mag)[kCols],
+                                              const uint32_t (&row_mag)[kBlock], const Copy& kr,
+                                              const Copy& kc, bool fused, Seed seed) {
+  const QuantizeSpec& spec = p.spec;
+  const bool rows_on = p.o.data != nullptr;
+  const int own = own_rows();
+  // Rowwise scales (4over6 chooses them row by row below).
+  float enc_r[kBlock];
+  if (kMode != Mode::kFourOverSix && rows_on) {
+#pragma unroll
+    for (int i = 0; i < kBlock / 2; ++i) {
+      GlobalScales g0 = kr.g, g1 = kr.g;
+      if (spec.row_scaled) {
+        const float* a = p.amax + at.b * p.rows + at.m0;
+        g0 = spec.global_scales(i < at.nrows ? a[i] : 0.0f);
+        g1 = spec.global_scales(i + 8 < at.nrows ? a[i + 8] : 0.0f);
+      }
+      const uint32_t s =
+          scale_pair(magnitude_value<L>(row_mag[i + 8]), magnitude_value<L>(row_mag[i]), g1, g0);
+      enc_r[i] = encode_scale(spec, s & 0xFFu, kr, g0);
+      enc_r[i + 8] = encode_scale(spec, (s >> 8) & 0xFFu, kr, g1);
+      stage_row_scale(st, own + i, fix_nan_scales(s) >> own);
+    }
+  }
+  // Fused columnwise scales.
+  float enc_c[kCols];
+  uint32_t scale_c[kCols / 2];
+  if (fused) {
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      GlobalScales g0 = kc.g, g1 = kc.g;
+      if (spec.row_scaled) {
+        const float* a = p.amax_t + at.b * p.cols + at.n0;
+        g0 = spec.global_scales(c < at.ncols ? a[c] : 0.0f);
+        g1 = spec.global_scales(c + 1 < at.ncols ? a[c + 1] : 0.0f);
+      }
+      const uint32_t s =
+          scale_pair(magnitude_value<L>(col_mag[c + 1]), magnitude_value<L>(col_mag[c]), g1, g0);
+      enc_c[c] = encode_scale(spec, s & 0xFFu, kc, g0);
+      enc_c[c + 1] = encode_scale(spec, (s >> 8) & 0xFFu, kc, g1);
+      scale_c[c / 2] = fix_nan_scales(s);
+    }
+  }
+  uint32_t acc[kCols][2];  // fused: column c's codes of rows 0-7 and 8-15
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) acc[c][0] = acc[c][1] = 0;
+  const uint32_t ucols = uint32_t(p.cols);
+#pragma unroll
+  for (int r = 0; r < kBlock; r += 2) {
+    float v[2][kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      v[0][c] = value<L>(w, r, c);
+      v[1][c] = value<L>(w, r + 1, c);
+    }
+    if (rows_on) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const auto get = [&](int k) { return v[j][k]; };
+        uint32_t word;
+        if constexpr (kMode == Mode::kFourOverSix) {
+          const GlobalScales g =
+              spec.row_scaled ? spec.global_scales(
+                                    r + j < at.nrows ? p.amax[at.b * p.rows + at.m0 + r + j] : 0.0f)
+                              : kr.g;
+          const Candidate chosen =
+              row_chunk(v[j], magnitude_value<L>(row_mag[r + j]), g, spec.four_over_six());
+          word = reference8(chosen.enc, get);
+          if ((r + j >= kBlock / 2) == (own != 0))
+            stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
+        } else if constexpr (kMode == Mode::kStochastic) {
+          // Rowwise element (b, m, n) draws word (b M + m) N + n of stream 0.
+          uint32_t rw[8];
+          random_words(seed,
+                       (uint32_t(at.b) * uint32_t(p.rows) + uint32_t(at.m0 + r + j)) * ucols +
+                           uint32_t(at.n0),
+                       0, rw);
+          word = stochastic8(enc_r[r + j], rw, get);
+        } else {
+          word = nearest8<kSafe>(sh.lut, enc_r[r + j], get);
+        }
+        stage_row(st, r + j, word);
+      }
+    }
+    if (kMode == Mode::kNearest && fused) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c)
+        acc[c][r / 8] += nearest2<kSafe>(sh.lut, enc_c[c], v[0][c], v[1][c]) << (4 * (r % 8));
+    }
+  }
+  if (kMode == Mode::kNearest && fused) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      if (NVFP4_HAS_FP4_CVT() && !kSafe && enc_c[c] != enc_c[c]) acc[c][0] = acc[c][1] = 0;
+      stage_column(st, c, acc[c][0], acc[c][1], scale_c[c / 2] >> (8 * (c % 2)));
+    }
+  }
+}
+
+// The columnwise 1x16 copy where it is not fused into the row pass: of the rht of the values,
+// with stochastic rounding, or with 4over6. A column's 16 values are the block (with rht their
+// transform; M % 16 == 0, so all 16 rows are real), in registers.
+template <typename L, Mode kMode>
+__device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, Staging& st,
+                                                 const Place& at,
+                                                 const uint32_t (&w)[kBlock][kWords<L>],
+                                                 const uint32_t (&col_mag)[kCols], const Copy& kc,
+                                                 Seed seed) {
+  const QuantizeSpec& spec = p.spec;
+  const bool rht = spec.columnwise_rht();
+#pragma unroll
+  for (int c = 0; c < kCols; c += 2) {
+    float t[2][kBlock];
+    float bamax[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int r = 0; r < kBlock; ++r) t[j][r] = value<L>(w, r, c + j);
+      bamax[j] = magnitude_value<L>(col_mag[c + j]);
+      if (rht) {
+        rht16_narrow<L>(t[j]);
+        uint32_t m = 0;
+#pragma unroll
+        for (int r = 0; r < kBlock; ++r) m = max(m, magnitude_bits(t[j][r]));
+        bamax[j] = bits_float(m);
+      }
+    }
+    GlobalScales g[2] = {kc.g, kc.g};
+    if (spec.row_scaled) {
+      const float* a = p.amax_t + at.b * p.cols + at.n0;
+      g[0] = spec.global_scales(c < at.ncols ? a[c] : 0.0f);
+      g[1] = spec.global_scales(c + 1 < at.ncols ? a[c + 1] : 0.0f);
+    }
+    // The two columns' scale codes, in bytes 0 and 1 (not used by 4over6).
+    const uint32_t pair =
+        kMode == Mode::kFourOverSix ? 0u : scale_pair(bamax[1], bamax[0], g[1], g[0]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t lo, hi, scale;
+      const auto get = [&](int k) { return t[j][k]; };
+      const auto get_hi = [&](int k) { return t[j][k + 8]; };
+      if constexpr (kMode == Mode::kFourOverSix) {
+        const Candidate chosen = column_chunk(t[j], bamax[j], g[j], spec.four_over_six());
+        lo = reference8(chosen.enc, get);
+        hi = reference8(chosen.enc, get_hi);
+        scale = fix_nan_scales(chosen.scale);
+      } else {
+        const uint32_t s = (pair >> (8 * j)) & 0xFFu;
+        const float enc = encode_scale(spec, s, kc, g[j]);
+        scale = fix_nan_scales(s);
+        if constexpr (kMode == Mode::kStochastic) {
+          // Columnwise element (b, n, m) draws word (b N + n) M + m of stream 1.
+          uint32_t wl[8], wh[8];
+          const uint32_t base =
+              (uint32_t(at.b) * uint32_t(p.cols) + uint32_t(at.n0 + c + j)) * uint32_t(p.rows) +
+              uint32_t(at.m0);
+          random_words(seed, base, 1, wl);
+          random_words(seed, base + 8, 1, wh);
+          lo = stochastic8(enc, wl, get);
+          hi = stochastic8(enc, wh, get_hi);
+        } else {
+          lo = nearest8(sh.lut, kc.safe, enc, get);
+          hi = nearest8(sh.lut, kc.safe, enc, get_hi);
+        }
+      }
+      stage_column(st, c + j, lo, hi, scale);
     }
   }
 }
 
 template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Params& p, Shared& sh,
-                                              uint32_t tile, const Copy& kr, const Copy& kc,
-                                              Seed seed) {
+                                              Staging& st, TilePos tile, const Copy& kr,
+                                              const Copy& kc, Seed seed) {
   const QuantizeSpec& spec = p.spec;
-  const int64_t rows = p.rows, cols = p.cols;
-  const uint32_t per_entry = p.row_tiles * p.col_tiles, in_entry = tile % per_entry;
+  const uint32_t rows = uint32_t(p.rows), cols = uint32_t(p.cols);  // < 2^31 - 256
+  const uint32_t tm0 = tile.tr * kTileRows, tn0 = tile.tc * kTileCols;
   Place at;
-  at.b = tile / per_entry;
-  const int64_t tm0 = int64_t(in_entry / p.col_tiles) * kTileRows;
-  const int64_t tn0 = int64_t(in_entry % p.col_tiles) * kTileCols;
-  at.m0 = tm0 + kBlock * int64_t(threadIdx.x / 32);
-  at.n0 = tn0 + kCols * int64_t(threadIdx.x % 32);
-  at.nrows = int(max(int64_t(0), min(int64_t(kBlock), rows - at.m0)));
-  at.ncols = int(max(int64_t(0), min(int64_t(kCols), cols - at.n0)));
+  at.b = tile.b;
+  at.m0 = tm0 + kBlock * (threadIdx.x / 32);
+  at.n0 = tn0 + kCols * (threadIdx.x % 32);
+  at.nrows = max(0, min(kBlock, int(rows) - int(at.m0)));
+  at.ncols = max(0, min(kCols, int(cols) - int(at.n0)));
+#if defined(NVFP4_SASS_BUDGET)
+  __builtin_assume(at.nrows == kBlock && at.ncols == kCols);  // the steady state: inside
+#endif
 
   uint32_t w[kBlock][kWords<L>], col_mag[kCols], row_mag[kBlock];
-  load_tile<L>(x + (at.b * rows + min(at.m0, rows)) * cols + min(at.n0, cols), cols, at.nrows,
-               at.ncols, p.vec, w, col_mag, row_mag);
-  const auto v = [&](int r, int c) { return value<L>(w, r, c); };
+  load_tile<L>(x + (uint64_t(at.b) * rows + min(at.m0, rows)) * cols + min(at.n0, cols), cols,
+               at.nrows, at.ncols, p.vec_in, w, col_mag, row_mag);
 
-  const uint32_t ucols = uint32_t(cols), urows = uint32_t(rows), ub = uint32_t(at.b);
   if (spec.block_2d) {
-    // 16x16: the pair's 16 columns share a block; one quantization serves both copies (with
-    // 4over6 each copy makes its own choice).
-    uint32_t mag = col_mag[0];
-#pragma unroll
-    for (int c = 1; c < kCols; ++c) mag = max_magnitude<L>(mag, col_mag[c]);
-    const float bamax = magnitude_value<L>(max_magnitude<L>(mag, __shfl_xor_sync(~0u, mag, 1)));
-    const GlobalScales& g = kr.g;
-    uint32_t words[kBlock], scale_r, scale_c;
-    float enc_c = 0.0f;
-    if constexpr (kMode == Mode::kFourOverSix) {
-      Candidate row, col;
-      float all[kBlock][kCols];
-#pragma unroll
-      for (int r = 0; r < kBlock; ++r)
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) all[r][c] = v(r, c);
-      tile_choice(all, bamax, g, spec.four_over_six(), row, col);
-      scale_r = row.scale;
-      scale_c = col.scale;
-      enc_c = col.enc;
-#pragma unroll
-      for (int r = 0; r < kBlock; ++r)
-        words[r] = reference8(row.enc, [&](int k) { return v(r, k); });
-    } else {
-      const uint32_t s = scale_pair(bamax, bamax, g, g) & 0xFFu;
-      const float enc = encode_scale(s, kr, g);
-      scale_r = scale_c = s;
-      // Stochastic words come from the rowwise stream of the padded [B, Mp, Np] tile array.
-      const uint32_t rows_padded = uint32_t(num_blocks(rows) * kBlock);
-#pragma unroll
-      for (int r = 0; r < kBlock; ++r) {
-        if constexpr (kMode == Mode::kStochastic) {
-          uint32_t rw[8];
-          random_words(seed, (ub * rows_padded + uint32_t(at.m0 + r)) * ucols + uint32_t(at.n0), 0,
-                       rw);
-          words[r] = stochastic8(enc, rw, [&](int k) { return v(r, k); });
-        } else {
-          words[r] = nearest8(sh.lut, kr.safe, enc, [&](int k) { return v(r, k); });
-        }
-      }
-    }
-    scale_r = fix_nan_scales(scale_r) & 0xFFu;
-    scale_c = fix_nan_scales(scale_c) & 0xFFu;
-    if (p.o.data) {
-#pragma unroll
-      for (int r = 0; r < kBlock; ++r) store_row(p, at, r, words[r], scale_r);
-    }
-    if (p.o.data_t) {
-      if constexpr (kMode == Mode::kFourOverSix) {
-#pragma unroll
-        for (int r = 0; r < kBlock; ++r)
-          words[r] = reference8(enc_c, [&](int k) { return v(r, k); });
-      }
-      uint32_t lo[8], hi[8];
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        lo[r] = words[r];
-        hi[r] = words[r + 8];
-      }
-      transpose8x8(lo);
-      transpose8x8(hi);
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) stage_column(sh, c, lo[c], hi[c], scale_c);
-    }
+    quantize_2d<L, kMode>(p, sh, st, at, w, col_mag, kr, seed);
   } else {
-    if (p.o.data) {
-      // 1x16 rowwise: a row's block is the pair's 16 columns.
-#pragma unroll
-      for (int r = 0; r < kBlock; r += 2) {
-        GlobalScales g0 = kr.g, g1 = kr.g;
-        if (spec.row_scaled) {
-          const float* a = p.amax + at.b * rows + at.m0;
-          g0 = spec.global_scales(r < at.nrows ? a[r] : 0.0f);
-          g1 = spec.global_scales(r + 1 < at.nrows ? a[r + 1] : 0.0f);
-        }
-        const float bamax0 = magnitude_value<L>(row_mag[r]),
-                    bamax1 = magnitude_value<L>(row_mag[r + 1]);
-        uint32_t word[2], scale[2];
-        if constexpr (kMode == Mode::kFourOverSix) {
-          float row0[kCols], row1[kCols];
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-            row0[c] = v(r, c);
-            row1[c] = v(r + 1, c);
-          }
-          const Candidate c0 = row_chunk(row0, bamax0, g0, spec.four_over_six());
-          const Candidate c1 = row_chunk(row1, bamax1, g1, spec.four_over_six());
-          word[0] = reference8(c0.enc, [&](int k) { return v(r, k); });
-          word[1] = reference8(c1.enc, [&](int k) { return v(r + 1, k); });
-          scale[0] = c0.scale;
-          scale[1] = c1.scale;
-        } else {
-          const uint32_t s = scale_pair(bamax1, bamax0, g1, g0);
-          const float enc0 = encode_scale(s & 0xFFu, kr, g0), enc1 = encode_scale(s >> 8, kr, g1);
-          const uint32_t fixed = fix_nan_scales(s);
-          scale[0] = fixed & 0xFFu;
-          scale[1] = fixed >> 8;
-          if constexpr (kMode == Mode::kStochastic) {
-            // Rowwise element (b, m, n) draws word (b M + m) N + n of stream 0.
-            uint32_t w0[8], w1[8];
-            const uint32_t base = (ub * urows + uint32_t(at.m0 + r)) * ucols + uint32_t(at.n0);
-            random_words(seed, base, 0, w0);
-            random_words(seed, base + ucols, 0, w1);
-            word[0] = stochastic8(enc0, w0, [&](int k) { return v(r, k); });
-            word[1] = stochastic8(enc1, w1, [&](int k) { return v(r + 1, k); });
-          } else {
-            word[0] = nearest8(sh.lut, kr.safe, enc0, [&](int k) { return v(r, k); });
-            word[1] = nearest8(sh.lut, kr.safe, enc1, [&](int k) { return v(r + 1, k); });
-          }
-        }
-        store_row(p, at, r, word[0], scale[0]);
-        store_row(p, at, r + 1, word[1], scale[1]);
-      }
-    }
-    if (p.o.data_t) {
-      // 1x16 columnwise: a column's 16 values are the block, or with rht their transform
-      // (M % 16 == 0, so all 16 rows are real), in registers.
-      const bool rht = spec.columnwise_rht();
-#pragma unroll
-      for (int c = 0; c < kCols; c += 2) {
-        float t[2][kBlock];
-        uint32_t mag[2] = {col_mag[c], col_mag[c + 1]};
-        float bamax[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-#pragma unroll
-          for (int r = 0; r < kBlock; ++r) t[j][r] = v(r, c + j);
-          bamax[j] = magnitude_value<L>(mag[j]);
-          if (rht) {
-            rht16_narrow<L>(t[j]);
-            uint32_t m = 0;
-#pragma unroll
-            for (int r = 0; r < kBlock; ++r) m = max(m, magnitude_bits(t[j][r]));
-            bamax[j] = amax_from_bits(m);
-          }
-        }
-        GlobalScales g[2] = {kc.g, kc.g};
-        if (spec.row_scaled) {
-          const float* a = p.amax_t + at.b * cols + at.n0;
-          g[0] = spec.global_scales(c < at.ncols ? a[c] : 0.0f);
-          g[1] = spec.global_scales(c + 1 < at.ncols ? a[c + 1] : 0.0f);
-        }
-        // The two columns' scale codes, in bytes 0 and 1 (not used by 4over6).
-        const uint32_t pair =
-            kMode == Mode::kFourOverSix ? 0u : scale_pair(bamax[1], bamax[0], g[1], g[0]);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          uint32_t lo, hi, scale;
-          const auto get = [&](int k) { return t[j][k]; };
-          const auto get_hi = [&](int k) { return t[j][k + 8]; };
-          if constexpr (kMode == Mode::kFourOverSix) {
-            const Candidate chosen = column_chunk(t[j], bamax[j], g[j], spec.four_over_six());
-            lo = reference8(chosen.enc, get);
-            hi = reference8(chosen.enc, get_hi);
-            scale = fix_nan_scales(chosen.scale) & 0xFFu;
-          } else {
-            const uint32_t s = (pair >> (8 * j)) & 0xFFu;
-            const float enc = encode_scale(s, kc, g[j]);
-            scale = fix_nan_scales(s) & 0xFFu;
-            if constexpr (kMode == Mode::kStochastic) {
-              // Columnwise element (b, n, m) draws word (b N + n) M + m of stream 1.
-              uint32_t w[kBlock];
-              random_words(seed, (ub * ucols + uint32_t(at.n0 + c + j)) * urows + uint32_t(at.m0),
-                           1, w);
-              uint32_t wl[8], wh[8];
-#pragma unroll
-              for (int k = 0; k < 8; ++k) {
-                wl[k] = w[k];
-                wh[k] = w[k + 8];
-              }
-              lo = stochastic8(enc, wl, get);
-              hi = stochastic8(enc, wh, get_hi);
-            } else {
-              lo = nearest8(sh.lut, kc.safe, enc, get);
-              hi = nearest8(sh.lut, kc.safe, enc, get_hi);
-            }
-          }
-          stage_column(sh, c + j, lo, hi, scale);
-        }
-      }
-    }
+    const bool fused = kMode == Mode::kNearest && p.o.data_t && !spec.columnwise_rht();
+    if (kMode == Mode::kNearest && (kr.safe || kc.safe))
+      quantize_rows<L, kMode, true>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused, seed);
+    else
+      quantize_rows<L, kMode, false>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused, seed);
+    if (p.o.data_t && !fused) quantize_columns<L, kMode>(p, sh, st, at, w, col_mag, kc, seed);
   }
-  if (p.o.data_t) {
-    __syncthreads();
-    store_columns(p, sh, at.b, tm0, tn0);
-    __syncthreads();  // the next tile stages into the same memory
-  }
+  __syncthreads();  // the tile is staged
+  if (p.o.data) store_rows(p, st, at.b, tm0, tn0);
+  if (p.o.data_t) store_columns(p, st, at.b, tm0, tn0);
 }
 
 // The encode scales of batch entry b's 256 scale codes for both copies, and whether each copy
@@ -567,15 +737,16 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
   __syncthreads();
   Seed seed{0, 0};
   if constexpr (kMode == Mode::kStochastic) seed = Seed{p.seed[0], p.seed[1]};
-  const uint32_t per_entry = p.row_tiles * p.col_tiles;
+  const uint32_t first = blockIdx.x, per_entry = p.row_tiles * p.col_tiles;
+  TilePos tile{first / per_entry, (first / p.col_tiles) % p.row_tiles, first % p.col_tiles};
   uint32_t entry = ~0u;
   Copy kr, kc;
-  for (uint32_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-    if (tile / per_entry != entry) {
-      entry = tile / per_entry;
+  for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {
+    if (tile.b != entry) {
+      entry = tile.b;
       prepare_entry<L, kMode>(p, sh, entry, kr, kc);
     }
-    quantize_tile<L, kMode>(x, p, sh, tile, kr, kc, seed);
+    quantize_tile<L, kMode>(x, p, sh, sh.staged[k % 2], tile, kr, kc, seed);
   }
 }
 
@@ -594,8 +765,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #if !defined(NVFP4_SASS_BUDGET)
 template <typename L>
-ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, const Params& p) {
-  const unsigned blocks = unsigned(std::min<uint32_t>(p.tiles, uint32_t(resident_blocks())));
+ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p) {
+  const uint32_t per_entry = p.row_tiles * p.col_tiles;
+  const uint32_t blocks = std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks()));
+  p.step = TilePos{blocks / per_entry, (blocks / p.col_tiles) % p.row_tiles, blocks % p.col_tiles};
   if (p.spec.stochastic_rounding)
     return launch<quantize_kernel<L, Mode::kStochastic>>("quantize", blocks, kThreads, 0, stream, x,
                                                          p);
@@ -615,11 +788,24 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const int64_t col_tiles = (cols + kTileCols - 1) / kTileCols;
   const int64_t tiles = batch * row_tiles * col_tiles;
   if (tiles <= 0) return ffi::Error::Success();
-  if (tiles > INT32_MAX || rows > INT32_MAX || cols > INT32_MAX)
+  if (tiles > INT32_MAX || rows > INT32_MAX - kTileCols || cols > INT32_MAX - kTileCols)
     return invalid("quantize input is too large for one launch");
-  const Params p{
-      amax.typed_data(),   amax_t.typed_data(), seed.typed_data(), rows, cols, uint32_t(row_tiles),
-      uint32_t(col_tiles), uint32_t(tiles),     cols % kCols == 0, spec, o};
+  const Params p{amax.typed_data(),
+                 amax_t.typed_data(),
+                 seed.typed_data(),
+                 rows,
+                 cols,
+                 uint32_t(batch),
+                 uint32_t(row_tiles),
+                 uint32_t(col_tiles),
+                 {uint32_t(packed_size(cols)), uint32_t(num_blocks(cols)),
+                  uint32_t(packed_size(rows)), uint32_t(num_blocks(rows))},
+                 TilePos{},
+                 cols % kCols == 0,
+                 packed_size(cols) % 16 == 0 && num_blocks(cols) % 16 == 0,
+                 packed_size(rows) % 16 == 0 && num_blocks(rows) % 4 == 0,
+                 spec,
+                 o};
   ffi::Error launched = ffi::Error::Success();
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
@@ -637,7 +823,7 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 
 #if defined(NVFP4_SASS_BUDGET)
 // The hook of benchmarks/sass_budget.py, which builds this file with its entry points: one
-// tile of the steady state (rows of a multiple of 8 values, the copies the spec names, the
+// tile of the steady state (an input of whole tiles, the copies the spec names, the
 // entry's tables ready, the fast code index unless row-scaled) with the spec's flags as
 // constants, so that the SASS holds just that path.
 namespace nvfp4::cuda {
@@ -645,16 +831,21 @@ template <typename L, Mode kMode>
 __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, QuantizeSpec spec) {
   __shared__ Shared sh;
   p.spec = spec;
-  p.vec = true;
+  p.vec_in = p.vec_rows = p.vec_cols = true;
   __builtin_assume(spec.rowwise == (p.o.data != nullptr));
   __builtin_assume(spec.columnwise == (p.o.data_t != nullptr));
   if (!spec.rowwise) p.o.data = nullptr;
   if (!spec.columnwise) p.o.data_t = nullptr;
   // As prepare_entry leaves them: row-scaled copies have no table and the tie-safe index.
   const bool per_row = spec.row_scaled;
-  const Copy kr{per_row ? nullptr : sh.enc[0], per_row, spec.global_scales(p.amax[0])};
-  const Copy kc{per_row ? nullptr : sh.enc[1], per_row, spec.global_scales(p.amax_t[0])};
-  quantize_tile<L, kMode>(x, p, sh, blockIdx.x, kr, kc, Seed{p.seed[0], p.seed[1]});
+  // The entry's global scales as the kernel keeps them in registers (here loaded, not computed:
+  // prepare_entry's work is once per entry).
+  const auto* g = reinterpret_cast<const GlobalScales*>(p.amax);
+  const Copy kr{per_row ? nullptr : sh.enc[0], per_row, g[0]};
+  const Copy kc{per_row ? nullptr : sh.enc[1], per_row, g[1]};
+  TilePos tile{0, blockIdx.x, 0};
+  advance(tile, p);  // the persistent loop's step to the next tile
+  quantize_tile<L, kMode>(x, p, sh, sh.staged[0], tile, kr, kc, Seed{p.seed[0], p.seed[1]});
 }
 }  // namespace nvfp4::cuda
 #else
