@@ -342,6 +342,19 @@ __device__ __forceinline__ void stage_row_scale(Staging& st, int r, uint32_t sca
 // 0-7, the odd lane 8-15.
 __device__ __forceinline__ int own_rows() { return (threadIdx.x & 1u) ? kBlock / 2 : 0; }
 
+// The magnitude maximum of own row own_rows() + i from load_tile's row maxima (packed dtypes:
+// rows i and i + 8 in the halves of row_mag[i]), picked without a branch.
+template <typename L>
+__device__ __forceinline__ float own_magnitude(const uint32_t (&row_mag)[kBlock], int i) {
+  const bool odd = threadIdx.x & 1u;
+  if constexpr (std::is_same_v<L, LoadBF16>)  // the half to the high 16 bits: its float bits
+    return fabsf(bits_float(byte_perm(row_mag[i], 0, odd ? 0x3244u : 0x1044u)));
+  else if constexpr (kPacked<L>)
+    return fabsf(L::load(uint16_t(byte_perm(row_mag[i], 0, odd ? 0x4432u : 0x4410u))));
+  else
+    return magnitude_value<L>(odd ? row_mag[i + kBlock / 2] : row_mag[i]);
+}
+
 // Copies 16 staged bytes to global memory where `ok`: one 16-byte store where `vec`, else the
 // first n bytes one by one.
 __device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, bool ok, bool vec,
@@ -502,22 +515,32 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
   const QuantizeSpec& spec = p.spec;
   const bool rows_on = p.o.data != nullptr;
   const int own = own_rows();
-  // Rowwise scales (4over6 chooses them row by row below).
+  // Rowwise scales (4over6 chooses them row by row below): each lane of the pair computes those
+  // of its own 8 rows and takes the other 8 from its partner.
   float enc_r[kBlock];
   if (kMode != Mode::kFourOverSix && rows_on) {
+    float enc_own[kBlock / 2];
 #pragma unroll
-    for (int i = 0; i < kBlock / 2; ++i) {
+    for (int i = 0; i < kBlock / 2; i += 2) {
       GlobalScales g0 = kr.g, g1 = kr.g;
       if (spec.row_scaled) {
-        const float* a = p.amax + at.b * p.rows + at.m0;
-        g0 = spec.global_scales(i < at.nrows ? a[i] : 0.0f);
-        g1 = spec.global_scales(i + 8 < at.nrows ? a[i + 8] : 0.0f);
+        const float* a = p.amax + at.b * p.rows + at.m0 + own;
+        g0 = spec.global_scales(own + i < at.nrows ? a[i] : 0.0f);
+        g1 = spec.global_scales(own + i + 1 < at.nrows ? a[i + 1] : 0.0f);
       }
       const uint32_t s =
-          scale_pair(magnitude_value<L>(row_mag[i + 8]), magnitude_value<L>(row_mag[i]), g1, g0);
-      enc_r[i] = encode_scale(spec, s & 0xFFu, kr, g0);
-      enc_r[i + 8] = encode_scale(spec, (s >> 8) & 0xFFu, kr, g1);
-      stage_row_scale(st, own + i, fix_nan_scales(s) >> own);
+          scale_pair(own_magnitude<L>(row_mag, i + 1), own_magnitude<L>(row_mag, i), g1, g0);
+      enc_own[i] = encode_scale(spec, s & 0xFFu, kr, g0);
+      enc_own[i + 1] = encode_scale(spec, (s >> 8) & 0xFFu, kr, g1);
+      const uint32_t fixed = fix_nan_scales(s);
+      stage_row_scale(st, own + i, fixed);
+      stage_row_scale(st, own + i + 1, fixed >> 8);
+    }
+#pragma unroll
+    for (int i = 0; i < kBlock / 2; ++i) {
+      const float other = __shfl_xor_sync(~0u, enc_own[i], 1);
+      enc_r[i] = own ? other : enc_own[i];
+      enc_r[i + kBlock / 2] = own ? enc_own[i] : other;
     }
   }
   // Fused columnwise scales.

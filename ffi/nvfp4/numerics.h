@@ -52,6 +52,13 @@ NVFP4_HD float bits_float(uint32_t u) {
 NVFP4_HD float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
 
 NVFP4_HD float f16_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  // The convert instruction: exact, subnormals included (a NaN's payload may differ, which no
+  // caller reads: products make it canonical, maxima canonicalize it).
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1Fu;
   uint32_t mant = h & 0x3FFu;
@@ -67,6 +74,7 @@ NVFP4_HD float f16_to_float(uint16_t h) {
     return bits_float(sign | (exp << 23) | ((mant & 0x3FFu) << 13));
   }
   return bits_float(sign | ((exp + 127 - 15) << 23) | (mant << 13));
+#endif
 }
 
 // float32 -> bfloat16 bits, round to nearest even; NaN -> canonical quiet NaN.
