@@ -56,6 +56,11 @@ struct Params {
   QuantizeOutputs o;
 };
 
+// The n-th tile of the count (a grid's first tiles, and its size in tiles).
+NVFP4_HD TilePos tile_pos(uint32_t n, uint32_t row_tiles, uint32_t col_tiles) {
+  return TilePos{n / (row_tiles * col_tiles), (n / col_tiles) % row_tiles, n % col_tiles};
+}
+
 // The next tile of a block: `step` further on in the count (no division).
 __device__ __forceinline__ void advance(TilePos& t, const Params& p) {
   t.tc += p.step.tc;
@@ -240,6 +245,25 @@ __device__ __forceinline__ float encode_scale(const QuantizeSpec& spec, uint32_t
   return spec.row_scaled ? block_encode_scale(uint8_t(s), g) : k.enc[s];
 }
 
+// Two blocks' scales: their encode scales, and their stored scale codes (bytes 0 and 1, NaN
+// fixed).
+__device__ __forceinline__ uint32_t block_pair(const QuantizeSpec& spec, const Copy& k,
+                                               float bamax_hi, float bamax_lo,
+                                               const GlobalScales& g_hi, const GlobalScales& g_lo,
+                                               float& enc_hi, float& enc_lo) {
+  const uint32_t s = scale_pair(bamax_hi, bamax_lo, g_hi, g_lo);
+  enc_lo = encode_scale(spec, s & 0xFFu, k, g_lo);
+  enc_hi = encode_scale(spec, (s >> 8) & 0xFFu, k, g_hi);
+  return fix_nan_scales(s);
+}
+
+// The global scales of row-scaled row (or column) i of those from `amax`, of `n` inside the
+// input; a padding row's amax is 0.
+__device__ __forceinline__ GlobalScales row_scales(const QuantizeSpec& spec, const float* amax,
+                                                   int i, int n) {
+  return spec.global_scales(i < n ? amax[i] : 0.0f);
+}
+
 // The codes code(0), ..., code(7) packed into a word, code k in nibble k. (Nibbles do not
 // overlap: + is |, and (word << 4) + code is one LEA.)
 template <typename Code>
@@ -377,7 +401,8 @@ __device__ __forceinline__ void store_rows(const Params& p, const Staging& st, u
   const uint32_t row = threadIdx.x / kParts, start = tn0 / 2 + 16 * (threadIdx.x % kParts);
   uint8_t* dst = p.o.data + (uint64_t(b) * rows + tm0 + row) * data_cols + start;
   const uint64_t step = uint64_t(kStep) * data_cols;
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(st.row_data[row]) + start - tn0 / 2;
+  const uint8_t* src =
+      reinterpret_cast<const uint8_t*>(st.row_data[row]) + 16 * (threadIdx.x % kParts);
 #pragma unroll
   for (int j = 0; j < kTileRows / kStep; ++j, dst += step) {
     const bool ok = tm0 + row + kStep * j < rows && start < data_cols;
@@ -524,15 +549,13 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
     for (int i = 0; i < kBlock / 2; i += 2) {
       GlobalScales g0 = kr.g, g1 = kr.g;
       if (spec.row_scaled) {
-        const float* a = p.amax + at.b * p.rows + at.m0 + own;
-        g0 = spec.global_scales(own + i < at.nrows ? a[i] : 0.0f);
-        g1 = spec.global_scales(own + i + 1 < at.nrows ? a[i + 1] : 0.0f);
+        const float* a = p.amax + at.b * p.rows + at.m0;
+        g0 = row_scales(spec, a, own + i, at.nrows);
+        g1 = row_scales(spec, a, own + i + 1, at.nrows);
       }
-      const uint32_t s =
-          scale_pair(own_magnitude<L>(row_mag, i + 1), own_magnitude<L>(row_mag, i), g1, g0);
-      enc_own[i] = encode_scale(spec, s & 0xFFu, kr, g0);
-      enc_own[i + 1] = encode_scale(spec, (s >> 8) & 0xFFu, kr, g1);
-      const uint32_t fixed = fix_nan_scales(s);
+      const uint32_t fixed =
+          block_pair(spec, kr, own_magnitude<L>(row_mag, i + 1), own_magnitude<L>(row_mag, i), g1,
+                     g0, enc_own[i + 1], enc_own[i]);
       stage_row_scale(st, own + i, fixed);
       stage_row_scale(st, own + i + 1, fixed >> 8);
     }
@@ -552,14 +575,11 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
       GlobalScales g0 = kc.g, g1 = kc.g;
       if (spec.row_scaled) {
         const float* a = p.amax_t + at.b * p.cols + at.n0;
-        g0 = spec.global_scales(c < at.ncols ? a[c] : 0.0f);
-        g1 = spec.global_scales(c + 1 < at.ncols ? a[c + 1] : 0.0f);
+        g0 = row_scales(spec, a, c, at.ncols);
+        g1 = row_scales(spec, a, c + 1, at.ncols);
       }
-      const uint32_t s =
-          scale_pair(magnitude_value<L>(col_mag[c + 1]), magnitude_value<L>(col_mag[c]), g1, g0);
-      enc_c[c] = encode_scale(spec, s & 0xFFu, kc, g0);
-      enc_c[c + 1] = encode_scale(spec, (s >> 8) & 0xFFu, kc, g1);
-      scale_c[c / 2] = fix_nan_scales(s);
+      scale_c[c / 2] = block_pair(spec, kc, magnitude_value<L>(col_mag[c + 1]),
+                                  magnitude_value<L>(col_mag[c]), g1, g0, enc_c[c + 1], enc_c[c]);
     }
   }
   uint32_t acc[kCols][2];  // fused: column c's codes of rows 0-7 and 8-15
@@ -581,8 +601,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
         uint32_t word;
         if constexpr (kMode == Mode::kFourOverSix) {
           const GlobalScales g =
-              spec.row_scaled ? spec.global_scales(
-                                    r + j < at.nrows ? p.amax[at.b * p.rows + at.m0 + r + j] : 0.0f)
+              spec.row_scaled ? row_scales(spec, p.amax + at.b * p.rows + at.m0, r + j, at.nrows)
                               : kr.g;
           const Candidate chosen =
               row_chunk(v[j], magnitude_value<L>(row_mag[r + j]), g, spec.four_over_six());
@@ -649,12 +668,14 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
     GlobalScales g[2] = {kc.g, kc.g};
     if (spec.row_scaled) {
       const float* a = p.amax_t + at.b * p.cols + at.n0;
-      g[0] = spec.global_scales(c < at.ncols ? a[c] : 0.0f);
-      g[1] = spec.global_scales(c + 1 < at.ncols ? a[c + 1] : 0.0f);
+      g[0] = row_scales(spec, a, c, at.ncols);
+      g[1] = row_scales(spec, a, c + 1, at.ncols);
     }
-    // The two columns' scale codes, in bytes 0 and 1 (not used by 4over6).
-    const uint32_t pair =
-        kMode == Mode::kFourOverSix ? 0u : scale_pair(bamax[1], bamax[0], g[1], g[0]);
+    // The two columns' encode scales and stored scale codes (not used by 4over6).
+    float enc[2] = {0.0f, 0.0f};
+    uint32_t pair = 0;
+    if constexpr (kMode != Mode::kFourOverSix)
+      pair = block_pair(spec, kc, bamax[1], bamax[0], g[1], g[0], enc[1], enc[0]);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       uint32_t lo, hi, scale;
@@ -666,9 +687,7 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
         hi = reference8(chosen.enc, get_hi);
         scale = fix_nan_scales(chosen.scale);
       } else {
-        const uint32_t s = (pair >> (8 * j)) & 0xFFu;
-        const float enc = encode_scale(spec, s, kc, g[j]);
-        scale = fix_nan_scales(s);
+        scale = pair >> (8 * j);
         if constexpr (kMode == Mode::kStochastic) {
           // Columnwise element (b, n, m) draws word (b N + n) M + m of stream 1.
           uint32_t wl[8], wh[8];
@@ -677,11 +696,11 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
               uint32_t(at.m0);
           random_words(seed, base, 1, wl);
           random_words(seed, base + 8, 1, wh);
-          lo = stochastic8(enc, wl, get);
-          hi = stochastic8(enc, wh, get_hi);
+          lo = stochastic8(enc[j], wl, get);
+          hi = stochastic8(enc[j], wh, get_hi);
         } else {
-          lo = nearest8(sh.lut, kc.safe, enc, get);
-          hi = nearest8(sh.lut, kc.safe, enc, get_hi);
+          lo = nearest8(sh.lut, kc.safe, enc[j], get);
+          hi = nearest8(sh.lut, kc.safe, enc[j], get_hi);
         }
       }
       stage_column(st, c + j, lo, hi, scale);
@@ -760,8 +779,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
   __syncthreads();
   Seed seed{0, 0};
   if constexpr (kMode == Mode::kStochastic) seed = Seed{p.seed[0], p.seed[1]};
-  const uint32_t first = blockIdx.x, per_entry = p.row_tiles * p.col_tiles;
-  TilePos tile{first / per_entry, (first / p.col_tiles) % p.row_tiles, first % p.col_tiles};
+  TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
   uint32_t entry = ~0u;
   Copy kr, kc;
   for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {
@@ -791,7 +809,7 @@ template <typename L>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p) {
   const uint32_t per_entry = p.row_tiles * p.col_tiles;
   const uint32_t blocks = std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks()));
-  p.step = TilePos{blocks / per_entry, (blocks / p.col_tiles) % p.row_tiles, blocks % p.col_tiles};
+  p.step = tile_pos(blocks, p.row_tiles, p.col_tiles);
   if (p.spec.stochastic_rounding)
     return launch<quantize_kernel<L, Mode::kStochastic>>("quantize", blocks, kThreads, 0, stream, x,
                                                          p);

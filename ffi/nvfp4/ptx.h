@@ -100,17 +100,6 @@ NVFP4_PTX_HD uint32_t max_magnitude_x2(uint32_t a, uint32_t b) {
 #endif
 }
 
-// min(a, b) where a NaN wins (min.NaN.f32).
-NVFP4_PTX_HD float min_nan(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  float d;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-#else
-  return a != a ? a : (b != b ? b : (b < a ? b : a));
-#endif
-}
-
 // x * y + z rounded once (the FFMA instruction; std::fma on the host).
 NVFP4_PTX_HD float fma_rn(float x, float y, float z) {
 #if defined(__CUDA_ARCH__)
