@@ -1,11 +1,12 @@
 """Instruction budget of the CUDA quantize kernel, measured without a GPU.
 
-Builds entry points that run one steady-state tile of ffi/cuda/quantize.cu per spec (its hook
-budget_tile under NVFP4_SASS_BUDGET; the spec's flags compile-time constants) with nvcc, dumps
-the SASS with cuobjdump, and prints per spec and GPU architecture: SASS instructions a thread
-issues per input element (the entry point's instructions over the 16 x 8 values a thread
-holds), registers and spill bytes (ptxas -v). An entry point with a loop (a backward branch)
-is flagged: its static count is then a lower bound. The bound: an H100 issues about 29 T
+Builds entry points that run the persistent tile loop of ffi/cuda/quantize.cu in its steady state
+per spec (its hook budget_tile under NVFP4_SASS_BUDGET: whole tiles, the spec's flags
+compile-time constants) with nvcc, dumps the SASS with cuobjdump, and prints per spec and GPU
+architecture: SASS instructions a thread issues per input element (the loop body's instructions,
+one tile, over the 16 x 8 values a thread holds), registers and spill bytes (ptxas -v). An entry
+point with a loop inside the counted body is flagged: its static count is then a lower bound.
+The old kernel of --before has no loop: its whole entry point is counted. The bound: an H100 issues about 29 T
 thread-instructions/s against 3.35 TB/s of memory, about 25 instructions per element at ~3.1
 bytes per element.
 
@@ -47,8 +48,8 @@ AFTER_ELEMENTS = 16 * 8  # a thread's values per tile
 BEFORE_ELEMENTS = 16  # the old kernel: one column of a 16-row stripe per thread
 
 # NVFP4_BUDGET(name, mode, spec members...) defines the entry point budget_quantize_<name>,
-# which calls HOOK<LoadBF16, Mode::mode>(x, p, spec): one steady-state tile (or stripe) of a
-# bf16 input. The same launch bound as the kernels: 128 threads.
+# which calls HOOK<LoadBF16, Mode::mode>(x, p, spec): the steady-state tile loop (or one stripe)
+# of a bf16 input. The same launch bound as the kernels: 128 threads.
 ENTRY_MACRO = """
 #define NVFP4_BUDGET(name, mode, ...)                                                  \\
   extern "C" __global__ void __launch_bounds__(128)                                    \\
@@ -146,33 +147,40 @@ def resources(report: str) -> dict[str, dict[str, int]]:
 
 
 def sass_counts(cubin: Path) -> tuple[dict[str, int], set[str]]:
-    """Instructions per budget entry point (no NOP padding or the closing self-branch), and the
-    entry points with a loop, whose static count is a lower bound of what runs."""
+    """Instructions per budget entry point (no NOP padding or the closing self-branch): of the body
+    of its outermost loop where it has one (the kernel's persistent tile loop: the steady state),
+    else of the whole entry point. Also the entry points with a loop inside what is counted, whose
+    count is then a lower bound of what runs."""
     cuobjdump = tool("cuobjdump")
     env = dict(os.environ, PATH=f"{Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env, check=True).stdout
-    counts: dict[str, int] = {}
-    loops: set[str] = set()
+    functions: dict[str, list[tuple[int, str]]] = {}
     current = None
     for line in text.splitlines():
         if m := re.search(r"Function : (budget_quantize_\w+)", line):
             current = m.group(1)
-            counts[current] = 0
-            continue
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if not (current and m):
-            continue
-        address, instruction = int(m.group(1), 16), m.group(2).strip()
-        opcode = re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
-        if opcode == "NOP":
-            continue
-        if opcode.startswith("BRA") and (t := re.search(r"0x([0-9a-f]+)", instruction)):
-            target = int(t.group(1), 16)
-            if target == address:
-                continue  # the self-loop after EXIT
-            if target < address:
-                loops.add(current)  # a static count is then a lower bound
-        counts[current] += 1
+            functions[current] = []
+        elif current and (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)):
+            functions[current].append((int(m.group(1), 16), m.group(2).strip()))
+    counts: dict[str, int] = {}
+    loops: set[str] = set()
+    for name, code in functions.items():
+        kept, back = [], []  # back: (target, address) of each backward branch
+        for address, instruction in code:
+            opcode = re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+            if opcode == "NOP":
+                continue
+            if opcode.startswith("BRA") and (t := re.search(r"0x([0-9a-f]+)", instruction)):
+                target = int(t.group(1), 16)
+                if target == address:
+                    continue  # the self-loop after EXIT
+                if target < address:
+                    back.append((target, address))
+            kept.append(address)
+        first, last = min(back, key=lambda b: b[0] - b[1]) if back else (0, max(kept))
+        counts[name] = sum(first <= a <= last for a in kept)
+        if any((t, a) != (first, last) and first <= t and a <= last for t, a in back):
+            loops.add(name)
     return counts, loops
 
 

@@ -1,7 +1,8 @@
 """The CUDA host execution model itself (ffi/cuda/host): what each warp exchange returns, a real
 __syncthreads(), atomics across blocks, the launch limits of sm_90, the misuse it fails a launch on (a
-GPU would hang or corrupt), and the host equivalent of sm_100a's E2M1 convert against the
-instruction's documented semantics. The probe kernels are ffi/cuda/host/probes.cu.
+GPU would hang or corrupt), and the host equivalents of sm_100a's E2M1 convert and of the float16
+truncation of the sm_90 pair table against the instructions' documented semantics. The probe
+kernels are ffi/cuda/host/probes.cu.
 """
 
 from __future__ import annotations
@@ -184,6 +185,35 @@ def test_e2m1_convert_equivalent_on_float32(v):
         got = np.frombuffer(module.cvt_rn_satfinite_e2m1x2(value, -value), np.uint8)
         np.testing.assert_array_equal(got >> 4, [_e2m1_documented(float(a)) for a in value])
         np.testing.assert_array_equal(got & 0xF, [_e2m1_documented(float(-a)) for a in value])
+
+
+def _f16_rz_documented(x: np.ndarray) -> np.ndarray:
+    """cvt.rz.f16x2.f32 of each value: IEEE round toward zero, so an overflow gives the largest
+    finite float16 and inf stays inf. From numpy's correctly rounded conversion to nearest: where
+    that went away from zero, the float16 next to it toward zero."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        nearest = x.astype(np.float16)
+        away = np.abs(nearest.astype(np.float64)) > np.abs(x.astype(np.float64))
+    bits = nearest.view(np.uint16).copy()
+    bits[away] -= 1  # sign and magnitude: one step toward zero
+    return bits
+
+
+def test_float16_truncation_equivalent():
+    """Random float32 bit patterns of every exponent, the float16 boundaries and the specials; a
+    NaN only needs to stay a NaN (the pair table reads any NaN the same)."""
+    rng = np.random.default_rng(0)
+    patterns = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    edges = np.array(
+        [0.0, -0.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 65504, 65519.99, 65520, 1e30, np.inf, -np.inf],
+        np.float32,
+    )
+    x = np.concatenate([patterns.view(np.float32), edges, -edges, np.nextafter(edges, np.float32(0))])
+    got = np.frombuffer(module.f16_rz(x), np.uint16)
+    want = _f16_rz_documented(x)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(got[nan].view(np.float16)).all()
 
 
 def test_the_tests_run_the_cuda_kernels():

@@ -61,14 +61,38 @@ inline unsigned grid_stride_blocks(int64_t n, int threads) {
   return unsigned(std::clamp<int64_t>(blocks, 1, int64_t(1) << 16));
 }
 
-// CUDA blocks of a persistent grid: a few per multiprocessor of the current device.
-inline int resident_blocks() {
-  int device = 0, multiprocessors = 1;
+// CUDA blocks of a persistent grid of Kernel (`threads` threads and `shared` dynamic bytes a
+// block): as many as the current device holds at once, at most 4 per multiprocessor.
+template <typename Kernel>
+int resident_blocks(Kernel* kernel, int threads, size_t shared) {
+  int device = 0, multiprocessors = 1, per_multiprocessor = 4;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
           cudaSuccess)
     multiprocessors = 1;
-  return 4 * std::max(multiprocessors, 1);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, shared) !=
+      cudaSuccess)
+    per_multiprocessor = 1;
+  return std::clamp(per_multiprocessor, 1, 4) * std::max(multiprocessors, 1);
+}
+
+// The block's dynamic shared memory (the launch's `shared` bytes), and its size.
+__device__ __forceinline__ unsigned char* dynamic_shared() {
+#if defined(NVFP4_CUDA_HOST)
+  return host::dynamic_shared();
+#else
+  extern __shared__ __align__(16) unsigned char bytes[];
+  return bytes;
+#endif
+}
+__device__ __forceinline__ uint32_t dynamic_shared_size() {
+#if defined(NVFP4_CUDA_HOST)
+  return uint32_t(host::dynamic_shared_size());
+#else
+  uint32_t bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+#endif
 }
 
 }  // namespace nvfp4::cuda

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "nvfp4/ffi_common.h"
+#include "nvfp4/ptx.h"
 
 namespace nvfp4::cuda {
 
@@ -60,6 +61,40 @@ NVFP4_HD bool tie_possible(float enc) {
     }
     return false;
   }
+}
+
+// ---- Codes two at a time, for the fast index (no round-down tie, no -0.0 product) ----
+//
+// The two products of a pair, truncated to float16 by one cvt.rz.f16x2, give a 16-bit index into
+// a 64 KB table of code bytes: the high byte of a truncated product (sign, exponent, two
+// mantissa bits) names the class [L, L + 2^e / 4) of floats that truncate to it, and every E2M1
+// rounding threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is the lower bound L of a class, so
+// the code is the same for the whole class but for its lower bound. There it is the code above
+// the threshold: right for the round-up ties (0.75, 1.75, 3.5), and the round-down ties (0.25,
+// 1.25, 2.5, 5) are what the fast index rules out. Truncation saturates at 65504 (code 7) and
+// keeps a tiny negative product's sign (code 8). A NaN product (only in a block with a NaN, whose
+// encode scale is NaN) becomes float16 NaN 0x7FFF, code 0; inf keeps its class (code 7).
+// tests/test_cuda_host.py checks the classes exhaustively over all 2^32 floats.
+
+constexpr int kPairLutSize = 1 << 16;
+
+// The code of the floats whose float16 truncation has high byte `b`.
+NVFP4_HD uint8_t f16_class_code(uint32_t b) {
+  const uint32_t h = b << 8;
+  if ((h & 0x7C00u) == 0x7C00u)  // inf (7 with its sign) or NaN (0)
+    return (h & 0x3FFu) ? 0 : float_to_e2m1(bits_float((h & 0x8000u) << 16 | 0x7F800000u));
+  return float_to_e2m1(f16_to_float(uint16_t(h | 0x80u)));  // inside the class, not its bound
+}
+
+// Entry i: the byte (code(high byte of i) << 4) | code(low byte of i).
+NVFP4_HD uint8_t pair_lut_entry(uint32_t i) {
+  return uint8_t(f16_class_code(i & 0xFFu) | (f16_class_code(i >> 8) << 4));
+}
+
+// The byte (code(v1) << 4) | code(v0) of fp32(v * enc) for both, by the pair table.
+NVFP4_HD uint32_t pair_code(const uint8_t* pairs, float v0, float v1, float enc) {
+  const uint32_t h = cvt_rz_f16x2(fma_rn(v1, enc, 0.0f), fma_rn(v0, enc, 0.0f));
+  return pairs[byte_perm(h, 0, 0x4431)];  // the high bytes of lo and hi: the index
 }
 
 }  // namespace nvfp4::cuda

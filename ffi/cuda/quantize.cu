@@ -10,9 +10,11 @@
 //     (xor 1). Maxima are taken on packed 16-bit pairs (max.NaN.xorsign.abs).
 //   - A block's scale is computed once, two at a time by cvt.rn.satfinite.e4m3x2; its encode
 //     scale 1 / (s * gds) comes from a per-entry table of the 256 E4M3 codes.
-//   - Codes of nearest rounding come from a 2048-entry table (e2m1_lut.cuh) on sm_90, from the
-//     E2M1 convert on sm_100a/sm_120a. One pass over the rows unpacks each value once and
-//     gives both copies' codes: a row's 8 codes pack into a word, a column's into its two words.
+//   - Codes of nearest rounding come two at a time: on sm_90 from a 64 KB table indexed by the
+//     two products truncated to float16 (e2m1_lut.cuh; where a round-down tie is possible, a
+//     2048-entry table a code), from the E2M1 convert on sm_100a/sm_120a. One pass over the rows
+//     unpacks each value once and gives both copies' codes: a row's 4 code bytes pack into a
+//     word, a column's into its two words.
 //   - The columnwise copy goes through a shared-memory tile (double-buffered, one barrier a
 //     tile) and is written 16 bytes a store.
 // Stochastic rounding draws each Threefry hash for two neighbouring values; 4over6 decides each
@@ -96,13 +98,15 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
   return (2 * col + half) ^ ((col >> 3) & 7);
 }
 
-// Per CUDA block: the code table, the current batch entry's encode scales, and two staged
+// Per CUDA block: the code tables, the current batch entry's encode scales, and two staged
 // tiles (a tile stages into one while the last one's stores may still read the other, so one
-// barrier a tile suffices).
+// barrier a tile suffices). Nearest rounding without the E2M1 convert also takes the 64 KB pair
+// table (e2m1_lut.cuh) in dynamic shared memory, built from f16_codes.
 struct Shared {
   uint8_t lut[kLutSize];
-  float enc[2][kCodes];  // [rowwise, columnwise][scale code]: block_encode_scale
-  int safe[2];           // whether that copy needs the tie-safe code index
+  alignas(16) uint8_t f16_codes[256];  // f16_class_code
+  float enc[2][kCodes];                // [rowwise, columnwise][scale code]: block_encode_scale
+  int safe[2];                         // whether that copy needs the tie-safe code index
   Staging staged[2];
 };
 
@@ -274,8 +278,11 @@ __device__ __forceinline__ uint32_t pack8(Code code) {
   return word;
 }
 
+// The block's pair table (e2m1_lut.cuh), in its dynamic shared memory.
+__device__ __forceinline__ const uint8_t* pair_table() { return dynamic_shared(); }
+
 // Codes of 8 values rounded to nearest, value k in nibble k: the E2M1 convert where there is
-// one, else the code table (its tie-safe index with kSafe).
+// one, else the pair table, or with kSafe the code table's tie-safe index.
 template <bool kSafe, typename Get>
 __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get get) {
   if (NVFP4_HAS_FP4_CVT() && !kSafe) {
@@ -289,6 +296,13 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get 
               << (4 * k);
     return enc == enc ? word : 0u;
   }
+  if (!kSafe) {  // by pairs: 4 code bytes
+    uint32_t word = 0;
+#pragma unroll
+    for (int k = 6; k >= 0; k -= 2)
+      word = (word << 8) + pair_code(pair_table(), get(k), get(k + 1), enc);
+    return word;
+  }
   return pack8([&](int k) { return lut_code<kSafe>(lut, get(k), enc); });
 }
 
@@ -298,12 +312,14 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, bool safe, floa
   return safe ? nearest8<true>(lut, enc, get) : nearest8<false>(lut, enc, get);
 }
 
-// The codes of two values rounded to nearest as the byte (code(v1) << 4) | code(v0); with the
-// convert, a NaN encode scale's byte is garbage (the caller zeroes its block).
+// The codes of two values rounded to nearest as the byte (code(v1) << 4) | code(v0), as nearest8
+// takes them; with the convert, a NaN encode scale's byte is garbage (the caller zeroes its
+// block).
 template <bool kSafe>
 __device__ __forceinline__ uint32_t nearest2(const uint8_t* lut, float enc, float v0, float v1) {
   if (NVFP4_HAS_FP4_CVT() && !kSafe)
     return cvt_rn_satfinite_e2m1x2(fma_rn(v1, enc, 0.0f), fma_rn(v0, enc, 0.0f));
+  if (!kSafe) return pair_code(pair_table(), v0, v1, enc);
   return lut_code<kSafe>(lut, v0, enc) + (lut_code<kSafe>(lut, v1, enc) << 4);
 }
 
@@ -392,12 +408,15 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, bool ok
 }
 
 // Writes a staged rowwise tile (rows tm0.. of columns tn0..): thread t copies 16-byte chunk
-// t % 8 of rows t / 8 + 16 j, and threads 0-63 the rows' scales.
+// t % 8 of rows t / 8 + 16 j, and threads 0-63 the rows' scales. kFast: the tile is inside the
+// input and its data and scale rows are whole 16-byte chunks (no test).
+template <bool kFast>
 __device__ __forceinline__ void store_rows(const Params& p, const Staging& st, uint32_t b,
                                            uint32_t tm0, uint32_t tn0) {
   constexpr int kParts = kTileCols / 2 / 16;  // 16-byte chunks of a row's data
   constexpr int kStep = kThreads / kParts;    // rows apart
   const uint32_t rows = uint32_t(p.rows), data_cols = p.out.data_cols;
+  const bool vec = kFast || p.vec_rows;
   const uint32_t row = threadIdx.x / kParts, start = tn0 / 2 + 16 * (threadIdx.x % kParts);
   uint8_t* dst = p.o.data + (uint64_t(b) * rows + tm0 + row) * data_cols + start;
   const uint64_t step = uint64_t(kStep) * data_cols;
@@ -405,14 +424,14 @@ __device__ __forceinline__ void store_rows(const Params& p, const Staging& st, u
       reinterpret_cast<const uint8_t*>(st.row_data[row]) + 16 * (threadIdx.x % kParts);
 #pragma unroll
   for (int j = 0; j < kTileRows / kStep; ++j, dst += step) {
-    const bool ok = tm0 + row + kStep * j < rows && start < data_cols;
-    copy16(dst, src + kStep * j * sizeof(st.row_data[0]), ok, p.vec_rows, data_cols - start);
+    const bool ok = kFast || (tm0 + row + kStep * j < rows && start < data_cols);
+    copy16(dst, src + kStep * j * sizeof(st.row_data[0]), ok, vec, data_cols - start);
   }
   const uint32_t scale_cols = p.out.scale_cols, first = tn0 / kBlock;
   if (threadIdx.x < kTileRows)
     copy16(p.o.scale + (uint64_t(b) * rows + tm0 + threadIdx.x) * scale_cols + first,
-           st.row_scale[threadIdx.x], tm0 + threadIdx.x < rows && first < scale_cols, p.vec_rows,
-           scale_cols - first);
+           st.row_scale[threadIdx.x], kFast || (tm0 + threadIdx.x < rows && first < scale_cols),
+           vec, scale_cols - first);
 }
 
 // Stages column c's 16 codes (two words: rows 0-7, 8-15) and block scale.
@@ -425,20 +444,22 @@ __device__ __forceinline__ void stage_column(Staging& st, int c, uint32_t lo, ui
 }
 
 // Writes a staged columnwise tile (rows tm0.. of columns tn0..): thread t copies chunk
-// t % 2 of columns t / 2 + 64 j, and the scales of columns t + 128 j.
+// t % 2 of columns t / 2 + 64 j, and the scales of columns t + 128 j. kFast: the tile is inside
+// the input, its data rows whole 16-byte chunks and its scale rows 4-byte ones (no test).
+template <bool kFast>
 __device__ __forceinline__ void store_columns(const Params& p, const Staging& st, uint32_t b,
                                               uint32_t tm0, uint32_t tn0) {
   constexpr int kStep = kThreads / 2;  // columns apart
   const uint32_t cols = uint32_t(p.cols), data_cols = p.out.data_cols_t;
+  const bool vec = kFast || p.vec_cols;
   const uint32_t col = threadIdx.x / 2, half = threadIdx.x % 2, start = tm0 / 2 + 16 * half;
   uint8_t* dst = p.o.data_t + (uint64_t(b) * cols + tn0 + col) * data_cols + start;
   const uint64_t step = uint64_t(kStep) * data_cols;
 #pragma unroll
   for (int j = 0; j < kTileCols / kStep; ++j, dst += step) {
-    const bool ok = tn0 + col + kStep * j < cols && start < data_cols;
+    const bool ok = kFast || (tn0 + col + kStep * j < cols && start < data_cols);
     // staged_chunk(col + kStep j, half): the swizzle's XOR term is the same for every j.
-    copy16(dst, st.col_data[staged_chunk(col, half) + 2 * kStep * j], ok, p.vec_cols,
-           data_cols - start);
+    copy16(dst, st.col_data[staged_chunk(col, half) + 2 * kStep * j], ok, vec, data_cols - start);
   }
   const uint32_t scale_cols = p.out.scale_cols_t, first = tm0 / kBlock;
   uint8_t* scale = p.o.scale_t + (uint64_t(b) * cols + tn0 + threadIdx.x) * scale_cols + first;
@@ -446,8 +467,8 @@ __device__ __forceinline__ void store_columns(const Params& p, const Staging& st
 #pragma unroll
   for (int j = 0; j < kTileCols / kThreads; ++j, scale += scale_step) {
     const uint32_t c = threadIdx.x + kThreads * j;
-    const bool ok = tn0 + c < cols && first < scale_cols;
-    if (p.vec_cols) {
+    const bool ok = kFast || (tn0 + c < cols && first < scale_cols);
+    if (vec) {
       const uint32_t v = *reinterpret_cast<const uint32_t*>(st.col_scale[c]);
       if (ok) *reinterpret_cast<uint32_t*>(scale) = v;
     } else if (ok) {
@@ -739,17 +760,32 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
       quantize_rows<L, kMode, false>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused, seed);
     if (p.o.data_t && !fused) quantize_columns<L, kMode>(p, sh, st, at, w, col_mag, kc, seed);
   }
+  // The whole tile inside the input (the steady state of a large input).
+  const bool inside = tm0 + kTileRows <= rows && tn0 + kTileCols <= cols;
+#if defined(NVFP4_SASS_BUDGET)
+  __builtin_assume(inside);
+#endif
   __syncthreads();  // the tile is staged
-  if (p.o.data) store_rows(p, st, at.b, tm0, tn0);
-  if (p.o.data_t) store_columns(p, st, at.b, tm0, tn0);
+  if (p.o.data) {
+    if (inside && p.vec_rows)
+      store_rows<true>(p, st, at.b, tm0, tn0);
+    else
+      store_rows<false>(p, st, at.b, tm0, tn0);
+  }
+  if (p.o.data_t) {
+    if (inside && p.vec_cols)
+      store_columns<true>(p, st, at.b, tm0, tn0);
+    else
+      store_columns<false>(p, st, at.b, tm0, tn0);
+  }
 }
 
 // The encode scales of batch entry b's 256 scale codes for both copies, and whether each copy
-// needs the tie-safe code index; row-scaled copies have no table and always need it (every
-// thread of the block calls).
+// needs the tie-safe code index (always without `fast`, the fast codes' convert or pair table);
+// row-scaled copies have no table and always need it (every thread of the block calls).
 template <typename L, Mode kMode>
-__device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint32_t b, Copy& kr,
-                                              Copy& kc) {
+__device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint32_t b, bool fast,
+                                              Copy& kr, Copy& kc) {
   const QuantizeSpec& spec = p.spec;
   kr = Copy{nullptr, true, GlobalScales{}};
   kc = kr;
@@ -768,14 +804,35 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   __syncthreads();
   kr.enc = sh.enc[0];
   kc.enc = sh.enc[1];
-  kr.safe = sh.safe[0] != 0;
-  kc.safe = sh.safe[1] != 0;
+  kr.safe = !fast || sh.safe[0] != 0;
+  kc.safe = !fast || sh.safe[1] != 0;
+}
+
+// Builds the pair table in the block's dynamic shared memory where nearest rounding has no E2M1
+// convert and the launch gave it the room; whether it did (else the kernel takes the tie-safe
+// code index: slower, the same bytes). Every thread of the block calls.
+template <Mode kMode>
+__device__ __forceinline__ bool build_pair_table(Shared& sh) {
+  if (kMode != Mode::kNearest || NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize)
+    return false;
+  for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
+  __syncthreads();
+  // 16 entries a store: high byte i / 16, low bytes 16 (i % 16) ...
+  auto* table = reinterpret_cast<uint4*>(dynamic_shared());
+  const auto* low = reinterpret_cast<const uint4*>(sh.f16_codes);
+  for (int i = threadIdx.x; i < kPairLutSize / 16; i += kThreads) {
+    const uint32_t high = uint32_t(sh.f16_codes[i / 16] << 4) * 0x01010101u;
+    const uint4 l = low[i % 16];
+    table[i] = uint4{l.x | high, l.y | high, l.z | high, l.w | high};
+  }
+  return true;
 }
 
 template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p) {
   __shared__ Shared sh;
   for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
+  const bool fast = NVFP4_HAS_FP4_CVT() || build_pair_table<kMode>(sh);
   __syncthreads();
   Seed seed{0, 0};
   if constexpr (kMode == Mode::kStochastic) seed = Seed{p.seed[0], p.seed[1]};
@@ -785,7 +842,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
   for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {
     if (tile.b != entry) {
       entry = tile.b;
-      prepare_entry<L, kMode>(p, sh, entry, kr, kc);
+      prepare_entry<L, kMode>(p, sh, entry, fast, kr, kc);
     }
     quantize_tile<L, kMode>(x, p, sh, sh.staged[k % 2], tile, kr, kc, seed);
   }
@@ -805,17 +862,41 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 #if !defined(NVFP4_SASS_BUDGET)
+// The dynamic shared memory of kernel K: the pair table where its code was built without the
+// E2M1 convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also runs).
+template <auto K>
+ffi::Error pair_table_bytes(size_t& bytes) {
+  cudaFuncAttributes attr{};
+  if (const cudaError_t err = cudaFuncGetAttributes(&attr, K); err != cudaSuccess)
+    return cuda_error("cudaFuncGetAttributes", err);
+  bytes = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
+  if (bytes)
+    if (const cudaError_t err =
+            cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+        err != cudaSuccess)
+      return cuda_error("cudaFuncSetAttribute", err);
+  return ffi::Error::Success();
+}
+
+// Launches kernel K as a persistent grid over the tiles.
+template <auto K, typename T>
+ffi::Error launch_tiles(cudaStream_t stream, const T* x, Params p, size_t shared) {
+  const uint32_t per_entry = p.row_tiles * p.col_tiles;
+  const uint32_t blocks =
+      std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks(K, kThreads, shared)));
+  p.step = tile_pos(blocks, p.row_tiles, p.col_tiles);
+  return launch<K>("quantize", blocks, kThreads, shared, stream, x, p);
+}
+
 template <typename L>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p) {
-  const uint32_t per_entry = p.row_tiles * p.col_tiles;
-  const uint32_t blocks = std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks()));
-  p.step = tile_pos(blocks, p.row_tiles, p.col_tiles);
   if (p.spec.stochastic_rounding)
-    return launch<quantize_kernel<L, Mode::kStochastic>>("quantize", blocks, kThreads, 0, stream, x,
-                                                         p);
-  if (p.spec.four_over_six().on())
-    return launch<quantize_4over6_kernel<L>>("quantize", blocks, kThreads, 0, stream, x, p);
-  return launch<quantize_kernel<L, Mode::kNearest>>("quantize", blocks, kThreads, 0, stream, x, p);
+    return launch_tiles<quantize_kernel<L, Mode::kStochastic>>(stream, x, p, 0);
+  if (p.spec.four_over_six().on()) return launch_tiles<quantize_4over6_kernel<L>>(stream, x, p, 0);
+  constexpr auto kNearest = quantize_kernel<L, Mode::kNearest>;
+  size_t shared = 0;
+  if (auto e = pair_table_bytes<kNearest>(shared); e.failure()) return e;
+  return launch_tiles<kNearest>(stream, x, p, shared);
 }
 
 ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
@@ -863,10 +944,11 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 }  // namespace nvfp4::cuda
 
 #if defined(NVFP4_SASS_BUDGET)
-// The hook of benchmarks/sass_budget.py, which builds this file with its entry points: one
-// tile of the steady state (an input of whole tiles, the copies the spec names, the
-// entry's tables ready, the fast code index unless row-scaled) with the spec's flags as
-// constants, so that the SASS holds just that path.
+// The hook of benchmarks/sass_budget.py, which builds this file with its entry points: the
+// persistent tile loop of quantize_tiles in the steady state (an input of whole tiles, the
+// copies the spec names, the entry's tables ready, the fast code index unless row-scaled) with
+// the spec's flags as constants, so that the loop body holds just that path. The script counts
+// the loop body: what a thread issues per tile.
 namespace nvfp4::cuda {
 template <typename L, Mode kMode>
 __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, QuantizeSpec spec) {
@@ -882,11 +964,19 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   // The entry's global scales as the kernel keeps them in registers (here loaded, not computed:
   // prepare_entry's work is once per entry).
   const auto* g = reinterpret_cast<const GlobalScales*>(p.amax);
-  const Copy kr{per_row ? nullptr : sh.enc[0], per_row, g[0]};
-  const Copy kc{per_row ? nullptr : sh.enc[1], per_row, g[1]};
-  TilePos tile{0, blockIdx.x, 0};
-  advance(tile, p);  // the persistent loop's step to the next tile
-  quantize_tile<L, kMode>(x, p, sh, sh.staged[0], tile, kr, kc, Seed{p.seed[0], p.seed[1]});
+  Copy kr{per_row ? nullptr : sh.enc[0], per_row, g[0]};
+  Copy kc{per_row ? nullptr : sh.enc[1], per_row, g[1]};
+  const Seed seed{p.seed[0], p.seed[1]};
+  TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
+  uint32_t entry = tile.b;
+  for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {
+    if (tile.b != entry) {  // prepare_entry's place in the loop (here a reload of the scales)
+      entry = tile.b;
+      kr.g = g[2 * entry];
+      kc.g = g[2 * entry + 1];
+    }
+    quantize_tile<L, kMode>(x, p, sh, sh.staged[k % 2], tile, kr, kc, seed);
+  }
 }
 }  // namespace nvfp4::cuda
 #else

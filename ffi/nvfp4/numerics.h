@@ -160,13 +160,13 @@ NVFP4_HD float clamp_e4m3(float v) {
 
 // The E4M3 codes of two block scales as cvt.rn.satfinite.e4m3x2.f32 gives them: (code(hi) << 8)
 // | code(lo) in the low 16 bits, rounded to nearest even, clamped to +-448, a NaN as 0x7F
-// (fix_nan_scales turns it into the reference's 0xFF). The high 16 bits are unspecified (the
-// GPU repeats the low ones: no mask instruction), so callers take bytes 0 and 1 only. The host
+// (fix_nan_scales turns it into the reference's 0xFF). The high 16 bits are zero (the convert's
+// result zero-extended, which costs no instruction); callers take bytes 0 and 1 only. The host
 // computes it with float_to_e4m3.
 NVFP4_HD uint32_t e4m3x2_satfinite(float hi, float lo) {
 #if defined(__CUDA_ARCH__)
   uint32_t d;
-  asm("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, %1, %2;\nmov.b32 %0, {t, t};\n}"
+  asm("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, %1, %2;\ncvt.u32.u16 %0, t;\n}"
       : "=r"(d)
       : "f"(hi), "f"(lo));
   return d;

@@ -55,7 +55,7 @@ NVFP4_PTX_HD uint8_t e2m1_rn_satfinite(float x) {
 NVFP4_PTX_HD uint8_t cvt_rn_satfinite_e2m1x2(float hi, float lo) {
 #if defined(NVFP4_SM100_PTX)
   uint32_t packed;
-  asm("{\n.reg .b8 b;\ncvt.rn.satfinite.e2m1x2.f32 b, %1, %2;\nmov.b32 %0, {b, b, b, b};\n}"
+  asm("{\n.reg .b8 b;\ncvt.rn.satfinite.e2m1x2.f32 b, %1, %2;\ncvt.u32.u8 %0, b;\n}"
       : "=r"(packed)
       : "f"(hi), "f"(lo));
   return uint8_t(packed & 0xFF);
@@ -76,6 +76,32 @@ NVFP4_PTX_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
   for (int k = 0; k < 4; ++k)
     out |= uint32_t((bytes >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k);
   return out;
+#endif
+}
+
+// float16 bits of x rounded toward zero (IEEE): a magnitude at or above 65520 becomes the largest
+// finite 65504, inf stays inf, a NaN becomes the canonical 0x7FFF with x's sign; float16
+// subnormals are kept.
+NVFP4_PTX_HD uint32_t f16_rz_bits(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  const uint32_t sign = (u >> 16) & 0x8000u, mag = u & 0x7FFFFFFFu, e = mag >> 23;
+  if (mag > 0x7F800000u) return sign | 0x7FFFu;
+  if (mag == 0x7F800000u) return sign | 0x7C00u;
+  if (e >= 127 + 16) return sign | 0x7BFFu;                                     // >= 2^16
+  if (e >= 127 - 14) return sign | ((e - 112) << 10) | ((mag >> 13) & 0x3FFu);  // normal
+  const uint32_t shift = 126 - e;  // a subnormal's 10 bits: the significand / 2^-24
+  return sign | (shift < 32 ? ((mag & 0x7FFFFFu) | 0x800000u) >> shift : 0u);
+}
+
+// cvt.rz.f16x2.f32 d, hi, lo: hi's float16 bits in the upper half, lo's in the lower.
+NVFP4_PTX_HD uint32_t cvt_rz_f16x2(float hi, float lo) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return (f16_rz_bits(hi) << 16) | f16_rz_bits(lo);
 #endif
 }
 

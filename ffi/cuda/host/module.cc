@@ -100,6 +100,48 @@ nb::tuple e2m1_table_mismatches() {
   return nb::make_tuple(total[0], total[1], total[2]);
 }
 
+// Over every float32 bit pattern but signalling NaNs, the pair table's class of the truncated
+// float16 against float_to_e2m1, as (mismatches, cases excluded: the round-down ties and -0.0,
+// which the fast index rules out).
+nb::tuple pair_table_mismatches() {
+  uint8_t codes[256];
+  for (uint32_t b = 0; b < 256; ++b) codes[b] = nvfp4::cuda::f16_class_code(b);
+  constexpr int kParts = 4;
+  std::array<std::array<uint64_t, 2>, kParts> counts{};
+  std::vector<std::thread> threads;
+  for (int part = 0; part < kParts; ++part)
+    threads.emplace_back([&, part] {
+      nvfp4::SubnormalGuard guard;
+      auto& [mismatches, excluded] = counts[part];
+      const uint64_t begin = (uint64_t(part) << 32) / kParts,
+                     end = (uint64_t(part + 1) << 32) / kParts;
+      for (uint64_t i = begin; i < end; ++i) {
+        const uint32_t u = uint32_t(i), mag = u & 0x7FFFFFFFu;
+        if (mag > 0x7F800000u && !(u & 0x400000u)) continue;
+        const float v = nvfp4::bits_float(u), a = nvfp4::bits_float(mag);
+        if (u == 0x80000000u || a == 0.25f || a == 1.25f || a == 2.5f || a == 5.0f) {
+          ++excluded;
+          continue;
+        }
+        mismatches += codes[nvfp4::f16_rz_bits(v) >> 8] != nvfp4::float_to_e2m1(v);
+      }
+    });
+  for (auto& t : threads) t.join();
+  uint64_t total[2] = {0, 0};
+  for (const auto& c : counts)
+    for (int k = 0; k < 2; ++k) total[k] += c[k];
+  return nb::make_tuple(total[0], total[1]);
+}
+
+nb::bytes f16_rz(Floats x) {
+  std::string out(x.shape(0) * 2, '\0');
+  for (size_t i = 0; i < x.shape(0); ++i) {
+    const uint16_t h = uint16_t(nvfp4::f16_rz_bits(x.data()[i]));
+    std::memcpy(&out[2 * i], &h, 2);
+  }
+  return nb::bytes(out.data(), out.size());
+}
+
 }  // namespace
 
 NB_MODULE(_nvfp4_cuda_host, m) {
@@ -114,6 +156,11 @@ NB_MODULE(_nvfp4_cuda_host, m) {
   m.def("e2m1_table_mismatches", &e2m1_table_mismatches,
         "Exhaustive check of the quantize kernel's E2M1 code table (cuda/e2m1_lut.cuh): "
         "(tie-safe index mismatches, fast index mismatches, cases excluded from the fast one).");
+  m.def("pair_table_mismatches", &pair_table_mismatches,
+        "Exhaustive check of the quantize kernel's pair table classes (cuda/e2m1_lut.cuh): "
+        "(mismatches, cases excluded from the fast index).");
+  m.def("f16_rz", &f16_rz, nb::arg("x"),
+        "The float16 bits cvt.rz.f16x2.f32 gives for a float32 array (host equivalent).");
   m.def("probe", &nvfp4::cuda::probes::probe, nb::arg("name"), nb::arg("size"), nb::arg("a") = 0,
         nb::arg("b") = 0, nb::arg("c") = 0, nb::arg("mask") = 0xFFFFFFFFu,
         "Runs one of the model's self-test kernels (probes.cu).");

@@ -485,6 +485,20 @@ int emulated_sm() { return sm.load(std::memory_order_relaxed); }
 void set_emulated_sm(int value) { sm.store(value); }
 cudaStream_t xla_stream() { return kXlaStream; }
 
+namespace {
+thread_local std::vector<unsigned char> worker_shared;  // the block's dynamic shared memory
+}  // namespace
+
+unsigned char* dynamic_shared() { return worker_shared.data(); }
+size_t dynamic_shared_size() { return worker_shared.size(); }
+
+int blocks_per_multiprocessor(int threads, size_t shared) {
+  constexpr size_t kSharedPerMultiprocessor = 228 * 1024, kReserved = 1024, kStatic = 48 * 1024;
+  const int by_threads = 2048 / std::max(threads, 1);
+  const int by_shared = int(kSharedPerMultiprocessor / (shared + kStatic + kReserved));
+  return std::max(0, std::min({32, by_threads, by_shared}));
+}
+
 cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes) {
   if (bytes > kMaxDynamicShared) return last_error = cudaErrorInvalidValue;
   std::lock_guard<std::mutex> lock(shared_limits_mutex);
@@ -511,6 +525,7 @@ cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 
         ieee;  // the GPU kernels keep subnormals (nvcc -ftz=false); fibers inherit it
     block_dim = block;
     grid_dim = grid;
+    worker_shared.assign(shared, 0xA5);  // garbage, as a kernel finds it on a GPU
     Block b(kernel_name, block, thread, state);
     Block::active() = &b;
     for (uint64_t i; !state.failed && (i = next.fetch_add(1)) < blocks;) {

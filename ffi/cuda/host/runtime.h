@@ -90,6 +90,16 @@ cudaStream_t xla_stream();
 
 cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes);
 
+// The running block's dynamic shared memory: the launch's `shared` bytes, one buffer per worker
+// (a worker runs one block at a time), filled with garbage at each launch as a GPU's is.
+unsigned char* dynamic_shared();
+size_t dynamic_shared_size();
+
+// Blocks of `threads` threads and `shared` dynamic bytes a multiprocessor holds at once, from
+// sm_90's limits (2048 threads, 32 blocks, 228 KB of shared memory with 1 KB reserved per block;
+// the model does not see static shared memory, so it counts 48 KB for it).
+int blocks_per_multiprocessor(int threads, size_t shared);
+
 // Runs `thread` once per thread of the grid; the launch error, or cudaSuccess once it finished.
 cudaError_t launch(const std::string& kernel_name, const void* kernel, dim3 grid, dim3 block,
                    size_t shared, cudaStream_t stream, const std::function<void()>& thread);
@@ -197,6 +207,24 @@ template <typename A, typename B,
 constexpr std::common_type_t<A, B> min(A a, B b) {
   using C = std::common_type_t<A, B>;
   return C(b) < C(a) ? C(b) : C(a);
+}
+
+// The PTX architecture a kernel's code was built for: the emulated GPU's (its code paths).
+struct cudaFuncAttributes {
+  int ptxVersion;
+};
+template <typename Kernel>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, Kernel* kernel) {
+  (void)kernel;
+  attr->ptxVersion = ::nvfp4::host::emulated_sm();
+  return cudaSuccess;
+}
+template <typename Kernel>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel* kernel, int threads,
+                                                          size_t shared) {
+  (void)kernel;
+  *blocks = ::nvfp4::host::blocks_per_multiprocessor(threads, shared);
+  return cudaSuccess;
 }
 
 template <typename Kernel>
