@@ -894,8 +894,9 @@ ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p
     return launch_tiles<quantize_kernel<L, Mode::kStochastic>>(stream, x, p, 0);
   if (p.spec.four_over_six().on()) return launch_tiles<quantize_4over6_kernel<L>>(stream, x, p, 0);
   constexpr auto kNearest = quantize_kernel<L, Mode::kNearest>;
-  size_t shared = 0;
-  if (auto e = pair_table_bytes<kNearest>(shared); e.failure()) return e;
+  size_t shared = 0;  // float32 always takes the tie-safe index (tie_possible): no pair table
+  if (sizeof(typename L::T) == 2)
+    if (auto e = pair_table_bytes<kNearest>(shared); e.failure()) return e;
   return launch_tiles<kNearest>(stream, x, p, shared);
 }
 
