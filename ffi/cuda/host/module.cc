@@ -66,71 +66,69 @@ nb::bytes cvt_e2m1x2(Floats hi, Floats lo) {
   return nb::bytes(out.data(), out.size());
 }
 
-// Counts the float32 bit patterns (all but signalling NaNs) whose E2M1 code from the code table
-// differs from float_to_e2m1's: by the tie-safe index, and by the fast index outside the cases
-// it is not used for (round-down ties and -0.0, counted as excluded).
+// Calls count(u, v, counts) for every float32 bit pattern u (value v) but signalling NaNs
+// (arithmetic makes none), on 4 threads, and returns the N counts summed.
+template <int N, typename Count>
+std::array<uint64_t, N> count_over_floats(Count count) {
+  constexpr int kParts = 4;
+  std::array<std::array<uint64_t, N>, kParts> counts{};
+  std::vector<std::thread> threads;
+  for (int part = 0; part < kParts; ++part)
+    threads.emplace_back([&, part] {
+      nvfp4::SubnormalGuard guard;
+      const uint64_t begin = (uint64_t(part) << 32) / kParts,
+                     end = (uint64_t(part + 1) << 32) / kParts;
+      for (uint64_t i = begin; i < end; ++i) {
+        const uint32_t u = uint32_t(i);
+        if ((u & 0x7FFFFFFFu) > 0x7F800000u && !(u & 0x400000u)) continue;
+        count(u, nvfp4::bits_float(u), counts[part]);
+      }
+    });
+  for (auto& t : threads) t.join();
+  std::array<uint64_t, N> total{};
+  for (const auto& c : counts)
+    for (int k = 0; k < N; ++k) total[k] += c[k];
+  return total;
+}
+
+// The products the fast code indices are never used for: the round-down ties (0.25, 1.25, 2.5,
+// 5, either sign) and -0.0.
+bool fast_index_excluded(uint32_t u) {
+  const float a = nvfp4::bits_float(u & 0x7FFFFFFFu);
+  return u == 0x80000000u || a == 0.25f || a == 1.25f || a == 2.5f || a == 5.0f;
+}
+
+// Counts the float32 bit patterns whose E2M1 code from the code table differs from
+// float_to_e2m1's: by the tie-safe index, and by the fast index outside the cases it is not used
+// for (counted as excluded).
 nb::tuple e2m1_table_mismatches() {
   uint8_t lut[nvfp4::cuda::kLutSize];
   for (uint32_t i = 0; i < uint32_t(nvfp4::cuda::kLutSize); ++i) lut[i] = nvfp4::cuda::lut_entry(i);
-  constexpr int kParts = 4;
-  std::array<std::array<uint64_t, 3>, kParts> counts{};
-  std::vector<std::thread> threads;
-  for (int part = 0; part < kParts; ++part)
-    threads.emplace_back([&, part] {
-      nvfp4::SubnormalGuard guard;
-      auto& [safe, fast, excluded] = counts[part];
-      const uint64_t begin = (uint64_t(part) << 32) / kParts,
-                     end = (uint64_t(part + 1) << 32) / kParts;
-      for (uint64_t i = begin; i < end; ++i) {
-        const uint32_t u = uint32_t(i), mag = u & 0x7FFFFFFFu;
-        if (mag > 0x7F800000u && !(u & 0x400000u)) continue;
-        const float v = nvfp4::bits_float(u), a = nvfp4::bits_float(mag);
+  const auto [safe, fast, excluded] =
+      count_over_floats<3>([&](uint32_t u, float v, std::array<uint64_t, 3>& c) {
         const uint8_t want = nvfp4::float_to_e2m1(v);
-        safe += lut[(u + ((u >> 22) & 1u) - 1u) >> nvfp4::cuda::kLutShift] != want;
-        if (u == 0x80000000u || a == 0.25f || a == 1.25f || a == 2.5f || a == 5.0f)
-          ++excluded;
+        c[0] += lut[(u + ((u >> 22) & 1u) - 1u) >> nvfp4::cuda::kLutShift] != want;
+        if (fast_index_excluded(u))
+          ++c[2];
         else
-          fast += lut[u >> nvfp4::cuda::kLutShift] != want;
-      }
-    });
-  for (auto& t : threads) t.join();
-  uint64_t total[3] = {0, 0, 0};
-  for (const auto& c : counts)
-    for (int k = 0; k < 3; ++k) total[k] += c[k];
-  return nb::make_tuple(total[0], total[1], total[2]);
+          c[1] += lut[u >> nvfp4::cuda::kLutShift] != want;
+      });
+  return nb::make_tuple(safe, fast, excluded);
 }
 
-// Over every float32 bit pattern but signalling NaNs, the pair table's class of the truncated
-// float16 against float_to_e2m1, as (mismatches, cases excluded: the round-down ties and -0.0,
-// which the fast index rules out).
+// The pair table's class of the truncated float16 against float_to_e2m1, as (mismatches, cases
+// excluded as for the fast index).
 nb::tuple pair_table_mismatches() {
   uint8_t codes[256];
   for (uint32_t b = 0; b < 256; ++b) codes[b] = nvfp4::cuda::f16_class_code(b);
-  constexpr int kParts = 4;
-  std::array<std::array<uint64_t, 2>, kParts> counts{};
-  std::vector<std::thread> threads;
-  for (int part = 0; part < kParts; ++part)
-    threads.emplace_back([&, part] {
-      nvfp4::SubnormalGuard guard;
-      auto& [mismatches, excluded] = counts[part];
-      const uint64_t begin = (uint64_t(part) << 32) / kParts,
-                     end = (uint64_t(part + 1) << 32) / kParts;
-      for (uint64_t i = begin; i < end; ++i) {
-        const uint32_t u = uint32_t(i), mag = u & 0x7FFFFFFFu;
-        if (mag > 0x7F800000u && !(u & 0x400000u)) continue;
-        const float v = nvfp4::bits_float(u), a = nvfp4::bits_float(mag);
-        if (u == 0x80000000u || a == 0.25f || a == 1.25f || a == 2.5f || a == 5.0f) {
-          ++excluded;
-          continue;
-        }
-        mismatches += codes[nvfp4::f16_rz_bits(v) >> 8] != nvfp4::float_to_e2m1(v);
-      }
-    });
-  for (auto& t : threads) t.join();
-  uint64_t total[2] = {0, 0};
-  for (const auto& c : counts)
-    for (int k = 0; k < 2; ++k) total[k] += c[k];
-  return nb::make_tuple(total[0], total[1]);
+  const auto [mismatches, excluded] =
+      count_over_floats<2>([&](uint32_t u, float v, std::array<uint64_t, 2>& c) {
+        if (fast_index_excluded(u))
+          ++c[1];
+        else
+          c[0] += codes[nvfp4::f16_rz_bits(v) >> 8] != nvfp4::float_to_e2m1(v);
+      });
+  return nb::make_tuple(mismatches, excluded);
 }
 
 nb::bytes f16_rz(Floats x) {
