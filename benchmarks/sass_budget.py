@@ -47,12 +47,13 @@ SPECS = [  # name: (mode, rowwise, columnwise, block_2d, rht, sr, row_scaled, 4o
 AFTER_ELEMENTS = 16 * 8  # a thread's values per tile
 BEFORE_ELEMENTS = 16  # the old kernel: one column of a 16-row stripe per thread
 
-# NVFP4_BUDGET(name, mode, spec members...) defines the entry point budget_quantize_<name>,
-# which calls HOOK<LoadBF16, Mode::mode>(x, p, spec): the steady-state tile loop (or one stripe)
-# of a bf16 input. The same launch bound as the kernels: 128 threads.
+# NVFP4_BUDGET(name, mode, min_blocks, spec members...) defines the entry point
+# budget_quantize_<name>, which calls HOOK<LoadBF16, Mode::mode>(x, p, spec): the steady-state tile
+# loop (or one stripe) of a bf16 input. The same launch bounds as the kernels: 128 threads, and
+# for 4over6 one block per multiprocessor (quantize_4over6_kernel).
 ENTRY_MACRO = """
-#define NVFP4_BUDGET(name, mode, ...)                                                  \\
-  extern "C" __global__ void __launch_bounds__(128)                                    \\
+#define NVFP4_BUDGET(name, mode, min_blocks, ...)                                      \\
+  extern "C" __global__ void __launch_bounds__(128, min_blocks)                        \\
       budget_quantize_##name(const uint16_t* x, nvfp4::cuda::Params p) {               \\
     nvfp4::cuda::HOOK<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>(                        \\
         x, p, nvfp4::QuantizeSpec{__VA_ARGS__});                                       \\
@@ -207,7 +208,8 @@ def budget_source(wrapper: str, tmp: Path) -> Path:
     """`wrapper` (which includes the kernel) with an entry point per spec, written under tmp."""
     lines = [wrapper]
     for name, mode, *flags in SPECS:
-        lines.append(f"NVFP4_BUDGET({name}, {mode}, {', '.join(str(f) for f in flags)})")
+        min_blocks = 1 if mode == "kFourOverSix" and wrapper is AFTER_WRAPPER else 0
+        lines.append(f"NVFP4_BUDGET({name}, {mode}, {min_blocks}, {', '.join(str(f) for f in flags)})")
     source = tmp / "budget.cu"
     source.write_text("\n".join(lines) + "\n")
     return source

@@ -145,13 +145,47 @@ __device__ __forceinline__ float magnitude_value(uint32_t m) {
 template <typename L>
 constexpr int kWords = kPacked<L> ? kCols / 2 : kCols;  // 32-bit words of a thread's row
 
+// A thread's 16 x 8 values of a tile as 32-bit words, row r in words (r, 0), (r, 1), ...
+// 16-bit dtypes: two a word, in registers. float32: one a word, in the block's dynamic shared
+// memory (128 registers of values left ptxas too few for the rest: it spilled), a thread's
+// 16-byte quad (r, q) at quad (r kQuads + q) kThreads + threadIdx.x, so that a warp's quad
+// accesses are conflict-free; only its own thread reads them (no barrier).
+template <typename L>
+constexpr int kQuads = kWords<L> / 4;  // 16-byte quads of a thread's row
+
+template <typename L, bool kInRegisters = kPacked<L>>
+struct Values {
+  uint32_t w[kBlock][kWords<L>];
+  __device__ __forceinline__ uint32_t word(int r, int i) const { return w[r][i]; }
+  __device__ __forceinline__ void set_quad(int r, int q, uint4 v) {
+    w[r][4 * q] = v.x;
+    w[r][4 * q + 1] = v.y;
+    w[r][4 * q + 2] = v.z;
+    w[r][4 * q + 3] = v.w;
+  }
+};
+template <typename L>
+struct Values<L, false> {
+  uint4* quads = reinterpret_cast<uint4*>(dynamic_shared()) + threadIdx.x;
+  __device__ __forceinline__ uint32_t word(int r, int i) const {
+    const uint4 q = quads[(r * kQuads<L> + i / 4) * kThreads];
+    return i % 4 == 0 ? q.x : i % 4 == 1 ? q.y : i % 4 == 2 ? q.z : q.w;
+  }
+  __device__ __forceinline__ void set_quad(int r, int q, uint4 v) {
+    quads[(r * kQuads<L> + q) * kThreads] = v;
+  }
+};
+
+// The dynamic shared memory of a block's float32 values (Values).
+constexpr uint32_t kValuesBytes = kThreads * kBlock * kCols * sizeof(float);
+
 // The value of row r, column c of a thread's words.
 template <typename L>
-__device__ __forceinline__ float value(const uint32_t (&w)[kBlock][kWords<L>], int r, int c) {
+__device__ __forceinline__ float value(const Values<L>& w, int r, int c) {
   if constexpr (kPacked<L>)
-    return L::load(uint16_t(c % 2 ? w[r][c / 2] >> 16 : w[r][c / 2]));
+    return L::load(uint16_t(c % 2 ? w.word(r, c / 2) >> 16 : w.word(r, c / 2)));
   else
-    return bits_float(w[r][c]);
+    return bits_float(w.word(r, c));
 }
 
 // The thread's values as words (zero outside the input, as the reference pads), the magnitude
@@ -160,27 +194,22 @@ __device__ __forceinline__ float value(const uint32_t (&w)[kBlock][kWords<L>], i
 // input (the steady state) load without a test.
 template <typename L>
 __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols, int nrows,
-                                          int ncols, bool vec, uint32_t (&w)[kBlock][kWords<L>],
+                                          int ncols, bool vec, Values<L>& w,
                                           uint32_t (&col_mag)[kCols], uint32_t (&row_mag)[kBlock]) {
   using T = typename L::T;
   constexpr int kW = kWords<L>;
   const bool whole = vec && nrows == kBlock && ncols == kCols;
+  uint32_t cm[kW];      // column maxima (packed: columns 2i and 2i + 1 in word i)
+  uint32_t rm[kBlock];  // row maxima over the thread's 8 columns
 #pragma unroll
   for (int r = 0; r < kBlock; ++r) {
     const T* src = x + uint32_t(r) * uint64_t(cols);
+    uint4 q[kQuads<L>];
     if (vec) {
-      uint4 q[kW / 4];
 #pragma unroll
-      for (int i = 0; i < kW / 4; ++i)
+      for (int i = 0; i < kQuads<L>; ++i)
         q[i] = (whole || (r < nrows && ncols > 0)) ? reinterpret_cast<const uint4*>(src)[i]
                                                    : uint4{0, 0, 0, 0};
-#pragma unroll
-      for (int i = 0; i < kW / 4; ++i) {
-        w[r][4 * i] = q[i].x;
-        w[r][4 * i + 1] = q[i].y;
-        w[r][4 * i + 2] = q[i].z;
-        w[r][4 * i + 3] = q[i].w;
-      }
     } else {
       uint32_t e[kCols];
 #pragma unroll
@@ -192,26 +221,23 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols,
         else
           e[c] = float_bits(t);
       }
+      uint32_t row[kW];
 #pragma unroll
-      for (int i = 0; i < kW; ++i) w[r][i] = kPacked<L> ? e[2 * i] | (e[2 * i + 1] << 16) : e[i];
+      for (int i = 0; i < kW; ++i) row[i] = kPacked<L> ? e[2 * i] | (e[2 * i + 1] << 16) : e[i];
+#pragma unroll
+      for (int i = 0; i < kQuads<L>; ++i)
+        q[i] = uint4{row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]};
     }
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(q);
+#pragma unroll
+    for (int i = 0; i < kW; ++i) {
+      cm[i] = r == 0 ? row[i] : max_magnitude<L>(cm[i], row[i]);
+      rm[r] = i == 0 ? row[i] : max_magnitude<L>(rm[r], row[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kQuads<L>; ++i) w.set_quad(r, i, q[i]);
   }
-  // Column maxima (packed: columns 2i and 2i + 1 in word i).
-  uint32_t cm[kW];
-#pragma unroll
-  for (int i = 0; i < kW; ++i) {
-    cm[i] = w[0][i];
-#pragma unroll
-    for (int r = 1; r < kBlock; ++r) cm[i] = max_magnitude<L>(cm[i], w[r][i]);
-  }
-  // Row maxima over the thread's 8 columns, then over the pair's 16.
-  uint32_t rm[kBlock];
-#pragma unroll
-  for (int r = 0; r < kBlock; ++r) {
-    rm[r] = w[r][0];
-#pragma unroll
-    for (int i = 1; i < kW; ++i) rm[r] = max_magnitude<L>(rm[r], w[r][i]);
-  }
+  // Row maxima over the pair's 16 columns.
   if constexpr (kPacked<L>) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c) col_mag[c] = c % 2 ? cm[c / 2] >> 16 : cm[c / 2];
@@ -482,7 +508,7 @@ __device__ __forceinline__ void store_columns(const Params& p, const Staging& st
 // 4over6 each copy makes its own choice).
 template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging& st,
-                                            const Place& at, const uint32_t (&w)[kBlock][kWords<L>],
+                                            const Place& at, const Values<L>& w,
                                             const uint32_t (&col_mag)[kCols], const Copy& kr,
                                             Seed seed) {
   const QuantizeSpec& spec = p.spec;
@@ -553,8 +579,7 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
 // unpacked values. kSafe: the code table's tie-safe index, for both copies.
 template <typename L, Mode kMode, bool kSafe>
 __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Staging& st,
-                                              const Place& at,
-                                              const uint32_t (&w)[kBlock][kWords<L>],
+                                              const Place& at, const Values<L>& w,
                                               const uint32_t (&col_mag)[kCols],
                                               const uint32_t (&row_mag)[kBlock], const Copy& kr,
                                               const Copy& kc, bool fused, Seed seed) {
@@ -663,8 +688,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
 // transform; M % 16 == 0, so all 16 rows are real), in registers.
 template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, Staging& st,
-                                                 const Place& at,
-                                                 const uint32_t (&w)[kBlock][kWords<L>],
+                                                 const Place& at, const Values<L>& w,
                                                  const uint32_t (&col_mag)[kCols], const Copy& kc,
                                                  Seed seed) {
   const QuantizeSpec& spec = p.spec;
@@ -746,7 +770,8 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
   __builtin_assume(at.nrows == kBlock && at.ncols == kCols);  // the steady state: inside
 #endif
 
-  uint32_t w[kBlock][kWords<L>], col_mag[kCols], row_mag[kBlock];
+  Values<L> w;
+  uint32_t col_mag[kCols], row_mag[kBlock];
   load_tile<L>(x + (uint64_t(at.b) * rows + min(at.m0, rows)) * cols + min(at.n0, cols), cols,
                at.nrows, at.ncols, p.vec_in, w, col_mag, row_mag);
 
@@ -808,12 +833,14 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   kc.safe = !fast || sh.safe[1] != 0;
 }
 
-// Builds the pair table in the block's dynamic shared memory where nearest rounding has no E2M1
-// convert and the launch gave it the room; whether it did (else the kernel takes the tie-safe
-// code index: slower, the same bytes). Every thread of the block calls.
-template <Mode kMode>
+// Builds the pair table in the block's dynamic shared memory where nearest rounding of a 16-bit
+// dtype (float32 keeps its values there) has no E2M1 convert and the launch gave it the room;
+// whether it did (else the kernel takes the tie-safe code index: slower, the same bytes). Every
+// thread of the block calls.
+template <typename L, Mode kMode>
 __device__ __forceinline__ bool build_pair_table(Shared& sh) {
-  if (kMode != Mode::kNearest || NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize)
+  if (!kPacked<L> || kMode != Mode::kNearest || NVFP4_HAS_FP4_CVT() ||
+      dynamic_shared_size() < kPairLutSize)
     return false;
   for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
   __syncthreads();
@@ -832,7 +859,7 @@ template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p) {
   __shared__ Shared sh;
   for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
-  const bool fast = NVFP4_HAS_FP4_CVT() || build_pair_table<kMode>(sh);
+  const bool fast = NVFP4_HAS_FP4_CVT() || build_pair_table<L, kMode>(sh);
   __syncthreads();
   Seed seed{0, 0};
   if constexpr (kMode == Mode::kStochastic) seed = Seed{p.seed[0], p.seed[1]};
@@ -862,14 +889,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 #if !defined(NVFP4_SASS_BUDGET)
-// The dynamic shared memory of kernel K: the pair table where its code was built without the
-// E2M1 convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also runs).
-template <auto K>
-ffi::Error pair_table_bytes(size_t& bytes) {
-  cudaFuncAttributes attr{};
-  if (const cudaError_t err = cudaFuncGetAttributes(&attr, K); err != cudaSuccess)
-    return cuda_error("cudaFuncGetAttributes", err);
-  bytes = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
+// The dynamic shared memory of kernel K (dtype L, mode kMode), its attribute set: float32's
+// values (Values), or with nearest rounding of a 16-bit dtype the pair table where K's code was
+// built without the E2M1 convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code
+// also runs).
+template <auto K, typename L, Mode kMode>
+ffi::Error dynamic_bytes(size_t& bytes) {
+  bytes = kPacked<L> ? 0 : kValuesBytes;
+  if constexpr (kPacked<L> && kMode == Mode::kNearest) {
+    cudaFuncAttributes attr{};
+    if (const cudaError_t err = cudaFuncGetAttributes(&attr, K); err != cudaSuccess)
+      return cuda_error("cudaFuncGetAttributes", err);
+    bytes = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
+  }
   if (bytes)
     if (const cudaError_t err =
             cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
@@ -878,9 +910,11 @@ ffi::Error pair_table_bytes(size_t& bytes) {
   return ffi::Error::Success();
 }
 
-// Launches kernel K as a persistent grid over the tiles.
-template <auto K, typename T>
-ffi::Error launch_tiles(cudaStream_t stream, const T* x, Params p, size_t shared) {
+// Launches kernel K (dtype L, mode kMode) as a persistent grid over the tiles.
+template <auto K, typename L, Mode kMode>
+ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p) {
+  size_t shared = 0;
+  if (auto e = dynamic_bytes<K, L, kMode>(shared); e.failure()) return e;
   const uint32_t per_entry = p.row_tiles * p.col_tiles;
   const uint32_t blocks =
       std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks(K, kThreads, shared)));
@@ -891,13 +925,10 @@ ffi::Error launch_tiles(cudaStream_t stream, const T* x, Params p, size_t shared
 template <typename L>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p) {
   if (p.spec.stochastic_rounding)
-    return launch_tiles<quantize_kernel<L, Mode::kStochastic>>(stream, x, p, 0);
-  if (p.spec.four_over_six().on()) return launch_tiles<quantize_4over6_kernel<L>>(stream, x, p, 0);
-  constexpr auto kNearest = quantize_kernel<L, Mode::kNearest>;
-  size_t shared = 0;  // float32 always takes the tie-safe index (tie_possible): no pair table
-  if (sizeof(typename L::T) == 2)
-    if (auto e = pair_table_bytes<kNearest>(shared); e.failure()) return e;
-  return launch_tiles<kNearest>(stream, x, p, shared);
+    return launch_tiles<quantize_kernel<L, Mode::kStochastic>, L, Mode::kStochastic>(stream, x, p);
+  if (p.spec.four_over_six().on())
+    return launch_tiles<quantize_4over6_kernel<L>, L, Mode::kFourOverSix>(stream, x, p);
+  return launch_tiles<quantize_kernel<L, Mode::kNearest>, L, Mode::kNearest>(stream, x, p);
 }
 
 ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
