@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_tensor
+from conftest import examples, random_tensor
 from cuda_host import needs_module
 from golden_files import cases, load, option_cases
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cuda import RECIPE_OPTIONS, quantize_with_options
 from test_golden import _assert_golden
@@ -119,6 +119,37 @@ def test_dequantize_and_amax(x, out_dtype, block_2d):
 
     assert_same_outputs(*both(dequantize, t))
     assert_same_bytes(*both(lambda api, x: api.amax(x), x))
+
+
+AMAX_SPECIALS = np.array([0.0, -0.0, np.inf, np.nan, 1e-42, 3e38, -5.0], np.float32)
+
+
+@settings(max_examples=examples(120))
+@given(
+    batch=st.integers(1, 3),
+    rows=st.integers(1, 9),
+    blocks=st.integers(1, 5),
+    ragged=st.sampled_from([0, 0, 1, 9, 15]),
+    per_row=st.booleans(),
+    out_dtype=st.sampled_from(DTYPES),
+    e4m3_max=st.sampled_from([448, 256]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dequantize_any_codes_scales_and_amaxes(batch, rows, blocks, ragged, per_row, out_dtype, e4m3_max, seed):
+    """Every code and scale byte (NaN scales too) and special amaxes (0, inf, NaN, subnormal, huge,
+    negative), one per entry or per row: whole 16-value blocks (the block kernel, its decode and
+    its reference path) and ragged rows (the byte kernel)."""
+    rng = np.random.default_rng(seed)
+    cols = 16 * blocks - ragged
+    data = rng.integers(0, 256, (batch, rows, (cols + 1) // 2), np.uint8)
+    scale = rng.integers(0, 256, (batch, rows, blocks), np.uint8).view(ml_dtypes.float8_e4m3fn)
+    amax = np.abs(rng.standard_normal((batch, rows) if per_row else (batch,))).astype(np.float32) * 100
+    amax = np.where(rng.random(amax.shape) < 0.2, rng.choice(AMAX_SPECIALS, amax.shape), amax)
+
+    def dequantize(backend, data, scale, amax):
+        return (backend.dequantize(data, scale, amax, cols=cols, dtype=out_dtype, e4m3_max=e4m3_max),)
+
+    assert_same_outputs(*both_kernels(dequantize, data, scale, amax))
 
 
 @pytest.mark.parametrize("shape", [(64, 80), (2, 48, 33), (32, 300)])

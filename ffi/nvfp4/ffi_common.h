@@ -40,7 +40,10 @@ NVFP4_HD void rht16_narrow(float (&v)[kBlock]) {
   for (int i = 0; i < kBlock; ++i) v[i] = L::narrow(v[i]);
 }
 
-// Element storers of dequantize: float32 rounded to the output dtype (RNE).
+// Element storers of dequantize: float32 rounded to the output dtype (RNE). The 16-bit ones
+// also round two values into one word, lo's bits in the lower half: on the GPU one paired
+// convert, which gives store's bits for every value but a NaN (0x7FFF there): no caller
+// passes one.
 struct StoreF32 {
   using T = float;
   static NVFP4_HD T store(float v) { return v; }
@@ -48,10 +51,28 @@ struct StoreF32 {
 struct StoreBF16 {
   using T = uint16_t;
   static NVFP4_HD T store(float v) { return float_to_bf16(v); }
+  static NVFP4_HD uint32_t store2(float hi, float lo) {
+#if defined(__CUDA_ARCH__)
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+#else
+    return uint32_t(store(hi)) << 16 | store(lo);
+#endif
+  }
 };
 struct StoreF16 {
   using T = uint16_t;
   static NVFP4_HD T store(float v) { return float_to_f16(v); }
+  static NVFP4_HD uint32_t store2(float hi, float lo) {
+#if defined(__CUDA_ARCH__)
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+#else
+    return uint32_t(store(hi)) << 16 | store(lo);
+#endif
+  }
 };
 
 // Calls fn(F32{}), fn(BF16{}) or fn(F16{}) for a float dtype; false for any
