@@ -152,6 +152,24 @@ def test_dequantize_any_codes_scales_and_amaxes(batch, rows, blocks, ragged, per
     assert_same_outputs(*both_kernels(dequantize, data, scale, amax))
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_dequantize_loops_over_blocks(per_row, out_dtype):
+    """More 16-value blocks (3 x 70 x 41) than the block kernel's grid has threads times its unroll:
+    each thread loops, its global scale switching between and within unrolled steps."""
+    rng = np.random.default_rng(5)
+    batch, rows, blocks = 3, 70, 41
+    data = rng.integers(0, 256, (batch, rows, 8 * blocks), np.uint8)
+    scale = rng.integers(0, 256, (batch, rows, blocks), np.uint8).view(ml_dtypes.float8_e4m3fn)
+    amax = rng.uniform(0.5, 500.0, (batch, rows) if per_row else (batch,)).astype(np.float32)
+    amax.flat[::7] = np.inf
+
+    def dequantize(backend, data, scale, amax):
+        return (backend.dequantize(data, scale, amax, cols=16 * blocks, dtype=out_dtype, e4m3_max=448),)
+
+    assert_same_outputs(*both_kernels(dequantize, data, scale, amax))
+
+
 @pytest.mark.parametrize("shape", [(64, 80), (2, 48, 33), (32, 300)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", RECIPE_OPTIONS)
