@@ -241,6 +241,22 @@ def test_amax_with_atomics_across_threads(shape, rht):
             assert_same_outputs(got, want)
 
 
+@pytest.mark.parametrize("shape", [(3, 40, 24), (2, 7, 8), (1, 96, 1000), (2, 5, 7)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_amax_of_any_values(shape, dtype):
+    """The global amax of each batch entry: the vector kernel (entries of whole 16-byte vectors,
+    its unrolled steps partly past the end) and the element kernel; its maximum, inf or NaN at any
+    place, each magnitude in either half of a packed word."""
+    rng = np.random.default_rng(sum(shape))
+    for special in (None, np.inf, np.nan, -np.inf):
+        x = random_tensor(rng, shape, dtype, spread=5.0, specials=("zero", "subnormal"), frac=0.05)
+        if special is not None:
+            x.reshape(shape[0], -1)[:, rng.integers(x[0].size)] = special
+        assert_same_outputs(
+            *both_kernels(lambda backend, x: backend.amax(x, amax_mesh_axes=None, rht_amax=False, per_row=False), x)
+        )
+
+
 @pytest.mark.parametrize("e4m3_max", [448, 256])
 @pytest.mark.parametrize("out_dtype", DTYPES)
 def test_row_scaled_dequantize(out_dtype, e4m3_max):

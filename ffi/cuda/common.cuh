@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "nvfp4/ffi_common.h"
 
@@ -93,6 +94,33 @@ __device__ __forceinline__ uint32_t dynamic_shared_size() {
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
   return bytes;
 #endif
+}
+
+// ---- magnitudes of input words (quantize and amax) ----
+
+template <typename L>
+constexpr bool kPacked = sizeof(typename L::T) == 2;  // bfloat16 or float16: two per word
+
+// The larger magnitude of two words of dtype L (packed: of each half; the sign bits of a packed
+// result are garbage, a NaN wins).
+template <typename L>
+__device__ __forceinline__ uint32_t max_magnitude(uint32_t a, uint32_t b) {
+  if constexpr (kPacked<L>)
+    return max_magnitude_x2<std::is_same_v<L, LoadBF16>>(a, b);
+  else
+    return max(a & 0x7FFFFFFFu, b & 0x7FFFFFFFu);
+}
+
+// The float value of a magnitude in the dtype's bits (the low half of a packed word; the sign
+// bits may be garbage). A NaN stays a NaN, of any payload.
+template <typename L>
+__device__ __forceinline__ float magnitude_value(uint32_t m) {
+  if constexpr (std::is_same_v<L, LoadBF16>)
+    return fabsf(bits_float(m << 16));
+  else if constexpr (kPacked<L>)
+    return fabsf(L::load(uint16_t(m)));
+  else
+    return fabsf(bits_float(m));
 }
 
 }  // namespace nvfp4::cuda

@@ -120,29 +120,6 @@ struct Copy {
 // ---- loading: 16 rows x 8 columns, their column and row maxima ----
 
 template <typename L>
-constexpr bool kPacked = sizeof(typename L::T) == 2;  // bfloat16 or float16: two per word
-
-template <typename L>
-__device__ __forceinline__ uint32_t max_magnitude(uint32_t a, uint32_t b) {
-  if constexpr (kPacked<L>)
-    return max_magnitude_x2<std::is_same_v<L, LoadBF16>>(a, b);
-  else
-    return max(a & 0x7FFFFFFFu, b & 0x7FFFFFFFu);
-}
-
-// The float value of a magnitude in the dtype's bits (the low half of a packed word; the sign
-// bits may be garbage). A NaN stays a NaN, of any payload.
-template <typename L>
-__device__ __forceinline__ float magnitude_value(uint32_t m) {
-  if constexpr (std::is_same_v<L, LoadBF16>)
-    return fabsf(bits_float(m << 16));
-  else if constexpr (kPacked<L>)
-    return fabsf(L::load(uint16_t(m)));
-  else
-    return fabsf(bits_float(m));
-}
-
-template <typename L>
 constexpr int kWords = kPacked<L> ? kCols / 2 : kCols;  // 32-bit words of a thread's row
 
 // A thread's 16 x 8 values of a tile as 32-bit words, row r in words (r, 0), (r, 1), ...
