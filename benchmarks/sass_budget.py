@@ -1,10 +1,12 @@
-"""Instruction budget of the CUDA quantize kernel, measured without a GPU.
+"""Instruction budget of the CUDA quantize, dequantize and amax kernels, measured without a GPU.
 
 Builds entry points that run the persistent tile loop of ffi/cuda/quantize.cu in its steady state
 per spec (its hook budget_tile under NVFP4_SASS_BUDGET: whole tiles, the spec's flags
 compile-time constants) with nvcc, dumps the SASS with cuobjdump, and prints per spec and GPU
 architecture: SASS instructions a thread issues per input element (the loop body's instructions,
-one tile, over the 16 x 8 values a thread holds), registers and spill bytes (ptxas -v). An entry
+one tile, over the 16 x 8 values a thread holds), registers and spill bytes (ptxas -v). The
+dequantize and amax kernels are counted the same way over their grid-stride loops (OTHER_KERNELS;
+dequantize per output element). An entry
 point with a loop inside the counted body is flagged: its static count is then a lower bound.
 The old kernel of --before has no loop: its whole entry point is counted. The bound: an H100 issues about 29 T
 thread-instructions/s against 3.35 TB/s of memory, about 25 instructions per element at ~3.1
@@ -79,6 +81,68 @@ __device__ __forceinline__ void budget_stripe(const typename L::T* x, Params p, 
 """ + ENTRY_MACRO.replace("HOOK", "budget_stripe")
 
 
+# The dequantize and amax kernels: their device bodies (ffi/cuda/dequantize.cu, amax.cu) built
+# under NVFP4_SASS_BUDGET, where dequantize takes its steady state (one amax, no NaN scale). Per
+# row: (source, the new kernel's body and the elements its loop body covers, the element kernel's
+# and its elements). The element kernels are ffa032c's kernels unchanged (still the path for the
+# sizes the new ones do not take; their grid-stride loops kept rolled, one element or byte an
+# iteration): they are the "before" column.
+DEQUANTIZE_BLOCKS = (
+    "const uint2* d, const uint8_t* s, const float* a, uint32_t n, uint32_t m, nvfp4::DequantizeSpec p, {T}* o"
+)
+DEQUANTIZE_BYTES = (
+    "const uint8_t* d, const uint8_t* s, const float* a, int64_t r, int64_t c, int64_t n, bool m, "
+    "nvfp4::DequantizeSpec p, {T}* o"
+)
+AMAX_VECTORS = "const uint4* x, int64_t n, int64_t c, uint32_t* b"
+AMAX_ELEMENTS = "const {T}* x, int64_t n, int64_t c, uint32_t* b"
+OTHER_KERNELS = {  # row: (source, (body, parameters, T, elements), (element kernel ...))
+    "dequantize_to_bf16": (
+        "dequantize.cu",
+        ("dequantize_blocks<nvfp4::StoreBF16>", DEQUANTIZE_BLOCKS, "uint16_t", 4 * 16),
+        ("dequantize_bytes<nvfp4::StoreBF16>", DEQUANTIZE_BYTES, "uint16_t", 2),
+    ),
+    "dequantize_to_f32": (
+        "dequantize.cu",
+        ("dequantize_blocks<nvfp4::StoreF32>", DEQUANTIZE_BLOCKS, "float", 4 * 16),
+        ("dequantize_bytes<nvfp4::StoreF32>", DEQUANTIZE_BYTES, "float", 2),
+    ),
+    "amax_bf16": (
+        "amax.cu",
+        ("amax_vectors<nvfp4::LoadBF16>", AMAX_VECTORS, "uint16_t", 4 * 8),
+        ("amax_elements<nvfp4::LoadBF16>", AMAX_ELEMENTS, "uint16_t", 1),
+    ),
+    "amax_f32": (
+        "amax.cu",
+        ("amax_vectors<nvfp4::LoadF32>", AMAX_VECTORS, "float", 4 * 4),
+        ("amax_elements<nvfp4::LoadF32>", AMAX_ELEMENTS, "float", 1),
+    ),
+}
+
+
+def other_source(source: str, tmp: Path) -> tuple[Path, dict[str, tuple[str, int]], dict[str, tuple[str, int]]]:
+    """An entry point per row of OTHER_KERNELS of `source` (the new body and the element kernel's),
+    written under tmp; the (after, before) entries for measure."""
+    lines = [f'#include "cuda/{source}"']
+    after, before = {}, {}
+    for row, (src, *bodies) in OTHER_KERNELS.items():
+        if src != source:
+            continue
+        for (body, params, t, elements), entries, suffix in zip(
+            bodies, (after, before), ("", "_elements"), strict=True
+        ):
+            name = f"budget_{row}{suffix}"
+            args = ", ".join(p.split()[-1].lstrip("*") for p in params.split(", "))
+            lines.append(
+                f'extern "C" __global__ void __launch_bounds__(256) {name}({params.format(T=t)}) '
+                f"{{ nvfp4::cuda::{body}({args}); }}"
+            )
+            entries[row] = (name, elements)
+    path = tmp / f"budget_{source}"
+    path.write_text("\n".join(lines) + "\n")
+    return path, after, before
+
+
 def tool(name: str) -> str:
     """A CUDA tool from the nvidia wheels if installed, else from PATH."""
     try:
@@ -137,7 +201,7 @@ def resources(report: str) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     current = None
     for line in report.splitlines():
-        if m := re.search(r"Compiling entry function '(budget_quantize_\w+)'", line):
+        if m := re.search(r"Compiling entry function '(budget_\w+)'", line):
             current = m.group(1)
         elif current and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
             out.setdefault(current, {})["spills"] = int(m.group(1)) + int(m.group(2))
@@ -158,7 +222,7 @@ def sass_counts(cubin: Path) -> tuple[dict[str, int], set[str]]:
     functions: dict[str, list[tuple[int, str]]] = {}
     current = None
     for line in text.splitlines():
-        if m := re.search(r"Function : (budget_quantize_\w+)", line):
+        if m := re.search(r"Function : (budget_\w+)", line):
             current = m.group(1)
             functions[current] = []
         elif current and (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)):
@@ -185,23 +249,28 @@ def sass_counts(cubin: Path) -> tuple[dict[str, int], set[str]]:
     return counts, loops
 
 
-def measure(source: Path, include: Path, arch: str, elements: int) -> dict[str, dict]:
+def measure(source: Path, include: Path, arch: str, entries: dict[str, tuple[str, int]]) -> dict[str, dict]:
+    """Builds `source` for `arch`; per row of `entries` (row -> (entry point, elements its loop body
+    or whole body covers)): instructions per element, registers, spills."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "budget.cubin"
         report = compile_cubin(source, include, arch, cubin)
         (counts, loops), res = sass_counts(cubin), resources(report)
     table = {}
-    for name, *_ in SPECS:
-        key = f"budget_quantize_{name}"
+    for row, (key, elements) in entries.items():
         if key not in counts:
             continue
-        table[name] = {
+        table[row] = {
             "instructions_per_element": round(counts[key] / elements, 2),
             "registers": res.get(key, {}).get("registers"),
             "spills": res.get(key, {}).get("spills"),
             "has_loop": key in loops,
         }
     return table
+
+
+def quantize_entries(elements: int) -> dict[str, tuple[str, int]]:
+    return {name: (f"budget_quantize_{name}", elements) for name, *_ in SPECS}
 
 
 def budget_source(wrapper: str, tmp: Path) -> Path:
@@ -234,24 +303,31 @@ def main() -> None:
         print(f"building the budget entry points for {arch} ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             source = budget_source(AFTER_WRAPPER, Path(tmp))
-            result.setdefault(arch, {})["after"] = measure(source, ROOT / "ffi", arch, AFTER_ELEMENTS)
+            result.setdefault(arch, {})["after"] = measure(source, ROOT / "ffi", arch, quantize_entries(AFTER_ELEMENTS))
         if args.before:
             print(f"building {args.before}'s kernel for {arch} ...", flush=True)
             with tempfile.TemporaryDirectory() as tmp:
                 include = before_ffi(args.before, Path(tmp))
                 source = budget_source(BEFORE_WRAPPER, Path(tmp))
-                result[arch]["before"] = measure(source, include, arch, BEFORE_ELEMENTS)
+                result[arch]["before"] = measure(source, include, arch, quantize_entries(BEFORE_ELEMENTS))
+        for kernel_source in sorted({src for src, *_ in OTHER_KERNELS.values()}):
+            print(f"building {kernel_source}'s kernels for {arch} ...", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                source, after, before = other_source(kernel_source, Path(tmp))
+                result[arch]["after"].update(measure(source, ROOT / "ffi", arch, after))
+                if args.before:
+                    result[arch]["before"].update(measure(source, ROOT / "ffi", arch, before))
     plain = "rowwise_columnwise"  # "+": has a loop, the count is a lower bound
     for arch, tables in result.items():
         print(f"\n{arch}: SASS instructions per input element (registers, spill bytes)")
         print(f"{'spec':26} " + " ".join(f"{k:>22}" for k in tables) + "  x plain")
-        for name, *_ in SPECS:
+        for name in [n for n, *_ in SPECS] + list(OTHER_KERNELS):
             cells = []
             for table in tables.values():
                 row = table.get(name)
-                loop = "+" if row["has_loop"] else " "
                 cells.append(
-                    f"{row['instructions_per_element']:8.2f}{loop}({row['registers']:3}, {row['spills']:4})"
+                    f"{row['instructions_per_element']:8.2f}{'+' if row['has_loop'] else ' '}"
+                    f"({row['registers']:3}, {row['spills']:4})"
                     if row
                     else f"{'-':>22}"
                 )

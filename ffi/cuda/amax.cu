@@ -29,12 +29,14 @@ __device__ __forceinline__ void block_max_into(uint32_t m, uint32_t* out) {
 }
 
 // Block (b, chunk) reduces a strided share of batch entry b into bits[b].
+// (Each kernel's body is a device function that benchmarks/sass_budget.py also builds.)
 template <typename L>
-__global__ void __launch_bounds__(kThreads)
-    amax_kernel(const typename L::T* x, int64_t per_batch, int64_t chunks, uint32_t* bits) {
+__device__ __forceinline__ void amax_elements(const typename L::T* x, int64_t per_batch,
+                                              int64_t chunks, uint32_t* bits) {
   const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
   const typename L::T* xb = x + b * per_batch;
   uint32_t m = 0;
+#pragma unroll 1  // one element an iteration (as the budget counts it)
   for (int64_t i = chunk * kThreads + threadIdx.x; i < per_batch; i += chunks * kThreads)
     m = max(m, magnitude_bits(L::load(xb[i])));
   block_max_into(m, bits + b);
@@ -44,26 +46,39 @@ __global__ void __launch_bounds__(kThreads)
 // vectors chunk kThreads + t + k chunks kThreads of entry b, kUnroll at a time, with maxima of
 // packed magnitudes (max_magnitude: one instruction a word).
 template <typename L>
-__global__ void __launch_bounds__(kThreads)
-    amax_vector_kernel(const uint4* __restrict__ x, int64_t per_batch, int64_t chunks,
-                       uint32_t* bits) {
+__device__ __forceinline__ void amax_vectors(const uint4* __restrict__ x, int64_t per_batch,
+                                             int64_t chunks, uint32_t* bits) {
   const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
-  const int64_t stride = chunks * kThreads;
-  const uint4* xb = x + b * per_batch;
+  const uint32_t stride = uint32_t(chunks) * kThreads;  // chunks <= 1024
+  const uint4* end = x + (b + 1) * per_batch;
   uint32_t m = 0;  // the dtype's magnitude bits (packed: two)
-  for (int64_t i0 = chunk * kThreads + threadIdx.x; i0 < per_batch; i0 += kUnroll * stride) {
+  // Rolled: each iteration already has kUnroll loads in flight (and the budget counts one).
+#pragma unroll 1
+  for (const uint4* p = x + b * per_batch + chunk * kThreads + threadIdx.x; p < end;
+       p += kUnroll * stride) {
     uint4 q[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      q[u] = i0 + u * stride < per_batch ? xb[i0 + u * stride] : uint4{0, 0, 0, 0};
+      q[u] = p + u * stride < end ? p[u * stride] : uint4{0, 0, 0, 0};
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      m = max_magnitude<L>(max_magnitude<L>(m, q[u].x),
-                           max_magnitude<L>(q[u].y, max_magnitude<L>(q[u].z, q[u].w)));
+      m = max_magnitude<L>(
+          m, max_magnitude<L>(max_magnitude<L>(q[u].x, q[u].y), max_magnitude<L>(q[u].z, q[u].w)));
   }
   uint32_t mb = magnitude_bits(magnitude_value<L>(m));
   if constexpr (kPacked<L>) mb = max(mb, magnitude_bits(magnitude_value<L>(m >> 16)));
   block_max_into(mb, bits + b);
+}
+
+template <typename L>
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const typename L::T* x, int64_t per_batch, int64_t chunks, uint32_t* bits) {
+  amax_elements<L>(x, per_batch, chunks, bits);
+}
+template <typename L>
+__global__ void __launch_bounds__(kThreads)
+    amax_vector_kernel(const uint4* x, int64_t per_batch, int64_t chunks, uint32_t* bits) {
+  amax_vectors<L>(x, per_batch, chunks, bits);
 }
 
 // Block (b, chunk) reduces a strided share of the 16-row chunks of batch entry

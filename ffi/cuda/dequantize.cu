@@ -74,15 +74,22 @@ __device__ __forceinline__ void dequantize_block(uint2 codes, uint8_t scale, flo
 
 // N % 16 == 0: thread t of the grid takes blocks t, t + stride, ... of the [B M, N / 16] blocks
 // (fewer than 2^31), kUnroll at a time; block i's global scale is that of amax[i / per_amax].
+// (Each kernel's body is a device function that benchmarks/sass_budget.py also builds.)
 template <typename S>
-__global__ void __launch_bounds__(kThreads)
-    dequantize_blocks_kernel(const uint2* __restrict__ data, const uint8_t* __restrict__ scale,
-                             const float* __restrict__ amax, uint32_t blocks, uint32_t per_amax,
-                             DequantizeSpec spec, typename S::T* __restrict__ out) {
+__device__ __forceinline__ void dequantize_blocks(const uint2* __restrict__ data,
+                                                  const uint8_t* __restrict__ scale,
+                                                  const float* __restrict__ amax, uint32_t blocks,
+                                                  uint32_t per_amax, DequantizeSpec spec,
+                                                  typename S::T* __restrict__ out) {
   const bool one_amax = per_amax >= blocks;
+#if defined(NVFP4_SASS_BUDGET)
+  __builtin_assume(one_amax);  // the common case: one amax
+#endif
   const uint32_t stride = gridDim.x * kThreads;
   uint32_t gds_of = 0;  // the amax entry whose global scale gds is
   float gds = spec.global_decode_scale(amax[0]);
+  // Rolled: each iteration already has kUnroll loads in flight (and the budget counts one).
+#pragma unroll 1
   for (uint32_t i0 = blockIdx.x * kThreads + threadIdx.x; i0 < blocks; i0 += kUnroll * stride) {
     uint2 codes[kUnroll];
     uint8_t scales[kUnroll];
@@ -112,11 +119,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // Any shape: one packed byte (two values) per iteration of a grid-stride loop.
 template <typename S>
-__global__ void __launch_bounds__(kThreads)
-    dequantize_bytes_kernel(const uint8_t* data, const uint8_t* scale, const float* amax,
-                            int64_t rows, int64_t cols, int64_t bytes, bool per_row,
-                            DequantizeSpec spec, typename S::T* out) {
+__device__ __forceinline__ void dequantize_bytes(const uint8_t* data, const uint8_t* scale,
+                                                 const float* amax, int64_t rows, int64_t cols,
+                                                 int64_t bytes, bool per_row, DequantizeSpec spec,
+                                                 typename S::T* out) {
   const int64_t data_cols = packed_size(cols), scale_cols = num_blocks(cols);
+#pragma unroll 1  // one byte an iteration (as the budget counts it)
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < bytes;
        i += int64_t(gridDim.x) * kThreads) {
     const int64_t row = i / data_cols, c = 2 * (i % data_cols);  // row spans the batch
@@ -125,6 +133,21 @@ __global__ void __launch_bounds__(kThreads)
     out[row * cols + c] = S::store(dequantize_value(data[i] & 0xF, s, gds));
     if (c + 1 < cols) out[row * cols + c + 1] = S::store(dequantize_value(data[i] >> 4, s, gds));
   }
+}
+
+template <typename S>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_blocks_kernel(const uint2* data, const uint8_t* scale, const float* amax,
+                             uint32_t blocks, uint32_t per_amax, DequantizeSpec spec,
+                             typename S::T* out) {
+  dequantize_blocks<S>(data, scale, amax, blocks, per_amax, spec, out);
+}
+template <typename S>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_bytes_kernel(const uint8_t* data, const uint8_t* scale, const float* amax,
+                            int64_t rows, int64_t cols, int64_t bytes, bool per_row,
+                            DequantizeSpec spec, typename S::T* out) {
+  dequantize_bytes<S>(data, scale, amax, rows, cols, bytes, per_row, spec, out);
 }
 
 ffi::Error dequantize_impl(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
