@@ -954,16 +954,20 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 
 #if defined(NVFP4_SASS_BUDGET)
 // The hook of benchmarks/sass_budget.py, which builds this file with its entry points: the
-// persistent tile loop of quantize_tiles in the steady state (an input of whole tiles, the
-// copies the spec names, the entry's tables ready, the fast code index unless row-scaled) with
-// the spec's flags as constants, so that the loop body holds just that path. The script counts
-// the loop body: what a thread issues per tile.
+// persistent tile loop of quantize_tiles in the steady state (an input of whole tiles and even
+// sizes, the copies the spec names, the entry's tables ready, the fast code index unless
+// row-scaled) with the spec's flags as constants, so that the loop body holds just that path. The
+// script counts the loop body: what a thread issues per tile.
 namespace nvfp4::cuda {
 template <typename L, Mode kMode>
 __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, QuantizeSpec spec) {
   __shared__ Shared sh;
   p.spec = spec;
   p.vec_in = p.vec_rows = p.vec_cols = true;
+  // Even sizes (as whole 16-value blocks have): a thread's stochastic rounding words start at an
+  // even index, so each Threefry hash gives two of them (random_words' even path alone runs).
+  __builtin_assume(p.rows % 2 == 0);
+  __builtin_assume(p.cols % 2 == 0);
   __builtin_assume(spec.rowwise == (p.o.data != nullptr));
   __builtin_assume(spec.columnwise == (p.o.data_t != nullptr));
   if (!spec.rowwise) p.o.data = nullptr;
