@@ -816,20 +816,22 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
 // thread of the block calls.
 template <typename L, Mode kMode>
 __device__ __forceinline__ bool build_pair_table(Shared& sh) {
-  if (!kPacked<L> || kMode != Mode::kNearest || NVFP4_HAS_FP4_CVT() ||
-      dynamic_shared_size() < kPairLutSize)
+  if constexpr (kPacked<L> && kMode == Mode::kNearest) {
+    if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize) return false;
+    for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
+    __syncthreads();
+    // 16 entries a store: high byte i / 16, low bytes 16 (i % 16) ...
+    auto* table = reinterpret_cast<uint4*>(dynamic_shared());
+    const auto* low = reinterpret_cast<const uint4*>(sh.f16_codes);
+    for (int i = threadIdx.x; i < kPairLutSize / 16; i += kThreads) {
+      const uint32_t high = uint32_t(sh.f16_codes[i / 16] << 4) * 0x01010101u;
+      const uint4 l = low[i % 16];
+      table[i] = uint4{l.x | high, l.y | high, l.z | high, l.w | high};
+    }
+    return true;
+  } else {
     return false;
-  for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
-  __syncthreads();
-  // 16 entries a store: high byte i / 16, low bytes 16 (i % 16) ...
-  auto* table = reinterpret_cast<uint4*>(dynamic_shared());
-  const auto* low = reinterpret_cast<const uint4*>(sh.f16_codes);
-  for (int i = threadIdx.x; i < kPairLutSize / 16; i += kThreads) {
-    const uint32_t high = uint32_t(sh.f16_codes[i / 16] << 4) * 0x01010101u;
-    const uint4 l = low[i % 16];
-    table[i] = uint4{l.x | high, l.y | high, l.z | high, l.w | high};
   }
-  return true;
 }
 
 template <typename L, Mode kMode>

@@ -7,7 +7,9 @@
 // jax_nvfp4/_reference_4over6.py (tests/golden/README.md).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "nvfp4/numerics.h"
 
@@ -60,18 +62,20 @@ NVFP4_HD float element_error(uint8_t code, float scale, float x, const GlobalSca
 // map-4 iff its error is smaller; ties and NaN (every comparison false) keep map-6.
 NVFP4_HD bool prefer_map4(float err4, float err6) { return err4 < err6; }
 
+// One level of tree_sum16: r_i += r_{i+h} for i < h, written out (no loop: nvcc left a loop here
+// rolled, with r in local memory).
+template <int kH, size_t... kI>
+NVFP4_HD void tree_level(float (&r)[kBlock], std::index_sequence<kI...>) {
+  ((r[kI] = r[kI] + r[kI + kH]), ...);
+}
+
 // The error of a 16x16 block from its 16 chunk errors: a tree (r_i + r_{i+8},
 // then 4, 2 and 1 apart), not the sequential sum. Overwrites r.
 NVFP4_HD float tree_sum16(float (&r)[kBlock]) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int h = kBlock / 2; h > 0; h /= 2) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-    for (int i = 0; i < h; ++i) r[i] = r[i] + r[i + h];
-  }
+  tree_level<8>(r, std::make_index_sequence<8>{});
+  tree_level<4>(r, std::make_index_sequence<4>{});
+  tree_level<2>(r, std::make_index_sequence<2>{});
+  tree_level<1>(r, std::make_index_sequence<1>{});
   return r[0];
 }
 
