@@ -205,7 +205,7 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
       launched = launch<amax_rht_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols,
                                             chunks, bits, bits_rht);
     } else if (per_batch % kPerVector == 0) {
-      // As many blocks per entry, each thread kUnroll vectors at least.
+      // Blocks per entry as for the element kernel, but each thread kUnroll vectors at least.
       const int64_t vectors = per_batch / kPerVector;
       const int64_t vector_chunks = std::clamp<int64_t>(
           (vectors + kThreads * kUnroll - 1) / (kThreads * kUnroll), 1, max_chunks);

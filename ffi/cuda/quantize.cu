@@ -5,7 +5,7 @@
 //   - A CUDA block of 128 threads loops over tiles of 64 rows x 256 columns (a persistent grid,
 //     so the per-entry tables below are built once per batch entry, not per tile). Warp w owns
 //     rows 16w..16w+15 of the tile, lane l columns 8l..8l+7: 16 rows x 8 columns per thread,
-//     read with one 16-byte load per row.
+//     read with 16-byte loads, kept in registers (float32: in dynamic shared memory, Values).
 //   - Columnwise 1x16 blocks are a thread's own 16 values; rowwise blocks are a lane pair's
 //     (xor 1). Maxima are taken on packed 16-bit pairs (max.NaN.xorsign.abs).
 //   - A block's scale is computed once, two at a time by cvt.rn.satfinite.e4m3x2; its encode
