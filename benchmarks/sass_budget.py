@@ -96,27 +96,26 @@ DEQUANTIZE_BYTES = (
 )
 AMAX_VECTORS = "const uint4* x, int64_t n, int64_t c, uint32_t* b"
 AMAX_ELEMENTS = "const {T}* x, int64_t n, int64_t c, uint32_t* b"
+UNROLL = 4  # kUnroll of dequantize.cu and amax.cu: blocks or vectors a loop iteration takes
+
+
+def dequantize_row(storer: str, t: str) -> tuple:
+    body = ("dequantize_blocks", DEQUANTIZE_BLOCKS, UNROLL * 16)
+    old = ("dequantize_bytes", DEQUANTIZE_BYTES, 2)  # a byte, two values, an iteration
+    return ("dequantize.cu", *((f"{f}<nvfp4::{storer}>", p, t, n) for f, p, n in (body, old)))
+
+
+def amax_row(loader: str, t: str, per_vector: int) -> tuple:
+    body = ("amax_vectors", AMAX_VECTORS, UNROLL * per_vector)
+    old = ("amax_elements", AMAX_ELEMENTS, 1)
+    return ("amax.cu", *((f"{f}<nvfp4::{loader}>", p, t, n) for f, p, n in (body, old)))
+
+
 OTHER_KERNELS = {  # row: (source, (body, parameters, T, elements), (element kernel ...))
-    "dequantize_to_bf16": (
-        "dequantize.cu",
-        ("dequantize_blocks<nvfp4::StoreBF16>", DEQUANTIZE_BLOCKS, "uint16_t", 4 * 16),
-        ("dequantize_bytes<nvfp4::StoreBF16>", DEQUANTIZE_BYTES, "uint16_t", 2),
-    ),
-    "dequantize_to_f32": (
-        "dequantize.cu",
-        ("dequantize_blocks<nvfp4::StoreF32>", DEQUANTIZE_BLOCKS, "float", 4 * 16),
-        ("dequantize_bytes<nvfp4::StoreF32>", DEQUANTIZE_BYTES, "float", 2),
-    ),
-    "amax_bf16": (
-        "amax.cu",
-        ("amax_vectors<nvfp4::LoadBF16>", AMAX_VECTORS, "uint16_t", 4 * 8),
-        ("amax_elements<nvfp4::LoadBF16>", AMAX_ELEMENTS, "uint16_t", 1),
-    ),
-    "amax_f32": (
-        "amax.cu",
-        ("amax_vectors<nvfp4::LoadF32>", AMAX_VECTORS, "float", 4 * 4),
-        ("amax_elements<nvfp4::LoadF32>", AMAX_ELEMENTS, "float", 1),
-    ),
+    "dequantize_to_bf16": dequantize_row("StoreBF16", "uint16_t"),
+    "dequantize_to_f32": dequantize_row("StoreF32", "float"),
+    "amax_bf16": amax_row("LoadBF16", "uint16_t", 8),
+    "amax_f32": amax_row("LoadF32", "float", 4),
 }
 
 

@@ -190,10 +190,12 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
   if (rht_amax)
     if (auto e = zero(bits_rht, batch * int64_t(sizeof(uint32_t)), stream); e.failure()) return e;
   const int64_t per_batch = rows * cols;
-  // Enough blocks per entry to fill the GPU, each reading at least kValuesPerBlock.
+  // Blocks per entry for `items` items: enough to fill the GPU, each taking at least `per_block`.
   const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(1024, INT32_MAX / batch));
-  const int64_t chunks =
-      std::clamp<int64_t>((per_batch + kValuesPerBlock - 1) / kValuesPerBlock, 1, max_chunks);
+  const auto chunks_for = [&](int64_t items, int64_t per_block) {
+    return std::clamp<int64_t>((items + per_block - 1) / per_block, 1, max_chunks);
+  };
+  const int64_t chunks = chunks_for(per_batch, kValuesPerBlock);
   ffi::Error launched = ffi::Error::Success();
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
@@ -205,10 +207,9 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
       launched = launch<amax_rht_kernel<L>>("amax", blocks, kThreads, 0, stream, data, rows, cols,
                                             chunks, bits, bits_rht);
     } else if (per_batch % kPerVector == 0) {
-      // Blocks per entry as for the element kernel, but each thread kUnroll vectors at least.
+      // Each thread kUnroll vectors at least.
       const int64_t vectors = per_batch / kPerVector;
-      const int64_t vector_chunks = std::clamp<int64_t>(
-          (vectors + kThreads * kUnroll - 1) / (kThreads * kUnroll), 1, max_chunks);
+      const int64_t vector_chunks = chunks_for(vectors, kThreads * kUnroll);
       launched = launch<amax_vector_kernel<L>>("amax", unsigned(batch * vector_chunks), kThreads, 0,
                                                stream, reinterpret_cast<const uint4*>(data),
                                                vectors, vector_chunks, bits);

@@ -41,33 +41,30 @@ __device__ __forceinline__ void dequantize_block(uint2 codes, uint8_t scale, flo
 #if defined(NVFP4_SASS_BUDGET)
   __builtin_assume(nan_free);  // the steady state
 #endif
+  // Values 2k and 2k + 1 into out; `paired`: neither is NaN (one paired convert).
+  const auto put = [&](int k, float lo, float hi, bool paired) {
+    if constexpr (sizeof(typename S::T) == 4) {
+      out[2 * k] = float_bits(lo);
+      out[2 * k + 1] = float_bits(hi);
+    } else {
+      out[k] = paired ? store2<S>(hi, lo) : uint32_t(S::store(hi)) << 16 | S::store(lo);
+    }
+  };
   if (nan_free) {
     // e2m1 * 2^-14 times s * 2^14 (exact) is e2m1 * s exactly, as the reference's product.
     const float s14 = s * 16384.0f;
 #pragma unroll
     for (int k = 0; k < kBlock / 2; ++k) {
       const uint32_t h = e2m1x2_f16x2(k < 4 ? codes.x : codes.y, k % 4);
-      const float lo = (f16_to_float(uint16_t(h)) * s14) * gds;
-      const float hi = (f16_to_float(uint16_t(h >> 16)) * s14) * gds;
-      if constexpr (sizeof(typename S::T) == 4) {
-        out[2 * k] = float_bits(lo);
-        out[2 * k + 1] = float_bits(hi);
-      } else {
-        out[k] = S::store2(hi, lo);
-      }
+      put(k, (f16_to_float(uint16_t(h)) * s14) * gds, (f16_to_float(uint16_t(h >> 16)) * s14) * gds,
+          true);
     }
   } else {
 #pragma unroll
     for (int k = 0; k < kBlock / 2; ++k) {
       const uint32_t byte = ((k < 4 ? codes.x : codes.y) >> (8 * (k % 4))) & 0xFFu;
-      const float lo = dequantize_value(uint8_t(byte & 0xF), scale, gds);
-      const float hi = dequantize_value(uint8_t(byte >> 4), scale, gds);
-      if constexpr (sizeof(typename S::T) == 4) {
-        out[2 * k] = float_bits(lo);
-        out[2 * k + 1] = float_bits(hi);
-      } else {
-        out[k] = uint32_t(S::store(hi)) << 16 | S::store(lo);
-      }
+      put(k, dequantize_value(uint8_t(byte & 0xF), scale, gds),
+          dequantize_value(uint8_t(byte >> 4), scale, gds), false);
     }
   }
 }

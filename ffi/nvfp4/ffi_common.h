@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "nvfp4/numerics.h"
@@ -40,10 +41,7 @@ NVFP4_HD void rht16_narrow(float (&v)[kBlock]) {
   for (int i = 0; i < kBlock; ++i) v[i] = L::narrow(v[i]);
 }
 
-// Element storers of dequantize: float32 rounded to the output dtype (RNE). The 16-bit ones
-// also round two values into one word, lo's bits in the lower half: on the GPU one paired
-// convert, which gives store's bits for every value but a NaN (0x7FFF there): no caller
-// passes one.
+// Element storers of dequantize: float32 rounded to the output dtype (RNE).
 struct StoreF32 {
   using T = float;
   static NVFP4_HD T store(float v) { return v; }
@@ -51,29 +49,29 @@ struct StoreF32 {
 struct StoreBF16 {
   using T = uint16_t;
   static NVFP4_HD T store(float v) { return float_to_bf16(v); }
-  static NVFP4_HD uint32_t store2(float hi, float lo) {
-#if defined(__CUDA_ARCH__)
-    uint32_t d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-#else
-    return uint32_t(store(hi)) << 16 | store(lo);
-#endif
-  }
 };
 struct StoreF16 {
   using T = uint16_t;
   static NVFP4_HD T store(float v) { return float_to_f16(v); }
-  static NVFP4_HD uint32_t store2(float hi, float lo) {
-#if defined(__CUDA_ARCH__)
-    uint32_t d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-#else
-    return uint32_t(store(hi)) << 16 | store(lo);
-#endif
-  }
 };
+
+// Two values rounded by 16-bit storer S into one word, lo's bits in the lower half: on the GPU
+// one paired convert, which gives S::store's bits for every value but a NaN (0x7FFF there): no
+// caller passes one.
+template <typename S>
+NVFP4_HD uint32_t store2(float hi, float lo) {
+  static_assert(sizeof(typename S::T) == 2, "store2 pairs 16-bit values");
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  if constexpr (std::is_same_v<S, StoreBF16>)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return uint32_t(S::store(hi)) << 16 | S::store(lo);
+#endif
+}
 
 // Calls fn(F32{}), fn(BF16{}) or fn(F16{}) for a float dtype; false for any
 // other dtype. The tags are the loaders or the storers above.
