@@ -34,7 +34,7 @@ from jax.typing import DTypeLike
 from jax_nvfp4._checks import check_key, check_out_dtype
 from jax_nvfp4._frontend import quantize_batch, row_axes
 from jax_nvfp4.formats import INPUT_DTYPES
-from jax_nvfp4.gemm import emulated_gemm
+from jax_nvfp4.gemm import batched_gemm
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.recipe import Recipe
 from jax_nvfp4.tensor import NVFP4Tensor
@@ -64,23 +64,28 @@ def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Config) 
     del key
     qx = _quantize(x, config.recipe, "x", columnwise=False)
     qw = _quantize(w, config.recipe, "w", columnwise=False)
-    return emulated_gemm(qx, qw, config.out_dtype)
+    return batched_gemm(qx, qw, config.out_dtype, impl=config.recipe.impl)
 
 
 def _matmul_fwd(x, w, key, config: _Config):
     qx = _quantize(x, config.recipe, "x", columnwise=True)
     qw = _quantize(w, config.recipe, "w", columnwise=True)
-    return emulated_gemm(qx, qw, config.out_dtype), (_columnwise_only(qx), _columnwise_only(qw), key)
+    return batched_gemm(qx, qw, config.out_dtype, impl=config.recipe.impl), (
+        _columnwise_only(qx),
+        _columnwise_only(qw),
+        key,
+    )
 
 
 def _matmul_bwd(config: _Config, residuals, dy):
     qx, qw, key = residuals  # the columnwise copies: x^T [B, K, *M] and W [B, K, N]
     config.recipe.check_rng_key(key)
     qdy = _quantize(dy, config.recipe, "dy", columnwise=True, key=key)
-    dx = emulated_gemm(qdy, qw, config.x_dtype, c_columnwise=True)  # [B, *M, N] . [B, K, N] -> [B, *M, K]
+    impl = config.recipe.impl
+    dx = batched_gemm(qdy, qw, config.x_dtype, c_columnwise=True, impl=impl)  # [B, *M, N] . [B, K, N] -> [B, *M, K]
     # [B, N, *M] . [B, K, *M] -> [B, N, K], contracting all row axes (tokens); transformed, both operands carry
     # the same orthogonal transform along them, which cancels in the product.
-    dw = emulated_gemm(qdy, qx, config.w_dtype, a_columnwise=True, c_columnwise=True)
+    dw = batched_gemm(qdy, qx, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=impl)
     return dx, dw, None
 
 

@@ -1,10 +1,11 @@
-"""The NVFP4 GEMM, emulated exactly with a bf16 dot (CPU, and GPUs without FP4 tensor cores).
+"""The NVFP4 GEMM: block sums by an exact bf16 emulation or by XLA's ``lax.scaled_dot`` (``gemm_impl``).
 
 Every operand contracts over its last, packed axis: y[b, i, j] = sum_k a[b, i, k] * c[b, j, k].
 An E2M1 value times an E4M3 scale has at most 6 significant bits and lies in
 [2^-10, 2688], so ``code * block_scale`` is exact in bfloat16; the bf16 products
 are exact in float32, and only the float32 accumulation rounds, as on FP4 tensor
-cores. The float32 sum ``acc`` is then multiplied by the global decode scales
+cores. ``lax.scaled_dot`` computes the same sum (on FP4 tensor cores on Blackwell,
+in another order of accumulation). The float32 sum ``acc`` is then multiplied by the global decode scales
 ``fp32(amax / (6 E))`` (E = 448, or 256 for 4over6 tensors), each product rounded
 to float32, in this order:
 
@@ -40,6 +41,7 @@ from jax.typing import DTypeLike
 from jax_nvfp4 import _bits as b
 from jax_nvfp4._checks import check_out_dtype, check_real
 from jax_nvfp4.formats import E2M1_MAX, E4M3_MAX
+from jax_nvfp4.gemm_impl import GemmImpl, resolve_impl
 from jax_nvfp4.ops.gemm import decode_scale, gemm_p, split
 from jax_nvfp4.tensor import NVFP4Tensor, check_tensor
 
@@ -80,7 +82,7 @@ class _Copy:
         return split(self.data.shape, self.contract_ndim)[0]
 
 
-def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype) -> jax.Array:
+def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype, impl: str) -> jax.Array:
     batch = (a.data.shape[0],)
     # Scales travel as their E4M3 bytes: XLA on CPU widens float8 collectives to f16.
     (y,) = gemm_p.bind(
@@ -93,6 +95,7 @@ def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype) -> jax.Array:
         contract_ndim=a.contract_ndim,
         length=a.length,
         out_dtype=jnp.dtype(out_dtype),
+        impl=impl,
     )
     return y
 
@@ -109,7 +112,7 @@ def _row_scale(op: _Copy, before: int, after: int) -> jax.Array:
     return s.reshape(s.shape[0], *(1,) * before, *op.rows, *(1,) * after)
 
 
-def emulated_gemm(
+def batched_gemm(
     a: NVFP4Tensor,
     c: NVFP4Tensor,
     out_dtype: DTypeLike,
@@ -117,28 +120,29 @@ def emulated_gemm(
     a_columnwise: bool = False,
     c_columnwise: bool = False,
     bias: jax.Array | None = None,
+    impl: GemmImpl = "auto",
 ) -> jax.Array:
     """Batched tensors a [B, ...] and c [B, ...] -> [B, *Ra, *Rc] of ``out_dtype``, contracting one copy of each.
 
     The rowwise copy of [B, *R, L] contracts L (its rows R); the columnwise
     copy contracts R (its rows are L). Both copies contract the same axes. The
     global decode scales, then ``bias`` (float32, broadcast against the
-    output), apply in the order of the module docstring.
+    output), apply in the order of the module docstring. ``impl``: see ``gemm``.
     """
     ca, cc = _Copy.of(a, a_columnwise), _Copy.of(c, c_columnwise)
     if ca.contract_ndim != cc.contract_ndim or ca.length != cc.length:
         raise ValueError("the two GEMM operands contract different axes")
-    return _gemm(ca, cc, jnp.dtype(out_dtype), bias)
+    return _gemm(ca, cc, jnp.dtype(out_dtype), bias, resolve_impl(impl, "the GEMM's impl"))
 
 
-@functools.partial(jax.jit, static_argnames="out_dtype")
-def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("out_dtype", "impl"))
+def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None, impl: str) -> jax.Array:
     plain = not (ca.per_row or cc.per_row) and ca.e4m3_max == cc.e4m3_max == 448
     if plain and bias is None:
-        return _bind(ca, cc, ca.amax, cc.amax, out_dtype)  # the scale product inside
+        return _bind(ca, cc, ca.amax, cc.amax, out_dtype, impl)  # the scale product inside
     # Global decode scale 1 in the primitive (amax = 6 * 448); the scales apply to its float32 result.
     unit = jnp.float32(E2M1_MAX * E4M3_MAX)
-    y = _bind(ca, cc, unit, unit, jnp.float32)
+    y = _bind(ca, cc, unit, unit, jnp.float32, impl)
     ra, rc = len(ca.rows), len(cc.rows)
     per_tensor = [
         jnp.broadcast_to(decode_scale(op.amax, op.e4m3_max), y.shape[:1]) for op in (ca, cc) if not op.per_row
@@ -173,7 +177,12 @@ def _as_batch(t: NVFP4Tensor) -> NVFP4Tensor:
 
 
 def gemm(
-    a: NVFP4Tensor, c: NVFP4Tensor, out_dtype: DTypeLike = jnp.float32, bias: jax.Array | None = None
+    a: NVFP4Tensor,
+    c: NVFP4Tensor,
+    out_dtype: DTypeLike = jnp.float32,
+    bias: jax.Array | None = None,
+    *,
+    impl: GemmImpl = "auto",
 ) -> jax.Array:
     """NVFP4 GEMM of two rowwise-quantized tensors: ``a @ c.T`` over their last axis.
 
@@ -184,6 +193,12 @@ def gemm(
       bias: added in float32 after the scales and before the cast to
         ``out_dtype``, as a GEMM epilogue does; shape ``c.shape[:-1]`` (one
         per output column) or anything that broadcasts against the result.
+      impl: how the block sums run: ``"emulated"`` (the blocks dequantized to
+        bf16, then a bf16 dot with float32 accumulation), ``"scaled_dot"``
+        (``lax.scaled_dot`` on float4_e2m1fn codes and E4M3 scales: XLA's own
+        block-scaled dot, the FP4 tensor cores on Blackwell) or ``"auto"``
+        (``scaled_dot`` where it runs natively, see ``native_scaled_dot``;
+        ``emulated`` elsewhere). The scales' epilogue is ours either way.
 
     Returns:
       [*a.shape[:-1], *c.shape[:-1]]: sum_k a[..., k] * c[..., k] of the
@@ -195,6 +210,7 @@ def gemm(
     check_tensor("gemm's a", a)
     check_tensor("gemm's c", c)
     out_dtype = check_out_dtype(out_dtype, "out_dtype", "gemm")
+    impl = resolve_impl(impl, "gemm's impl")
     if a.data is None or c.data is None:
         raise ValueError("gemm needs the rowwise copy of both operands (quantize with rowwise=True)")
     if a.cols != c.cols:
@@ -203,5 +219,5 @@ def gemm(
     out_shape = (*a.shape[:-1], *c.shape[:-1])
     if bias is not None:
         bias = _bias(bias, out_shape).reshape(1, a.rows, c.rows)
-    y = emulated_gemm(_as_batch(a), _as_batch(c), out_dtype, bias=bias)
+    y = batched_gemm(_as_batch(a), _as_batch(c), out_dtype, bias=bias, impl=impl)
     return y.reshape(out_shape)

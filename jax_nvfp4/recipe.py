@@ -8,6 +8,7 @@ from typing import Literal
 
 from jax_nvfp4._checks import check_choice, check_flag, check_mesh_axes, check_positive_factor
 from jax_nvfp4.formats import BLOCK
+from jax_nvfp4.gemm_impl import GEMM_IMPLS, GemmImpl
 from jax_nvfp4.spec import E4M3_MAX_CHOICES, FOUR_OVER_SIX_ERRORS, E4M3Max, FourOverSixError, QuantizeSpec
 
 FourOverSixOperands = Literal["none", "weights", "activations", "all"]
@@ -69,6 +70,9 @@ class Recipe:
         output row (fprop) or column (wgrad) by its float32 scale afterwards.
       row_scaled_gradients: the same for dy (dgrad output rows, wgrad output
         rows per output feature).
+      impl: how the three GEMMs sum their blocks: "emulated" (bf16 dot),
+        "scaled_dot" (``lax.scaled_dot``, FP4 tensor cores on Blackwell) or
+        "auto" (scaled_dot where it runs natively); see ``jax_nvfp4.gemm``.
     """
 
     weight_block_2d: bool = True
@@ -84,6 +88,7 @@ class Recipe:
     e4m3_max: E4M3Max = 256
     row_scaled_activations: bool = False
     row_scaled_gradients: bool = False
+    impl: GemmImpl = "auto"
     four_over_six_e4m3_max: dataclasses.InitVar[int | None] = None
 
     def __post_init__(self, four_over_six_e4m3_max: int | None) -> None:
@@ -99,13 +104,14 @@ class Recipe:
             check_positive_factor(f"Recipe.{name}", getattr(self, name))
         # A tuple, so the recipe stays hashable.
         object.__setattr__(self, "amax_mesh_axes", check_mesh_axes("Recipe.amax_mesh_axes", self.amax_mesh_axes))
-        self._check_four_over_six()
+        self._check_choices()
 
-    def _check_four_over_six(self) -> None:
+    def _check_choices(self) -> None:
         choices = (
             ("four_over_six", FOUR_OVER_SIX_OPERANDS, None),
             ("four_over_six_error", FOUR_OVER_SIX_ERRORS, None),
             ("e4m3_max", E4M3_MAX_CHOICES, "448 or 256"),
+            ("impl", GEMM_IMPLS, None),
         )
         for name, options, expected in choices:
             object.__setattr__(self, name, check_choice(f"Recipe.{name}", getattr(self, name), options, expected))

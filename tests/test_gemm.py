@@ -1,4 +1,5 @@
-"""The emulated NVFP4 GEMM: exact block products, exact sums, float64 agreement."""
+"""The NVFP4 GEMM, both block sums (emulated and lax.scaled_dot): exact block products, exact sums,
+float64 agreement."""
 
 from __future__ import annotations
 
@@ -46,14 +47,18 @@ def test_every_block_product_is_exact_in_bfloat16():
     assert np.array_equal(np.signbit(got.astype(np.float32)), np.signbit(want))  # -0 stays -0
 
 
-def test_sums_are_exact_when_float32_can_hold_them():
+IMPLS = pytest.mark.parametrize("impl", ["emulated", "scaled_dot"])
+
+
+@IMPLS
+def test_sums_are_exact_when_float32_can_hold_them(impl):
     """Scales in [1, 2) and amax = 2688 (global scale 1): every partial sum fits in 24 bits."""
     rng = np.random.default_rng(0)
     m, n, k = 24, 40, 64
     codes_a, codes_c = rng.integers(0, 16, (m, k)), rng.integers(0, 16, (n, k))
     scales_a, scales_c = rng.integers(0x38, 0x40, (m, k // 16)), rng.integers(0x38, 0x40, (n, k // 16))
     a, c = _tensor(codes_a, scales_a, 2688.0), _tensor(codes_c, scales_c, 2688.0)
-    got = np.asarray(jax_nvfp4.gemm(a, c))
+    got = np.asarray(jax_nvfp4.gemm(a, c, impl=impl))
     want = _values64(a.data, a.scale, k) @ _values64(c.data, c.scale, k).T
     np.testing.assert_array_equal(got, want)
 
@@ -64,13 +69,14 @@ def test_sums_are_exact_when_float32_can_hold_them():
     k=st.integers(1, 100),
     seed=st.integers(0, 2**32 - 1),
     out_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    impl=st.sampled_from(["emulated", "scaled_dot"]),
 )
-def test_gemm_is_the_float64_product_up_to_float32_accumulation(m, n, k, seed, out_dtype):
+def test_gemm_is_the_float64_product_up_to_float32_accumulation(m, n, k, seed, out_dtype, impl):
     rng = np.random.default_rng(seed)
     x = random_tensor(rng, (m, k), ml_dtypes.bfloat16, spread=2, specials=("zero",), frac=0.05)
     w = random_tensor(rng, (n, k), ml_dtypes.bfloat16, spread=2, specials=("zero",), frac=0.05)
     a, c = jax_nvfp4.quantize(x), jax_nvfp4.quantize(w, block_2d=True)
-    got = np.asarray(jax_nvfp4.gemm(a, c, out_dtype)).astype(np.float64)
+    got = np.asarray(jax_nvfp4.gemm(a, c, out_dtype, impl=impl)).astype(np.float64)
     va, vc = _values64(a.data, a.scale, k), _values64(c.data, c.scale, k)
     gds = np.float32(np.float32(a.amax) / np.float32(2688)) * np.float64(np.float32(c.amax) / np.float32(2688))
     want = va @ vc.T * gds
@@ -85,14 +91,15 @@ def test_gemm_is_the_float64_product_up_to_float32_accumulation(m, n, k, seed, o
     assert (np.abs(deq - want) <= 2.0**-22 * magnitude).all()
 
 
-def test_nan_and_inf_propagate():
+@IMPLS
+def test_nan_and_inf_propagate(impl):
     x = np.ones((16, 32), np.float32)
     w = np.ones((8, 32), np.float32)
     x[3, 5] = np.nan
-    y = np.asarray(jax_nvfp4.gemm(jax_nvfp4.quantize(x), jax_nvfp4.quantize(w)))
+    y = np.asarray(jax_nvfp4.gemm(jax_nvfp4.quantize(x), jax_nvfp4.quantize(w), impl=impl))
     assert np.isnan(y).all()  # NaN amax: every scale is NaN
     x[3, 5] = np.inf
-    y = np.asarray(jax_nvfp4.gemm(jax_nvfp4.quantize(x), jax_nvfp4.quantize(w)))
+    y = np.asarray(jax_nvfp4.gemm(jax_nvfp4.quantize(x), jax_nvfp4.quantize(w), impl=impl))
     assert not np.isfinite(y).any()
 
 

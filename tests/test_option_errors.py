@@ -167,6 +167,8 @@ RECIPE_BAD = [
     ("four_over_six_error", "l1", ValueError),
     ("e4m3_max", 256.0, ValueError),
     ("e4m3_max", 300, ValueError),
+    ("impl", "cublas", ValueError),
+    ("impl", None, ValueError),
 ]
 
 
@@ -180,6 +182,12 @@ def test_recipe_normalises_numpy_values_to_python_ones():
     r = jax_nvfp4.Recipe(rht=np.bool_(False), e4m3_max=np.int32(448), four_over_six=np.str_("weights"))
     assert r == jax_nvfp4.Recipe(rht=False, e4m3_max=448, four_over_six="weights")
     assert hash(r) == hash(jax_nvfp4.Recipe(rht=False, e4m3_max=448, four_over_six="weights"))
+
+
+def test_gemm_names_a_bad_impl():
+    t = jax_nvfp4.quantize(X)
+    with _raises(ValueError, "gemm's impl"):
+        jax_nvfp4.gemm(t, t, impl="fp4")
 
 
 @pytest.mark.parametrize(

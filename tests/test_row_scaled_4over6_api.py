@@ -327,7 +327,7 @@ def test_nan_in_a_row_scaled_operand_poisons_only_its_row():
 
 
 def test_gemm_checks_a_row_scaled_operands_amax_shape():
-    from jax_nvfp4.gemm import emulated_gemm
+    from jax_nvfp4.gemm import batched_gemm
 
     t = reference.quantize(_x((16, 32)), row_scaled=True)
     # A batch of one [1, 16, 32] whose amax is [16], not [1, 16].
@@ -335,7 +335,7 @@ def test_gemm_checks_a_row_scaled_operands_amax_shape():
         t.data[None], t.scale[None], t.amax, None, None, None, (1, 16, 32), t.dtype, t.spec, True
     )
     with pytest.raises(ValueError, match=r"amax must be \[B, \*R\]"):
-        emulated_gemm(op, op, jnp.float32)
+        batched_gemm(op, op, jnp.float32)
 
 
 # ---- all_gather in shard_map ----

@@ -258,8 +258,10 @@ def _mlp_problem(mesh):
 
 # The recipe with the RHT (deterministic); stochastic rounding draws per-shard keys, so it is left out.
 # "options": per-token scales for x and dy (row amaxes reduced over the shards of a row) and 4over6 everywhere.
+# "scaled_dot": the GEMMs' block sums by lax.scaled_dot, on each shard's codes.
 STEP_RECIPES = {
     "rht": jax_nvfp4.Recipe(stochastic_rounding=False),
+    "scaled_dot": jax_nvfp4.Recipe(stochastic_rounding=False, impl="scaled_dot"),
     "options": jax_nvfp4.Recipe(
         stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True, four_over_six="all"
     ),
@@ -267,7 +269,8 @@ STEP_RECIPES = {
 
 
 @pytest.mark.parametrize(
-    "mesh_name,recipe", [(mesh, "rht") for mesh in MLP_MESHES] + [("2x4", "options"), ("8", "options")]
+    "mesh_name,recipe",
+    [(mesh, "rht") for mesh in MLP_MESHES] + [("2x4", "options"), ("8", "options"), ("2x4", "scaled_dot")],
 )
 def test_sharded_training_step_equals_unsharded(mesh_name, recipe):
     shape, names = MLP_MESHES[mesh_name]
@@ -284,7 +287,11 @@ def test_sharded_training_step_equals_unsharded(mesh_name, recipe):
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         # Only float32 sums split over shards may round differently.
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(w))))
-    found = collectives(sharded.lower(*args).compile().as_text())
+    compiled = sharded.lower(*args).compile().as_text()
+    # Each shard's GEMMs sum their blocks as the recipe says: scaled_dot on FP4 codes, or dequantized blocks.
+    scaled_dot = recipe == "scaled_dot"
+    assert ("f4e2m1fn" in compiled, "nvfp4_dequantize" in compiled) == (scaled_dot, not scaled_dot)
+    found = collectives(compiled)
     gathers = [c for c in found if c.op == "all-gather"]
     codes = [c for c in gathers if c.dtype == "u8"]  # packed codes and E4M3 scales
     # Besides them, per-token amaxes travel with their rows: 4 bytes a row (a row of 128 values: 72 bytes).

@@ -2,11 +2,12 @@
 
 y[b, i, j] = sum over the ``contract_ndim`` axes L of a[b, i, l] * c[b, j, l] times the product of the
 global decode scales fp32(amax / 2688) of a and c (amax [B] each); the last L axis is packed and blocked,
-``length`` values long. Emulated exactly with a bf16 dot (see ``jax_nvfp4.gemm``): an E2M1 value times an
-E4M3 scale is exact in bfloat16 and the products in float32; only the float32 accumulation rounds. One
-primitive, so that it partitions as a whole: whatever collective brings the operands to the layout of the
-output moves their packed codes and scales, never dequantized values. Scales travel as their E4M3 bytes
-(uint8): XLA on CPU widens float8 collectives to f16.
+``length`` values long. ``impl`` says how the float32 sum is made (``jax_nvfp4.gemm_impl``): "emulated",
+exactly, with a bf16 dot (an E2M1 value times an E4M3 scale is exact in bfloat16 and the products in
+float32; only the float32 accumulation rounds), or "scaled_dot", by ``lax.scaled_dot`` on the codes as
+float4_e2m1fn. One primitive, so that it partitions as a whole: whatever collective brings the operands
+to the layout of the output moves their packed codes and scales, never dequantized values. Scales travel
+as their E4M3 bytes (uint8): XLA on CPU widens float8 collectives to f16.
 """
 
 from __future__ import annotations
@@ -44,32 +45,70 @@ def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
     return b.from_bits(b.mul(b.to_bits(decode_scale(amax_a)), b.to_bits(decode_scale(amax_c))))
 
 
+_BATCHED_NT = (((2,), (2,)), ((0,), (0,)))
+"""[B, M, K] . [B, N, K] -> [B, M, N]."""
+
+
 def split(shape, contract_ndim: int) -> tuple[tuple[int, ...], int]:
     """[B, *R, *L] -> (R, prod of the L axes before the last)."""
     return tuple(shape[1 : len(shape) - contract_ndim]), math.prod(shape[len(shape) - contract_ndim : -1])
 
 
-def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype):
+def _emulated_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) -> jax.Array:
+    """The float32 sum over L of the blocks' values, dequantized to bf16 (exact) and multiplied by a bf16 dot."""
+
     def values(data, scale):  # [B, *R, *L] -> bf16 [B, prod(R), prod(L)]
-        rows, lead = split(data.shape, contract_ndim)
-        b = data.shape[0]
+        b, rows, lead = data.shape[0], *split(data.shape, contract_ndim)
         scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
         v = block_values(data.reshape(b, -1, data.shape[-1]), scale.reshape(b, -1, scale.shape[-1]), length)
-        return v.reshape(b, math.prod(rows), lead * length), rows
+        return v.reshape(b, math.prod(rows), lead * length)
 
-    (a, a_rows), (c, c_rows) = values(a_data, a_scale), values(c_data, c_scale)
-    acc = lax.dot_general(a, c, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    return lax.dot_general(
+        values(a_data, a_scale), values(c_data, c_scale), _BATCHED_NT, preferred_element_type=jnp.float32
+    )
+
+
+def _scaled_dot_operand(data: jax.Array, scale: jax.Array, contract_ndim: int, length: int):
+    """Packed codes and E4M3 bytes [B, *R, *L] -> ``lax.scaled_dot``'s operand and scale [B, prod(R), prod(L)].
+
+    The codes are bitcast to float4_e2m1fn (two per byte, element 2i in the low nibble, as XLA packs
+    them), each row of ``length`` values padded with zero codes to whole blocks of 16, so that the
+    contracting axes merge into one whose scale is one E4M3 per 16 values.
+    """
+    b, rows = data.shape[0], split(data.shape, contract_ndim)[0]
+    blocks = -(-length // BLOCK)
+    if length % 2:  # the last byte's high nibble lies past the row: zero it, whatever it holds
+        data = data.at[..., -1].set(data[..., -1] & jnp.uint8(0x0F))
+    pad = [(0, 0, 0)] * (data.ndim - 1) + [(0, blocks * BLOCK // 2 - data.shape[-1], 0)]
+    codes = lax.bitcast_convert_type(lax.pad(data, jnp.uint8(0), pad), jnp.float4_e2m1fn)
+    scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+    return codes.reshape(b, math.prod(rows), -1), scale.reshape(b, math.prod(rows), -1)
+
+
+def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) -> jax.Array:
+    """The float32 sum over L by ``lax.scaled_dot`` (XLA's block-scaled dot: FP4 tensor cores where it has them)."""
+    a, a_s = _scaled_dot_operand(a_data, a_scale, contract_ndim, length)
+    c, c_s = _scaled_dot_operand(c_data, c_scale, contract_ndim, length)
+    return lax.scaled_dot(
+        a, c, lhs_scale=a_s, rhs_scale=c_s, dimension_numbers=_BATCHED_NT, preferred_element_type=jnp.float32
+    )
+
+
+def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl):
+    sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum}[impl]
+    acc = sums(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
     # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit.
     y = (acc * global_decode_scale(a_amax, c_amax)[:, None, None]).astype(out_dtype)
-    return (y.reshape(a.shape[0], *a_rows, *c_rows),)
+    a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
+    return (y.reshape(a_data.shape[0], *a_rows, *c_rows),)
 
 
-def _abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype):
+def _abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl):
     a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
     return (shaped((a_data.shape[0], *a_rows, *c_rows), out_dtype),)
 
 
-def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype):
+def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype, impl):
     f = Factors(axis_sizes)
     _, lp, ls = f.dim("l", length, blocked=True)
     lead_l = [f"k{i}" for i in range(contract_ndim - 1)]
@@ -88,7 +127,7 @@ def _common_prefix(a: tuple[str, ...], c: tuple[str, ...]) -> tuple[str, ...]:
     return a[:n]
 
 
-def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype):
+def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype, impl):
     """Keep the output sharded as wanted; move the *quantized* operands to fit.
 
     The output takes the sharding propagation asks for (by default a's rows
