@@ -10,6 +10,8 @@ Public API:
   gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
   dot_general(lhs, rhs, dimension_numbers, ..., recipe=None, rng_key=None): lax.dot_general in NVFP4
   Recipe: the training recipe's options, and the QuantizeSpec of each GEMM operand.
+  quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
+    (dot_general and the Flax layers apply it without quantizing it again)
   all_gather(t, axis_name, *, axis=0, tiled=True): gather a quantized tensor in shard_map
 Under jit on a mesh the primitives shard themselves (amax reduced over the mesh,
 GEMM operands gathered quantized). Flax layers live in ``jax_nvfp4.flax`` (needs
@@ -17,13 +19,13 @@ flax); ``jax_nvfp4.testing`` reads the collectives of a compiled program.
 """
 
 from jax_nvfp4 import _frontend, reference
-from jax_nvfp4.dot import dot_general
+from jax_nvfp4.dot import dot_general, quantize_weight
 from jax_nvfp4.gemm import gemm
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.recipe import Recipe
 from jax_nvfp4.sharding import all_gather
 from jax_nvfp4.spec import QuantizeSpec
-from jax_nvfp4.tensor import NVFP4Tensor
+from jax_nvfp4.tensor import NVFP4Tensor, QuantizedWeight
 
 quantize = _frontend.quantize_fn(KERNELS)
 dequantize = _frontend.dequantize_fn(KERNELS)
@@ -32,6 +34,7 @@ amax = _frontend.amax_fn(KERNELS)
 __all__ = [
     "NVFP4Tensor",
     "QuantizeSpec",
+    "QuantizedWeight",
     "Recipe",
     "all_gather",
     "amax",
@@ -39,6 +42,7 @@ __all__ = [
     "dot_general",
     "gemm",
     "quantize",
+    "quantize_weight",
     "reference",
 ]
 __version__ = "0.1.0"

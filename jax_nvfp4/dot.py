@@ -37,7 +37,7 @@ from jax_nvfp4.formats import INPUT_DTYPES
 from jax_nvfp4.gemm import batched_gemm
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.recipe import Recipe
-from jax_nvfp4.tensor import NVFP4Tensor
+from jax_nvfp4.tensor import NVFP4Tensor, QuantizedWeight
 
 
 class _Config(NamedTuple):
@@ -96,6 +96,53 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 _jitted_matmul = jax.jit(_matmul, static_argnums=3)
 
 
+def quantize_weight(kernel: jax.Array, recipe: Recipe | None = None, *, contract_ndim: int = 1) -> QuantizedWeight:
+    """A kernel [*in, *out] (its first ``contract_ndim`` axes contracted) quantized once for inference.
+
+    The rowwise copy of W^T that ``dot_general``'s forward GEMM would make from ``kernel`` with
+    ``recipe`` (16x16 blocks by default), bit for bit, so that ``dot_general(x, quantize_weight(w),
+    ...)`` gives the training forward's output without quantizing the weight again.
+    """
+    recipe = Recipe() if recipe is None else recipe
+    kernel = jnp.asarray(kernel)
+    if kernel.dtype not in INPUT_DTYPES:
+        raise TypeError(f"quantize_weight takes a bfloat16, float16 or float32 kernel, got {kernel.dtype}")
+    if not 1 <= contract_ndim < kernel.ndim:
+        raise ValueError(f"contract_ndim must be in [1, {kernel.ndim - 1}] for a kernel of shape {kernel.shape}")
+    k = math.prod(kernel.shape[:contract_ndim])
+    w = kernel.reshape(k, -1).T[None]  # [1, N, K]
+    return QuantizedWeight(_jitted_weight(w, recipe), tuple(kernel.shape), contract_ndim)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _jitted_weight(w: jax.Array, recipe: Recipe) -> NVFP4Tensor:
+    return _quantize(w, recipe, "w", columnwise=False)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _forward(x: jax.Array, w: NVFP4Tensor, recipe: Recipe, out_dtype: np.dtype) -> jax.Array:
+    """The training forward GEMM, x [1, *M, K] against an already quantized W^T [1, N, K]."""
+    return batched_gemm(_quantize(x, recipe, "x", columnwise=False), w, out_dtype, impl=recipe.impl)
+
+
+def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, recipe: Recipe) -> jax.Array:
+    """``dot_general`` with a ``QuantizedWeight`` as rhs: x quantized, the stored W as it is."""
+    (lc, rc), (lb, rb) = ((tuple(map(int, d)) for d in pair) for pair in dims)
+    if rb or lb or rc != tuple(range(rhs.contract_ndim)):
+        raise ValueError(
+            f"a QuantizedWeight of shape {rhs.shape} contracts its first {rhs.contract_ndim} axes and has no batch "
+            f"axes; got dimension_numbers {dims}"
+        )
+    stand_in = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
+    dot = functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type)
+    out = jax.eval_shape(dot, lhs, stand_in)
+    if lhs.dtype not in INPUT_DTYPES or out.dtype not in INPUT_DTYPES:
+        raise TypeError(f"NVFP4 dot_general takes and produces bfloat16, float16 or float32, not {lhs.dtype}")
+    lf = [d for d in range(lhs.ndim) if d not in lc]
+    x = lhs.transpose(*lf, *lc).reshape(1, -1, math.prod(lhs.shape[d] for d in lc))
+    return _forward(x, rhs.tensor, recipe, out.dtype).reshape(out.shape)
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -116,7 +163,9 @@ def dot_general(
     accepted; the result has ``lax.dot_general``'s shape and dtype.
 
     Args:
-      lhs, rhs: bfloat16, float16 or float32 arrays.
+      lhs, rhs: bfloat16, float16 or float32 arrays; ``rhs`` may be a
+        ``QuantizedWeight`` (``quantize_weight``): inference, the forward GEMM
+        with the stored weight, which is not quantized again (no gradients).
       dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
       precision: ignored; the GEMM is NVFP4 with float32 accumulation.
       preferred_element_type: the output dtype (bfloat16, float16 or float32).
@@ -140,6 +189,9 @@ def dot_general(
         check_key(rng_key, "rng_key")
     if preferred_element_type is not None:
         check_out_dtype(preferred_element_type, "preferred_element_type", "NVFP4 dot_general")
+    if isinstance(rhs, QuantizedWeight):
+        y = _apply_quantized(jnp.asarray(lhs), rhs, dimension_numbers, preferred_element_type, recipe)
+        return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if a.dtype not in INPUT_DTYPES:

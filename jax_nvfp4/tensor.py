@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -80,3 +81,34 @@ def check_tensor(name: str, t) -> NVFP4Tensor:
     if t.batched:
         raise ValueError(f"{name} is a batch of tensors (dot_general's operands), not one from quantize")
     return t
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tensor"], meta_fields=["shape", "contract_ndim"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A layer's kernel stored in NVFP4 for inference (``jax_nvfp4.quantize_weight``).
+
+    ``tensor``: the rowwise copy of W^T [1, N, K] (batched) exactly as the training forward GEMM
+    quantizes it: 0.5625 bytes a value. ``shape``: the kernel's own shape [*in, *out], its first
+    ``contract_ndim`` axes contracted (K = their product, N = the rest's). ``jax_nvfp4.dot_general``
+    takes it as ``rhs`` (forward only) and the Flax layers apply it as their kernel.
+    """
+
+    tensor: NVFP4Tensor
+    shape: tuple[int, ...]
+    contract_ndim: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the kernel it was quantized from (what Flax promotes the layer's inputs with)."""
+        return self.tensor.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index):
+        # NNX layers read their kernel as ``param[...]``: the whole weight, as it is.
+        if index is not Ellipsis:
+            raise TypeError("a QuantizedWeight is indexed only as [...] (the whole weight)")
+        return self

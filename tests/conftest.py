@@ -70,3 +70,17 @@ def random_tensor(rng: np.random.Generator, shape, dtype, *, spread: float, spec
         x = np.where(mask, rng.choice(pool, size=shape), x)
     with np.errstate(over="ignore"):
         return x.astype(np.float32).astype(dtype)
+
+
+def eqns_named(jaxpr, name: str) -> list:
+    """Every equation of primitive ``name`` that a (closed) jaxpr runs, nested jaxprs included, one per call."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    found += eqns_named(sub, name)
+    return found

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import examples
+from conftest import eqns_named, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernels import assert_same_bytes
@@ -131,20 +131,6 @@ def _functions(module: str) -> dict[str, str]:
     return {name: module[s:e] for (s, name), e in zip(starts, ends, strict=True)}
 
 
-def _gemms(jaxpr) -> list[str]:
-    """The ``impl`` of every nvfp4_gemm a (closed) jaxpr runs, nested jaxprs included, one per call."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "nvfp4_gemm":
-            found.append(eqn.params["impl"])
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    found += _gemms(sub)
-    return found
-
-
 def _train_step_for_cuda(recipe: Recipe) -> tuple[list[str], str]:
     """One SGD step of a two-layer NVFP4 MLP (linen): the impl of each GEMM it runs, and its StableHLO
     exported for CUDA."""
@@ -172,7 +158,8 @@ def _train_step_for_cuda(recipe: Recipe) -> tuple[list[str], str]:
     args = (params, x, jax.random.key(1))
     kernels = [jax.export.DisabledSafetyCheck.custom_call(f"nvfp4_{op}") for op in ("amax", "quantize", "dequantize")]
     exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=kernels)
-    return _gemms(jax.make_jaxpr(step)(*args)), exported(*args).mlir_module()
+    gemms = [e.params["impl"] for e in eqns_named(jax.make_jaxpr(step)(*args), "nvfp4_gemm")]
+    return gemms, exported(*args).mlir_module()
 
 
 def test_every_gemm_of_a_cuda_training_step_is_a_scaled_dot_on_fp4_codes():

@@ -16,10 +16,13 @@ import functools
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+from flax.linen import dtypes as flax_dtypes
 
-from jax_nvfp4.dot import dot_general
+from jax_nvfp4.dot import dot_general, quantize_weight
 from jax_nvfp4.recipe import Recipe
+from jax_nvfp4.tensor import QuantizedWeight
 
 RNG_STREAM = "nvfp4"
 """The Flax RNG stream the layers draw their stochastic-rounding keys from: train with
@@ -81,8 +84,29 @@ def _logically_partitioned(init: Callable, axes: LogicalAxes | None) -> Callable
     return annotated
 
 
+def promote_dtype(*args, dtype=None, inexact: bool = True) -> list:
+    """Flax's ``promote_dtype``, passing a ``QuantizedWeight`` through as it is (promoted as its kernel's dtype)."""
+    stand_ins = [jnp.zeros((), a.dtype) if isinstance(a, QuantizedWeight) else a for a in args]
+    promoted = flax_dtypes.promote_dtype(*stand_ins, dtype=dtype, inexact=inexact)
+    return [a if isinstance(a, QuantizedWeight) else p for a, p in zip(args, promoted, strict=True)]
+
+
 class _NVFP4Layer:
-    """Mixin: route the parent layer's GEMM through ``NVFP4DotGeneral(recipe)``; annotate its params."""
+    """Mixin: route the parent layer's GEMM through ``NVFP4DotGeneral(recipe)``; annotate its params;
+    apply a kernel stored as a ``QuantizedWeight`` (``quantize_params``) as it is."""
+
+    def param(self, name: str, init_fn, *init_args, **init_kwargs):
+        """Flax's ``param``, but a stored ``QuantizedWeight`` kernel is returned without Flax's shape check
+        (its arrays are the packed W^T, not the kernel's shape; the weight records that shape)."""
+        if name == "kernel" and self.has_variable("params", name):
+            stored = self.get_variable("params", name)
+            if isinstance(stored, QuantizedWeight):
+                return stored
+        return super().param(name, init_fn, *init_args, **init_kwargs)
+
+    def _contracted_kernel_axes(self) -> int:
+        """How many leading kernel axes the layer contracts (``nn.Dense``: 1)."""
+        return 1
 
     def __post_init__(self) -> None:
         ours = isinstance(self.dot_general_cls, functools.partial) and self.dot_general_cls.func is NVFP4DotGeneral
@@ -92,6 +116,7 @@ class _NVFP4Layer:
         object.__setattr__(self, "dot_general_cls", functools.partial(NVFP4DotGeneral, recipe=self.recipe))
         object.__setattr__(self, "kernel_init", _logically_partitioned(self.kernel_init, self.kernel_axes))
         object.__setattr__(self, "bias_init", _logically_partitioned(self.bias_init, self.bias_axes))
+        object.__setattr__(self, "promote_dtype", promote_dtype)
         super().__post_init__()
 
 
@@ -123,3 +148,42 @@ class NVFP4DenseGeneral(_NVFP4Layer, nn.DenseGeneral):
     recipe: Recipe = Recipe()
     kernel_axes: LogicalAxes | None = None
     bias_axes: LogicalAxes | None = None
+
+    def _contracted_kernel_axes(self) -> int:
+        if self.batch_dims not in ((), None):
+            raise ValueError("quantize_params: an NVFP4DenseGeneral with batch_dims has no quantized inference path")
+        return len(self.axis) if isinstance(self.axis, tuple | list) else 1
+
+
+def quantize_params(params, recipe: Recipe | None = None, *, model: nn.Module, inputs: tuple = (), **kwargs):
+    """``params`` with the kernel of every NVFP4 layer of ``model`` stored as a ``QuantizedWeight``.
+
+    Runs ``model.apply({"params": params}, *inputs, **kwargs)`` once (jitted; only the inputs' shapes
+    matter, a batch of one will do) to find the ``NVFP4Dense`` / ``NVFP4DenseGeneral`` layers, and
+    quantizes each kernel as the layer's forward GEMM does (rowwise, with ``recipe``, else the layer's
+    own): 0.5625 bytes a value. The same model then applies the returned tree directly, quantizing
+    only its activations; every other parameter (embeddings, bf16 layers, biases) is unchanged.
+    """
+
+    def quantize_kernels(next_fun, args, kw, context):
+        module = context.module
+        if (
+            isinstance(module, _NVFP4Layer)
+            and context.method_name == "__call__"
+            and module.has_variable("params", "kernel")
+        ):
+            kernel = module.get_variable("params", "kernel")
+            if not isinstance(kernel, QuantizedWeight):
+                n = module._contracted_kernel_axes()
+                module.put_variable(
+                    "params", "kernel", quantize_weight(kernel, recipe or module.recipe, contract_ndim=n)
+                )
+        return next_fun(*args, **kw)
+
+    @jax.jit
+    def run(params, inputs, kwargs):
+        with nn.intercept_methods(quantize_kernels):
+            _, variables = model.apply({"params": params}, *inputs, mutable=["params"], **kwargs)
+        return variables["params"]
+
+    return run(params, tuple(inputs), kwargs)

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jax_nvfp4.dot import dot_general
+from jax_nvfp4.dot import dot_general, quantize_weight
 from jax_nvfp4.flax.linen import RNG_STREAM
+from jax_nvfp4.flax.linen import promote_dtype as _promote_each
 from jax_nvfp4.recipe import Recipe
+from jax_nvfp4.tensor import QuantizedWeight
 
 _DEFAULT_RECIPE = Recipe()
 
@@ -74,4 +76,33 @@ class NVFP4DotGeneral(nnx.Module):
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
 
 
-__all__ = ["RNG_STREAM", "NVFP4DotGeneral"]
+def promote_dtype(args: tuple, /, *, dtype=None, inexact: bool = True) -> tuple:
+    """NNX's ``promote_dtype`` (one tuple of values), passing a ``QuantizedWeight`` through as it is."""
+    return tuple(_promote_each(*args, dtype=dtype, inexact=inexact))
+
+
+def quantize_params(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Module:
+    """Store the kernel of every NVFP4 layer of ``model`` as a ``QuantizedWeight``, in place; returns ``model``.
+
+    NVFP4 layers are the ``nnx.Linear`` / ``nnx.LinearGeneral`` whose ``dot_general`` is an
+    ``NVFP4DotGeneral``. Each kernel is quantized as that module's forward GEMM does (with ``recipe``,
+    else the module's own), and the layer then applies it directly, quantizing only its inputs.
+    """
+    for _, node in nnx.iter_graph(model):
+        if not (isinstance(node, nnx.Linear | nnx.LinearGeneral) and isinstance(node.dot_general, NVFP4DotGeneral)):
+            continue
+        kernel = node.kernel[...]
+        if isinstance(kernel, QuantizedWeight):
+            continue
+        if isinstance(node, nnx.LinearGeneral):
+            if node.batch_axis:
+                raise ValueError("quantize_params: an nnx.LinearGeneral with batch_axis has no quantized path")
+            contract_ndim = len(node.in_features)
+        else:
+            contract_ndim = 1
+        node.kernel = nnx.Param(quantize_weight(kernel, recipe or node.dot_general.recipe, contract_ndim=contract_ndim))
+        node.promote_dtype = promote_dtype
+    return model
+
+
+__all__ = ["RNG_STREAM", "NVFP4DotGeneral", "quantize_params"]
