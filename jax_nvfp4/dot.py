@@ -58,23 +58,23 @@ def _columnwise_only(t: NVFP4Tensor) -> NVFP4Tensor:
     return NVFP4Tensor(None, None, t.amax, t.data_t, t.scale_t, t.amax_t, t.shape, t.dtype, t.spec, t.batched)
 
 
+def _fprop(x: jax.Array, qw: NVFP4Tensor, recipe: Recipe, out_dtype: np.dtype) -> jax.Array:
+    """The forward GEMM without residuals: x [B, *M, K] quantized, against quantized W^T [B, N, K]."""
+    return batched_gemm(_quantize(x, recipe, "x", columnwise=False), qw, out_dtype, impl=recipe.impl)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Config) -> jax.Array:
     """x [B, *M, K], w [B, N, K] -> y [B, *M, N] (M: one or more row axes)."""
     del key
-    qx = _quantize(x, config.recipe, "x", columnwise=False)
-    qw = _quantize(w, config.recipe, "w", columnwise=False)
-    return batched_gemm(qx, qw, config.out_dtype, impl=config.recipe.impl)
+    return _fprop(x, _quantize(w, config.recipe, "w", columnwise=False), config.recipe, config.out_dtype)
 
 
 def _matmul_fwd(x, w, key, config: _Config):
     qx = _quantize(x, config.recipe, "x", columnwise=True)
     qw = _quantize(w, config.recipe, "w", columnwise=True)
-    return batched_gemm(qx, qw, config.out_dtype, impl=config.recipe.impl), (
-        _columnwise_only(qx),
-        _columnwise_only(qw),
-        key,
-    )
+    y = batched_gemm(qx, qw, config.out_dtype, impl=config.recipe.impl)
+    return y, (_columnwise_only(qx), _columnwise_only(qw), key)
 
 
 def _matmul_bwd(config: _Config, residuals, dy):
@@ -119,15 +119,18 @@ def _jitted_weight(w: jax.Array, recipe: Recipe) -> NVFP4Tensor:
     return _quantize(w, recipe, "w", columnwise=False)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _forward(x: jax.Array, w: NVFP4Tensor, recipe: Recipe, out_dtype: np.dtype) -> jax.Array:
-    """The training forward GEMM, x [1, *M, K] against an already quantized W^T [1, N, K]."""
-    return batched_gemm(_quantize(x, recipe, "x", columnwise=False), w, out_dtype, impl=recipe.impl)
+_jitted_fprop = jax.jit(_fprop, static_argnums=(2, 3))
+
+
+def _int_dims(dimension_numbers) -> lax.DotDimensionNumbers:
+    """``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` as tuples of ints."""
+    return tuple(tuple(tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
 
 
 def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, recipe: Recipe) -> jax.Array:
     """``dot_general`` with a ``QuantizedWeight`` as rhs: x quantized, the stored W as it is."""
-    (lc, rc), (lb, rb) = ((tuple(map(int, d)) for d in pair) for pair in dims)
+    dims = _int_dims(dims)
+    (lc, rc), (lb, rb) = dims
     if rb or lb or rc != tuple(range(rhs.contract_ndim)):
         raise ValueError(
             f"a QuantizedWeight of shape {rhs.shape} contracts its first {rhs.contract_ndim} axes and has no batch "
@@ -137,10 +140,12 @@ def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, re
     dot = functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type)
     out = jax.eval_shape(dot, lhs, stand_in)
     if lhs.dtype not in INPUT_DTYPES or out.dtype not in INPUT_DTYPES:
-        raise TypeError(f"NVFP4 dot_general takes and produces bfloat16, float16 or float32, not {lhs.dtype}")
+        raise TypeError(
+            f"NVFP4 dot_general takes and produces bfloat16, float16 or float32, not lhs {lhs.dtype} -> {out.dtype}"
+        )
     lf = [d for d in range(lhs.ndim) if d not in lc]
     x = lhs.transpose(*lf, *lc).reshape(1, -1, math.prod(lhs.shape[d] for d in lc))
-    return _forward(x, rhs.tensor, recipe, out.dtype).reshape(out.shape)
+    return _jitted_fprop(x, rhs.tensor, recipe, out.dtype).reshape(out.shape)
 
 
 def dot_general(
@@ -196,8 +201,8 @@ def dot_general(
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if a.dtype not in INPUT_DTYPES:
             raise TypeError(f"NVFP4 dot_general takes bfloat16, float16 or float32 operands, {name} is {a.dtype}")
-    (lc, rc), (lb, rb) = ((tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
-    dims = ((lc, rc), (lb, rb))
+    dims = _int_dims(dimension_numbers)
+    (lc, rc), (lb, rb) = dims
     # lax's own shape rule validates the dimension numbers and gives the result type.
     out = jax.eval_shape(
         functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type),
