@@ -16,6 +16,11 @@ estimated from the pre-RHT one), 4o6 (plain + 4over6 adaptive block scaling of x
 one global scale per token for x and dy instead of one per tensor). Stochastic rounding draws a fresh
 key every step from the layers' ``"nvfp4"`` RNG stream.
 
+`--save DIR` writes each trained model to DIR/<run> for inference (``examples/generate.py DIR`` samples text
+from it): the NVFP4 layers' kernels quantized once (``jax_nvfp4.QuantizedWeight``, 0.5625 bytes a value), every
+other parameter as trained, saved with orbax-checkpoint (``jax_nvfp4.checkpoint``), and the model's settings in
+config.json.
+
 `--mesh data=2,fsdp=2,tensor=2` trains sharded over that many devices (on CPU, set
 XLA_FLAGS=--xla_force_host_platform_device_count=8): the batch splits over data x fsdp, the parameters
 and their optimizer state over fsdp (gathered for use), and the attention heads and MLP over tensor.
@@ -46,7 +51,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
+from jax_nvfp4 import checkpoint
 from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral
+from jax_nvfp4.flax.linen import quantize_params
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -87,6 +94,8 @@ RECIPES = {
     ),
 }
 RUNS = (*RECIPES, "bf16")
+# The settings that define the model (build_model's), saved with it by --save.
+MODEL_ARGS = ("d_model", "layers", "heads", "seq_len", "weight_blocks")
 
 
 def load_corpus(max_bytes: int = 4 << 20) -> np.ndarray:
@@ -226,6 +235,18 @@ def build_model(run: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | No
     else:
         dense_cls, dense_general_cls = with_axes(nn.Dense), with_axes(nn.DenseGeneral)
     return TransformerLM(args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh)
+
+
+def save_model(directory: pathlib.Path, run: str, args: argparse.Namespace, model: TransformerLM, params: Any) -> None:
+    """Write a trained model for inference to ``directory``: ``params/``, its parameters with the NVFP4 layers'
+    kernels quantized (``QuantizedWeight``) by ``jax_nvfp4.checkpoint`` (orbax), and ``config.json``, the run and
+    the MODEL_ARGS that rebuild the model (``build_model``)."""
+    if run in RECIPES:
+        params = quantize_params(params, model=model, inputs=(jnp.zeros((1, args.seq_len), jnp.int32),))
+    # On the host, unsharded: the checkpoint then restores on any number of devices.
+    checkpoint.save(directory / "params", jax.device_get(params))
+    config = {"run": run, **{name: getattr(args, name) for name in MODEL_ARGS}}
+    (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
 class Progress:
@@ -382,6 +403,9 @@ def train(
             progress.update(step, loss)
     progress.clear()
     elapsed = time.perf_counter() - t_start - eval_time
+    if args.save:
+        save_model(pathlib.Path(args.save) / run, run, args, model, state.params)
+        print(f"{label} saved to {pathlib.Path(args.save) / run}", flush=True)
     losses = np.asarray(jnp.stack(losses))
     tail = max(1, args.steps // 10)
     return {
@@ -508,6 +532,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="train_lm.png", help="where to write the loss plot")
     parser.add_argument("--json", default=None, help="optionally, where to write the results as JSON")
     parser.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="write each trained model to DIR/<run> (NVFP4 layers' weights quantized; orbax), for examples/generate.py",
+    )
+    parser.add_argument(
         "--mesh",
         type=parse_mesh,
         default=None,
@@ -526,6 +556,13 @@ def main() -> None:
         mesh = make_mesh(args.mesh, args) if args.mesh else None
     except ValueError as e:
         parser.error(f"--mesh {mesh_name(args.mesh)}: {e}")
+    taken = [
+        str(pathlib.Path(args.save) / run)
+        for run in args.runs
+        if args.save and (pathlib.Path(args.save) / run).exists()
+    ]
+    if taken:
+        parser.error(f"--save {args.save}: {', '.join(taken)} exists already (remove it or save elsewhere)")
     device = jax.devices()[0].device_kind
     print(f"jax {jax.__version__} on {jax.default_backend()} ({device}), jax_nvfp4 {jax_nvfp4.__version__}")
     if mesh is not None:

@@ -11,7 +11,7 @@ Public API:
   dot_general(lhs, rhs, dimension_numbers, ..., recipe=None, rng_key=None): lax.dot_general in NVFP4
   Recipe: the training recipe's options, and the QuantizeSpec of each GEMM operand.
   quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
-    (dot_general and the Flax layers apply it without quantizing it again)
+    (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
   all_gather(t, axis_name, *, axis=0, tiled=True): gather a quantized tensor in shard_map
 Under jit on a mesh the primitives shard themselves (amax reduced over the mesh,
 GEMM operands gathered quantized). Flax layers live in ``jax_nvfp4.flax`` (needs
@@ -19,7 +19,7 @@ flax); ``jax_nvfp4.testing`` reads the collectives of a compiled program.
 """
 
 from jax_nvfp4 import _frontend, reference
-from jax_nvfp4.dot import dot_general, quantize_weight
+from jax_nvfp4.dot import dequantize_weight, dot_general, quantize_weight
 from jax_nvfp4.gemm import gemm
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.recipe import Recipe
@@ -39,6 +39,7 @@ __all__ = [
     "all_gather",
     "amax",
     "dequantize",
+    "dequantize_weight",
     "dot_general",
     "gemm",
     "quantize",

@@ -20,6 +20,7 @@ are the quantized columnwise copies of x and W.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -32,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from jax_nvfp4._checks import check_key, check_out_dtype
-from jax_nvfp4._frontend import quantize_batch, row_axes
+from jax_nvfp4._frontend import dequantize_fn, quantize_batch, row_axes
 from jax_nvfp4.formats import INPUT_DTYPES
 from jax_nvfp4.gemm import batched_gemm
 from jax_nvfp4.ops import KERNELS
@@ -117,6 +118,24 @@ def quantize_weight(kernel: jax.Array, recipe: Recipe | None = None, *, contract
 @functools.partial(jax.jit, static_argnums=1)
 def _jitted_weight(w: jax.Array, recipe: Recipe) -> NVFP4Tensor:
     return _quantize(w, recipe, "w", columnwise=False)
+
+
+_dequantize = dequantize_fn(KERNELS)
+
+
+def dequantize_weight(weight: QuantizedWeight, dtype: DTypeLike = jnp.float32) -> jax.Array:
+    """The kernel a ``QuantizedWeight`` holds, decoded: its shape [*in, *out], in ``dtype``.
+
+    These are the values its forward GEMM multiplies, e.g. to run the same weights through a plain dot
+    or to compare them with the kernel they were quantized from.
+    """
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(
+            f"dequantize_weight takes a QuantizedWeight (from quantize_weight), got {type(weight).__name__}"
+        )
+    t = weight.tensor
+    rows = dataclasses.replace(t, data=t.data[0], scale=t.scale[0], amax=t.amax[0], shape=t.shape[1:], batched=False)
+    return _dequantize(rows, dtype).T.reshape(weight.shape)  # W^T [N, K] -> the kernel
 
 
 _jitted_fprop = jax.jit(_fprop, static_argnums=(2, 3))

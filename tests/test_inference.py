@@ -55,6 +55,21 @@ def test_a_quantized_weight_is_0_5625_bytes_a_value():
     assert nbytes == 256 * 128 * 0.5625 + 4  # codes, E4M3 scales, one float32 amax
 
 
+@pytest.mark.parametrize("block_2d", [True, False], ids=["16x16", "1x16"])
+def test_dequantize_weight_decodes_the_stored_w_transposed(block_2d):
+    """dequantize_weight gives the kernel's shape back, with the values of the reference's W^T quantization."""
+    w = _normal((3, 16, 40), 0, jnp.float32)  # two contracted axes: K = 48, N = 40
+    qw = jax_nvfp4.quantize_weight(w, Recipe(weight_block_2d=block_2d), contract_ndim=2)
+    ref = jax_nvfp4.reference
+    want = ref.dequantize(ref.quantize(w.reshape(48, 40).T, block_2d=block_2d)).T.reshape(w.shape)
+    got = jax_nvfp4.dequantize_weight(qw)
+    assert got.shape == w.shape
+    assert_same_bytes(got, want)
+    assert jax_nvfp4.dequantize_weight(qw, jnp.bfloat16).dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match="takes a QuantizedWeight"):
+        jax_nvfp4.dequantize_weight(w)
+
+
 def test_quantized_weight_errors():
     w = _normal((48, 40), 0, jnp.float32)
     qw = jax_nvfp4.quantize_weight(w)
