@@ -1,0 +1,110 @@
+"""A training step of the example's transformer: NVFP4 GEMMs emulated, through lax.scaled_dot, and bf16.
+
+The model of ``examples/train_lm.py`` (its NVFP4 layers with the full recipe, ``jax_nvfp4.Recipe()``) at the
+given size: one jitted step (loss, gradients, SGD update) with ``Recipe(impl="emulated")`` (the blocks dequantized
+to bf16 for a bf16 dot), with ``impl="scaled_dot"`` (``lax.scaled_dot`` on float4_e2m1fn codes: the FP4 tensor
+cores on Blackwell, decomposed by XLA elsewhere) and with bf16 layers, all in one process, and the ratios against
+bf16. ``impl="auto"`` picks the first on this machine as the table says. Prints a markdown table; ``--out FILE``
+also writes it there.
+
+    python benchmarks/train_step_impl.py [--d-model 2048] [--layers 2] [--batch 8] [--seq-len 512] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from timing import Report, device_name, median_seconds
+
+import jax_nvfp4
+from jax_nvfp4.flax import NVFP4Dense, NVFP4DenseGeneral
+from jax_nvfp4.gemm_impl import resolve_impl
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import train_lm
+
+
+def model_for(variant: str, args: argparse.Namespace) -> train_lm.TransformerLM:
+    """The example's model with bf16 layers or NVFP4 layers (full recipe) whose GEMMs run as ``variant``."""
+    if variant == "bf16":
+        return train_lm.build_model("bf16", args)
+    recipe = dataclasses.replace(jax_nvfp4.Recipe(), impl=variant)
+    nvfp4 = (functools.partial(NVFP4Dense, recipe=recipe), functools.partial(NVFP4DenseGeneral, recipe=recipe))
+    return train_lm.TransformerLM(args.d_model, args.layers, args.heads, args.seq_len, *nvfp4)
+
+
+def step_fn(model: train_lm.TransformerLM, lr: float = 1e-3):
+    """A jitted SGD step: (params, batch, key) -> (new params, loss)."""
+    loss_fn = functools.partial(train_lm.next_byte_loss, model)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(params, batch, key):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, key)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="also write the markdown report to this file")
+    args = parser.parse_args()
+    args.weight_blocks = "16x16"
+
+    tokens = args.batch * args.seq_len
+    report = Report(
+        args.out,
+        [
+            f"# Training step of the example model, by GEMM implementation: {device_name()} ({jax.default_backend()})",
+            "",
+            f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}; `python "
+            f"benchmarks/train_step_impl.py --d-model {args.d_model} --layers {args.layers} --heads {args.heads} "
+            f"--batch {args.batch} --seq-len {args.seq_len}` ({tokens} tokens a step, SGD), median of "
+            f"{args.repeats}, all in one process. NVFP4: the full recipe (RHT, stochastic rounding, 16x16 weight "
+            f'blocks) in every linear layer of the blocks; embeddings and head bf16. `impl="auto"` resolves to '
+            f"`{resolve_impl('auto', 'benchmark')}` here.",
+            "",
+            "| layers' GEMMs | ms/step | tokens/s | x bf16 |",
+            "|---|---:|---:|---:|",
+        ],
+    )
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, train_lm.VOCAB, (args.batch, args.seq_len + 1)), jnp.int32)
+    key = jax.random.key(1)
+    times = {}
+    for variant in ("bf16", "emulated", "scaled_dot"):
+        model = model_for(variant, args)
+        params = jax.jit(model.init)(jax.random.key(0), batch[:1, :-1])["params"]
+        step = step_fn(model)
+        state = {"params": params}
+
+        def run(state=state, step=step):
+            state["params"], loss = step(state["params"], batch, key)
+            return loss
+
+        times[variant] = median_seconds(run, repeats=args.repeats)
+        ms = 1e3 * times[variant]
+        name = "bf16 (nn.Dense, nn.DenseGeneral)" if variant == "bf16" else f'NVFP4, impl="{variant}"'
+        report.add(f"| {name} | {ms:.1f} | {tokens / times[variant]:,.0f} | {times[variant] / times['bf16']:.2f} |")
+    faster = min(("emulated", "scaled_dot"), key=times.get)
+    report.add("")
+    report.add(f"Faster NVFP4 GEMM here: `{faster}` ({times[faster] / times['bf16']:.2f}x the bf16 step).")
+    report.save()
+
+
+if __name__ == "__main__":
+    main()
