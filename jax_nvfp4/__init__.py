@@ -9,6 +9,7 @@ Public API:
   NVFP4Tensor, and ``reference``: the pure-JAX spec with the same signatures.
   gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
   dot_general(lhs, rhs, dimension_numbers, ..., recipe=None, rng_key=None): lax.dot_general in NVFP4
+  einsum(subscripts, lhs, rhs, ..., recipe=None, rng_key=None): a two-operand jnp.einsum in NVFP4
   Recipe: the training recipe's options, and the QuantizeSpec of each GEMM operand.
   quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
     (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
@@ -20,6 +21,7 @@ flax); ``jax_nvfp4.testing`` reads the collectives of a compiled program.
 
 from jax_nvfp4 import _frontend, reference
 from jax_nvfp4.dot import dequantize_weight, dot_general, quantize_weight
+from jax_nvfp4.einsum import einsum
 from jax_nvfp4.gemm import gemm
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.recipe import Recipe
@@ -41,6 +43,7 @@ __all__ = [
     "dequantize",
     "dequantize_weight",
     "dot_general",
+    "einsum",
     "gemm",
     "quantize",
     "quantize_weight",

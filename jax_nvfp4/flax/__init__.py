@@ -1,5 +1,20 @@
-"""Flax layers with NVFP4 GEMMs (linen). Needs ``pip install "jax_nvfp4[flax]"``."""
+"""Flax layers with NVFP4 GEMMs (linen), and rules that convert a model you did not write.
 
+Needs ``pip install "jax_nvfp4[flax]"``. NNX lives in ``jax_nvfp4.flax.nnx``.
+"""
+
+from jax_nvfp4.flax.intercept import NVFP4Model, nvfp4_rules, quantize_model
 from jax_nvfp4.flax.linen import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, NVFP4DotGeneral
+from jax_nvfp4.flax.rules import Rule, keep_ends
 
-__all__ = ["RNG_STREAM", "NVFP4Dense", "NVFP4DenseGeneral", "NVFP4DotGeneral"]
+__all__ = [
+    "RNG_STREAM",
+    "NVFP4Dense",
+    "NVFP4DenseGeneral",
+    "NVFP4DotGeneral",
+    "NVFP4Model",
+    "Rule",
+    "keep_ends",
+    "nvfp4_rules",
+    "quantize_model",
+]

@@ -1,0 +1,78 @@
+"""jax_nvfp4.einsum: two-operand einsum as one NVFP4 dot_general (activations first, weights second)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernels import assert_same_bytes
+
+import jax_nvfp4
+from jax_nvfp4 import Recipe
+from jax_nvfp4.einsum import einsum
+
+
+def _normal(shape, seed, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+# subscripts, lhs shape, rhs shape, the dot_general dims it is, the transpose of dot_general's result.
+CASES = [
+    ("bld,df->blf", (2, 16, 32), (32, 48), (((2,), (0,)), ((), ())), (0, 1, 2)),
+    ("bld,dhk->blhk", (2, 16, 32), (32, 2, 16), (((2,), (0,)), ((), ())), (0, 1, 2, 3)),
+    ("blhk,hkd->bld", (2, 16, 2, 16), (2, 16, 32), (((2, 3), (0, 1)), ((), ())), (0, 1, 2)),
+    ("...d,df->...f", (2, 3, 16, 32), (32, 48), (((3,), (0,)), ((), ())), (0, 1, 2, 3)),
+    ("bld,fd->bfl", (2, 16, 32), (48, 32), (((2,), (1,)), ((), ())), (0, 2, 1)),  # output axes reordered
+    ("ebd,edf->ebf", (3, 32, 32), (3, 32, 48), (((2,), (1,)), ((0,), (0,))), (0, 1, 2)),  # a batch axis
+]
+
+
+@pytest.mark.parametrize(("subscripts", "lshape", "rshape", "dims", "perm"), CASES, ids=[c[0] for c in CASES])
+def test_einsum_is_the_dot_general_it_spells(subscripts, lshape, rshape, dims, perm):
+    x, w = _normal(lshape, 0, jnp.bfloat16), _normal(rshape, 1)
+    recipe, key = Recipe(), jax.random.key(2)
+    want = jax_nvfp4.dot_general(x, w, dims, recipe=recipe).transpose(perm)
+    assert_same_bytes(einsum(subscripts, x, w, recipe=recipe), want)
+    # The backward pass too: the recipe's dgrad and wgrad with the same stochastic-rounding key.
+    dy = _normal(want.shape, 3)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * dy)
+
+    got = jax.grad(loss(lambda x, w: einsum(subscripts, x, w, recipe=recipe, rng_key=key)), (0, 1))(x, w)
+    ref = jax.grad(
+        loss(lambda x, w: jax_nvfp4.dot_general(x, w, dims, recipe=recipe, rng_key=key).transpose(perm)), (0, 1)
+    )(x, w)
+    jax.tree.map(assert_same_bytes, got, ref)
+
+
+def test_a_label_of_one_operand_alone_is_summed_first():
+    x, w = _normal((2, 4, 16, 32), 0), _normal((32, 48), 1)
+    want = jax_nvfp4.dot_general(x.sum(1), w, (((2,), (0,)), ((), ())))
+    assert_same_bytes(einsum("bsld,df->blf", x, w), want)
+
+
+def test_einsum_matches_jnp_einsum_in_shape_and_roughly_in_value():
+    x, w = _normal((2, 16, 64), 0), _normal((64, 2, 32), 1)
+    got, want = einsum("bld,dhk->bhlk", x, w), jnp.einsum("bld,dhk->bhlk", x, w)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.25  # NVFP4's error, not a wrong layout
+
+
+@pytest.mark.parametrize(
+    ("subscripts", "message"),
+    [
+        ("bld,df", "explicit output"),
+        ("bld,df,fg->blg", "two operands"),
+        ("bll,df->blf", "repeated within a term"),
+        ("bld,df->blfz", "in neither operand"),
+        ("bl1,df->blf", "letters and ellipses"),
+        ("bl,df->blf", "does not match an operand of rank 3"),
+    ],
+)
+def test_einsum_errors(subscripts, message):
+    with pytest.raises(ValueError, match=message):
+        einsum(subscripts, _normal((2, 16, 32), 0), _normal((32, 48), 1))
+    with pytest.raises(ValueError, match="sizes 32 and 16"):
+        einsum("bld,df->blf", _normal((2, 16, 32), 0), _normal((16, 48), 1))
