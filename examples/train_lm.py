@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
 from jax_nvfp4 import checkpoint
-from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral
+from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, keep_ends, quantize_model
 from jax_nvfp4.flax.linen import quantize_params
 
 matplotlib.use("Agg")
@@ -93,7 +93,10 @@ RECIPES = {
         rht=False, stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True
     ),
 }
-RUNS = (*RECIPES, "bf16")
+# Runs that convert the bf16 model by rules (jax_nvfp4.flax.quantize_model) instead of building it with NVFP4
+# layers: the recipe of RECIPES they use, every layer in NVFP4 but those of the last block (kept in bf16).
+RULE_RUNS = {"full-keep-last": "full"}
+RUNS = (*RECIPES, *RULE_RUNS, "bf16")
 # The settings that define the model (build_model's), saved with it by --save.
 MODEL_ARGS = ("d_model", "layers", "heads", "seq_len", "weight_blocks")
 
@@ -226,15 +229,19 @@ class TransformerLM(nn.Module):
         return head(x).astype(jnp.float32)
 
 
-def build_model(run: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None) -> TransformerLM:
-    """The same architecture; only the block's linear layers depend on the run (bf16 or an NVFP4 recipe)."""
+def build_model(run: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None) -> nn.Module:
+    """The same architecture; only the block's linear layers depend on the run (bf16 or an NVFP4 recipe, by
+    NVFP4 layers or, for RULE_RUNS, by rules on the bf16 model)."""
+    recipe = lambda name: dataclasses.replace(RECIPES[name], weight_block_2d=args.weight_blocks == "16x16")  # noqa: E731
     if run in RECIPES:
-        recipe = dataclasses.replace(RECIPES[run], weight_block_2d=args.weight_blocks == "16x16")
-        dense_cls = functools.partial(NVFP4Dense, recipe=recipe)
-        dense_general_cls = functools.partial(NVFP4DenseGeneral, recipe=recipe)
+        dense_cls = functools.partial(NVFP4Dense, recipe=recipe(run))
+        dense_general_cls = functools.partial(NVFP4DenseGeneral, recipe=recipe(run))
     else:
         dense_cls, dense_general_cls = with_axes(nn.Dense), with_axes(nn.DenseGeneral)
-    return TransformerLM(args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh)
+    model = TransformerLM(args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh)
+    if run in RULE_RUNS:  # the last block (and the head, bf16 in every run) kept by the rules
+        return quantize_model(model, keep_ends(args.layers, last=1, recipe=recipe(RULE_RUNS[run])))
+    return model
 
 
 def save_model(directory: pathlib.Path, run: str, args: argparse.Namespace, model: TransformerLM, params: Any) -> None:
@@ -420,7 +427,7 @@ def train(
 
 
 COLORS = {"plain": "tab:orange", "rht": "tab:green", "sr": "tab:purple", "full": "tab:red", "full-est": "tab:brown"}
-COLORS.update({"4o6": "tab:cyan", "per-token": "tab:olive", "bf16": "tab:blue"})
+COLORS.update({"4o6": "tab:cyan", "per-token": "tab:olive", "full-keep-last": "tab:pink", "bf16": "tab:blue"})
 
 
 def parse_runs(text: str) -> tuple[str, ...]:
@@ -491,6 +498,8 @@ def describe(run: str, args: argparse.Namespace) -> str:
     """What a run's linear layers do, for the results table."""
     if run == "bf16":
         return "bf16"
+    if run in RULE_RUNS:
+        return describe(RULE_RUNS[run], args) + ", last block bf16 (by rules)"
     recipe = RECIPES[run]
     parts = [f"NVFP4, {args.weight_blocks} weights"]
     if recipe.rht:
@@ -510,6 +519,64 @@ def describe(run: str, args: argparse.Namespace) -> str:
     return " + ".join(parts)
 
 
+def val_gaps(by_seed: dict[int, dict[str, dict[str, Any]]], run: str) -> np.ndarray:
+    """[seeds, evaluations]: each seed's validation loss of ``run`` relative to that seed's bf16 run, in %."""
+    return np.asarray(
+        [
+            [100 * (v / b - 1) for (_, v), (_, b) in zip(r[run]["val_loss"], r["bf16"]["val_loss"], strict=True)]
+            for r in by_seed.values()
+        ]
+    )
+
+
+def print_seed_table(by_seed: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
+    """Mean and sample standard deviation over the seeds of each run's final losses and gap to bf16."""
+    n = len(by_seed)
+    print(f"\n{n} seeds ({', '.join(map(str, by_seed))}): mean ± standard deviation over the seeds")
+    print(
+        "\n| run | recipe | train loss | val loss | val gap vs bf16 (same seed) | ms/step |\n|---|---|---|---|---|---|"
+    )
+    for run in args.runs:
+        train_loss = np.asarray([r[run]["final_train_loss"] for r in by_seed.values()])
+        val = np.asarray([r[run]["final_val_loss"] for r in by_seed.values()])
+        ms = np.mean([r[run]["ms_per_step"] for r in by_seed.values()])
+        gap = "-"
+        if run != "bf16" and "bf16" in args.runs:
+            final = val_gaps(by_seed, run)[:, -1]
+            gap = f"{final.mean():+.2f}% ± {final.std(ddof=1):.2f}%"
+        losses = f"{train_loss.mean():.4f} ± {train_loss.std(ddof=1):.4f} | {val.mean():.4f} ± {val.std(ddof=1):.4f}"
+        print(f"| {run} | {describe(run, args)} | {losses} | {gap} | {ms:.1f} |")
+
+
+def plot_seeds(by_seed: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
+    """Each NVFP4 run's validation gap to bf16 over training: the mean over the seeds and a band of ± one
+    standard deviation, next to <out>-seeds.png."""
+    if "bf16" not in args.runs:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in args.runs:
+        if run == "bf16":
+            continue
+        steps = [step for step, _ in next(iter(by_seed.values()))[run]["val_loss"]]
+        gaps = val_gaps(by_seed, run)
+        mean, sd = gaps.mean(0), gaps.std(0, ddof=1)
+        ax.plot(steps, mean, "o-", color=COLORS[run], label=run)
+        ax.fill_between(steps, mean - sd, mean + sd, color=COLORS[run], alpha=0.2)
+    ax.axhline(0, color=COLORS["bf16"], lw=1)
+    ax.set(
+        xlabel="step",
+        ylabel="% above bf16 (same seed)",
+        title=f"validation loss vs bf16: mean ± sd of {len(by_seed)} seeds",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = pathlib.Path(args.out).with_name(pathlib.Path(args.out).stem + "-seeds.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The example's command line (its defaults are the recorded runs' settings)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -521,6 +588,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="init and data seed, shared by every run")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="train every run with seeds --seed, --seed+1, ...: mean and spread"
+    )
     parser.add_argument("--weight-blocks", choices=("16x16", "1x16"), default="16x16", help="NVFP4 weight blocks")
     parser.add_argument(
         "--runs",
@@ -550,8 +620,8 @@ def make_parser() -> argparse.ArgumentParser:
 def main() -> None:
     parser = make_parser()
     args = parser.parse_args()
-    if args.d_model % args.heads or min(args.steps, args.eval_every, args.batch) < 1:
-        parser.error("--d-model must be a multiple of --heads; --steps, --eval-every and --batch at least 1")
+    if args.d_model % args.heads or min(args.steps, args.eval_every, args.batch, args.seeds) < 1:
+        parser.error("--d-model must be a multiple of --heads; --steps, --eval-every, --batch and --seeds at least 1")
     try:
         mesh = make_mesh(args.mesh, args) if args.mesh else None
     except ValueError as e:
@@ -573,21 +643,31 @@ def main() -> None:
             f"attention heads and MLP {t}-way (tensor)"
         )
 
-    train_starts, data = prepare_data(args)
     shapes = jax.eval_shape(build_model("bf16", args).init, jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))
     n_params = sum(p.size for p in jax.tree.leaves(shapes))
     print(f"model: {n_params / 1e6:.2f}M params, {args.steps} steps of {args.batch}x{args.seq_len} bytes\n")
 
     t0 = time.perf_counter()
-    results = {run: train(run, args, train_starts, data, mesh) for run in args.runs}
+    by_seed = {}  # seed -> run -> results
+    for seed in range(args.seed, args.seed + args.seeds):
+        seed_args = argparse.Namespace(**{**vars(args), "seed": seed, "save": args.save if seed == args.seed else None})
+        if args.seeds > 1:
+            print(f"seed {seed}:")
+        train_starts, data = prepare_data(seed_args)
+        by_seed[seed] = {run: train(run, seed_args, train_starts, data, mesh) for run in args.runs}
+    results = by_seed[args.seed]
 
-    print("\n| run | recipe | train loss | val loss | val gap vs bf16 | ms/step |\n|---|---|---|---|---|---|")
-    for run, r in results.items():
-        gap = "-"
-        if run != "bf16" and "bf16" in results:
-            gap = f"{100 * (r['final_val_loss'] / results['bf16']['final_val_loss'] - 1):+.2f}%"
-        losses = f"{r['final_train_loss']:.4f} | {r['final_val_loss']:.4f}"
-        print(f"| {run} | {describe(run, args)} | {losses} | {gap} | {r['ms_per_step']:.1f} |")
+    if args.seeds == 1:
+        print("\n| run | recipe | train loss | val loss | val gap vs bf16 | ms/step |\n|---|---|---|---|---|---|")
+        for run, r in results.items():
+            gap = "-"
+            if run != "bf16" and "bf16" in results:
+                gap = f"{100 * (r['final_val_loss'] / results['bf16']['final_val_loss'] - 1):+.2f}%"
+            losses = f"{r['final_train_loss']:.4f} | {r['final_val_loss']:.4f}"
+            print(f"| {run} | {describe(run, args)} | {losses} | {gap} | {r['ms_per_step']:.1f} |")
+    else:
+        print_seed_table(by_seed, args)
+        plot_seeds(by_seed, args)
     tail = max(1, args.steps // 10)
     print(f"\ntrain loss: mean of the last {tail} steps; total time {time.perf_counter() - t0:.0f}s")
 
@@ -595,7 +675,10 @@ def main() -> None:
     print(f"wrote {args.out}")
     if args.json:
         args_json = {**vars(args), "mesh": mesh_name(args.mesh)}
-        pathlib.Path(args.json).write_text(json.dumps({"args": args_json, "results": results}, indent=1))
+        out = {"args": args_json, "results": results}
+        if args.seeds > 1:
+            out["results_by_seed"] = {str(seed): r for seed, r in by_seed.items()}
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")
 
 
