@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jax_nvfp4.dot import dot_general
 from jax_nvfp4.einsum import einsum
+from jax_nvfp4.flax import diagnostics
 from jax_nvfp4.flax.linen import RNG_STREAM, _NVFP4Layer
 from jax_nvfp4.flax.rules import Rule, check_rules, recipe_for
 from jax_nvfp4.recipe import Recipe
@@ -60,9 +61,10 @@ def _dense_call(module: nn.Dense | nn.DenseGeneral, recipe: Recipe, next_fun, ar
 
     def nvfp4_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
         key = _rng_key(module, recipe)
-        return dot_general(
+        y = dot_general(
             lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, rng_key=key, **kw
         )
+        return diagnostics.observe(module, lhs, rhs, dimension_numbers, recipe, y)
 
     with _fields(module, dot_general=nvfp4_dot_general):
         return next_fun(*args, **kwargs)

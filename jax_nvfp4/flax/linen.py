@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax.linen import dtypes as flax_dtypes
 
 from jax_nvfp4.dot import dot_general, quantize_weight
+from jax_nvfp4.flax import diagnostics
 from jax_nvfp4.recipe import Recipe
 from jax_nvfp4.tensor import QuantizedWeight
 
@@ -46,7 +47,10 @@ class NVFP4DotGeneral(nn.Module):
         """``jax_nvfp4.dot_general`` with this module's recipe."""
         if self.recipe.needs_rng_key and "rng_key" not in kwargs and self.has_rng(RNG_STREAM):
             kwargs["rng_key"] = self.make_rng(RNG_STREAM)
-        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
+        y = dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
+        if isinstance(rhs, QuantizedWeight):
+            return y
+        return diagnostics.observe(self, lhs, rhs, dimension_numbers, self.recipe, y)
 
 
 LogicalAxes = Sequence[str | None]

@@ -1,0 +1,151 @@
+"""Which tensors NVFP4 holds worst while the example trains: the diagnostics of every layer's x, W and dy.
+
+Trains the example's model (``examples/train_lm.py``, a recipe of its ``--runs``; default the full recipe)
+and at each evaluation collects ``jax_nvfp4.flax.diagnostics.collect_stats`` on that step's batch: per layer
+and operand the relative quantization error, the share of blocks whose E4M3 scale underflows or saturates,
+the amax, and the share of nonzero values that quantize to zero. Writes a markdown report (the evolution of
+each operand's statistics over training, the last evaluation's worst layers, the full last table) and a plot.
+
+    python benchmarks/nvfp4_diagnostics.py [--run full] [--steps 1400] [--eval-every 350] [--report FILE]
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import optax
+from timing import Report, device_name
+
+import jax_nvfp4
+from jax_nvfp4.flax import diagnostics
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import train_lm
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+OPERANDS = ("x", "w", "dy")
+COLORS = {"x": "tab:blue", "w": "tab:orange", "dy": "tab:red"}
+SHOWN = ("rel_error", "zero", "underflow")
+
+
+def next_byte_ce(batch: jax.Array, logits: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def operand_means(stats: dict, stat: str) -> dict[str, float]:
+    """The mean over the layers of one statistic, per operand."""
+    return {op: float(np.mean([s[op][stat] for s in stats.values() if op in s])) for op in OPERANDS}
+
+
+def plot(history: dict[int, dict], path: str, title: str) -> None:
+    """Left: each operand's statistics (mean over layers) over training. Right: the last evaluation's relative
+    error per layer and operand."""
+    steps = sorted(history)
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1, 2]})
+    for op, color in COLORS.items():
+        for stat, style in zip(SHOWN[:2], ("o-", "s--"), strict=True):
+            values = [operand_means(history[s], stat)[op] for s in steps]
+            axes[0].plot(steps, values, style, color=color, label=f"{op} {stat}")
+    axes[0].set(xlabel="step", ylabel="mean over layers", title="relative error (solid), share of values -> 0 (dashed)")
+    axes[0].grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    last = history[steps[-1]]
+    layers = list(last)
+    width = 0.27
+    for i, op in enumerate(OPERANDS):
+        axes[1].bar(
+            np.arange(len(layers)) + (i - 1) * width, [last[k][op]["rel_error"] for k in layers], width, label=op
+        )
+    axes[1].set_xticks(np.arange(len(layers)), layers, rotation=60, ha="right", fontsize=8)
+    axes[1].set(ylabel="relative error", title=f"step {steps[-1]}: relative error per layer")
+    axes[1].grid(axis="y", alpha=0.3)
+    axes[1].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = train_lm.make_parser()
+    parser.description = __doc__.splitlines()[0]
+    parser.set_defaults(eval_every=350, out="nvfp4_diagnostics.png")
+    parser.add_argument("--run", default="full", choices=[r for r in train_lm.RUNS if r != "bf16"])
+    parser.add_argument("--report", help="also write the markdown report to this file")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.default_backend()} ({device_name()}), jax_nvfp4 {jax_nvfp4.__version__}")
+    train_starts, data = train_lm.prepare_data(args)
+    model = train_lm.build_model(args.run, args)
+    history: dict[int, dict] = {}
+
+    def on_eval(step: int, params) -> None:
+        t0 = time.perf_counter()
+        batch = jnp.asarray(train_lm.windows(data["train"], train_starts[step - 1], args.seq_len))
+        loss_fn = functools.partial(next_byte_ce, batch)
+        rngs = {train_lm.RNG_STREAM: jax.random.key(step)}
+        history[step] = diagnostics.collect_stats(model, {"params": params}, loss_fn, batch[:, :-1], rngs=rngs)
+        errors = operand_means(history[step], "rel_error")
+        sys.stderr.write("\r" + " " * 100 + "\r")
+        print(
+            f"  step {step}: {len(history[step])} layers in {time.perf_counter() - t0:.1f}s; mean relative error "
+            + ", ".join(f"{op} {e:.4f}" for op, e in errors.items()),
+            flush=True,
+        )
+
+    result = train_lm.train(args.run, args, train_starts, data, on_eval=on_eval)
+    steps = sorted(history)
+    cmd = f"python benchmarks/nvfp4_diagnostics.py --run {args.run} --steps {args.steps} --eval-every {args.eval_every}"
+    report = Report(
+        args.report,
+        [
+            f"# NVFP4 diagnostics of the example while it trains: {device_name()} ({jax.default_backend()})",
+            "",
+            f"{datetime.date.today()}, jax {jax.__version__}, `{cmd}`: the example's model (d_model {args.d_model}, "
+            f"{args.layers} blocks) trained with `{args.run}` ({train_lm.describe(args.run, args)}; final val loss "
+            f"{result['final_val_loss']:.4f}, seed {args.seed}). At each evaluation, on that step's batch "
+            f"({args.batch}x{args.seq_len} tokens), `jax_nvfp4.flax.diagnostics.collect_stats` quantizes every "
+            "NVFP4 layer's x (1x16 blocks), W (16x16) and dy (1x16, stochastic rounding with a fixed key), each "
+            "as the forward or dgrad GEMM sees it. rel. error: ||q(t) - t|| / ||t||; zero: share of nonzero "
+            "values that quantize to 0; underflow: share of blocks whose E4M3 scale rounds to 0; saturated: "
+            "share of blocks above the global amax (0 with the tensor's own amax).",
+            "",
+            "## Mean over the layers, by evaluation",
+            "",
+            "| step | " + " | ".join(f"{op} rel. error | {op} zero | {op} underflow" for op in OPERANDS) + " |",
+            "|---|" + "---:|" * (3 * len(OPERANDS)),
+        ],
+    )
+    for step in steps:
+        cells = []
+        for op in OPERANDS:
+            err, zero, under = (operand_means(history[step], stat)[op] for stat in SHOWN)
+            cells.append(f"{err:.4f} | {100 * zero:.2f}% | {100 * under:.3f}%")
+        report.add(f"| {step} | " + " | ".join(cells) + " |")
+    last = history[steps[-1]]
+    report.add("")
+    report.add(f"## Worst layers at step {steps[-1]} (relative error)")
+    report.add("")
+    for op in OPERANDS:
+        worst = sorted(last, key=lambda layer, op=op: -last[layer][op]["rel_error"])[:3]
+        report.add(f"- {op}: " + ", ".join(f"{layer} {last[layer][op]['rel_error']:.4f}" for layer in worst))
+    report.add("")
+    report.add(f"## Every layer at step {steps[-1]}")
+    report.add("")
+    report.add(diagnostics.stats_table(last))
+    report.save()
+    plot(history, args.out, f"NVFP4 diagnostics, {args.run}: d_model {args.d_model}, {args.layers} blocks")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
