@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_kernels import assert_same_bytes
 
 import jax_nvfp4
@@ -45,6 +48,43 @@ def test_einsum_is_the_dot_general_it_spells(subscripts, lshape, rshape, dims, p
         loss(lambda x, w: jax_nvfp4.dot_general(x, w, dims, recipe=recipe, rng_key=key).transpose(perm)), (0, 1)
     )(x, w)
     jax.tree.map(assert_same_bytes, got, ref)
+
+
+@st.composite
+def _problems(draw):
+    """Random subscripts: batch, contracted and free labels of random sizes, each term in a random order."""
+    sizes = st.integers(1, 3)
+    n_batch, n_contract, n_lfree, n_rfree = draw(sizes.map(lambda n: n - 1)), draw(sizes), draw(sizes), draw(sizes)
+    labels = iter("abcdefghijklmnop")
+    batch, contract = [next(labels) for _ in range(n_batch)], [next(labels) for _ in range(n_contract)]
+    lfree, rfree = [next(labels) for _ in range(n_lfree)], [next(labels) for _ in range(n_rfree)]
+    size = {c: draw(st.sampled_from([2, 3, 16, 20])) for c in batch + contract + lfree + rfree}
+    lhs = draw(st.permutations(batch + contract + lfree))
+    rhs = draw(st.permutations(batch + contract + rfree))
+    out = draw(st.permutations(batch + lfree + rfree))
+    return "".join(lhs), "".join(rhs), "".join(out), size, (batch, contract, lfree, rfree)
+
+
+@settings(max_examples=examples(40))
+@given(_problems(), st.integers(0, 2**16))
+def test_einsum_is_one_canonical_dot_general(problem, seed):
+    """Any order of the terms' axes gives the bytes of one canonical dot_general, x [batch, free, contracted]
+    . w [batch, contracted, free], then the output's order. The blocks depend on how the contracted axes
+    flatten into K (in x's order, for both operands) and w's free axes into N (in w's order); the order of the
+    batch axes, of x's free axes and of the output does not change a value."""
+    lhs, rhs, out, size, (batch, _, lfree, _) = problem
+    contract = [c for c in lhs if c in rhs and c not in out]
+    rfree = [c for c in rhs if c not in lhs]
+    x = _normal([size[c] for c in lhs], seed, jnp.bfloat16)
+    w = _normal([size[c] for c in rhs], seed + 1)
+    got = einsum(f"{lhs},{rhs}->{out}", x, w)
+    xc = x.transpose([lhs.index(c) for c in batch + lfree + contract])
+    wc = w.transpose([rhs.index(c) for c in batch + contract + rfree])
+    nb, nf, nk = len(batch), len(lfree), len(contract)
+    dims = ((tuple(range(nb + nf, xc.ndim)), tuple(range(nb, nb + nk))), (tuple(range(nb)), tuple(range(nb))))
+    produced = "".join(batch + lfree + rfree)
+    want = jax_nvfp4.dot_general(xc, wc, dims).transpose([produced.index(c) for c in out])
+    assert_same_bytes(got, want)
 
 
 def test_a_label_of_one_operand_alone_is_summed_first():
