@@ -119,3 +119,32 @@ def test_stats_table_and_plot(tmp_path):
     assert (tmp_path / "stats.png").stat().st_size > 0
     with pytest.raises(ValueError, match="stat must be one of"):
         diagnostics.plot_stats(stats, str(tmp_path / "x.png"), stat="bogus")
+
+
+def test_nnx_collect_stats_gives_each_layers_x_w_and_dy():
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_nvfp4.flax import nnx as nvfp4_nnx
+    from jax_nvfp4.flax import nnx_diagnostics
+
+    recipe = Recipe(stochastic_rounding=False)
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nvfp4_nnx.NVFP4Linear(32, 64, recipe=recipe, rngs=rngs)
+            self.down = nnx.Linear(64, 32, rngs=rngs)  # converted by a rule below
+
+        def __call__(self, x):
+            return self.down(nnx.gelu(self.up(x)))
+
+    model = nvfp4_nnx.quantize_model(MLP(nnx.Rngs(0)), [Rule("down", recipe)])
+    x, c = _normal((4, 16, 32), 2), _normal((4, 16, 32), 3)
+    stats = nnx_diagnostics.collect_stats(model, lambda y: jnp.sum(y * c), x)
+    assert set(stats) == {"up", "down"} and all(set(s) == {"x", "w", "dy"} for s in stats.values())
+    want_x = quantization_stats(x.reshape(-1, 32), recipe.spec("x", columnwise=False, tokens=64))
+    want_w = quantization_stats(model.up.kernel[...].T, recipe.spec("w", columnwise=False, tokens=64))
+    want_dy = quantization_stats(c.reshape(-1, 32), recipe.spec("dy", columnwise=False, tokens=64))
+    assert all(stats["up"]["x"][k] == float(v) for k, v in want_x.items())
+    assert all(stats["up"]["w"][k] == float(v) for k, v in want_w.items())
+    assert all(stats["down"]["dy"][k] == float(v) for k, v in want_dy.items())  # down's output gradient is c
+    assert not nvfp4_nnx.OBSERVERS  # observing ends with the call
+    assert "| down | dy |" in nnx_diagnostics.stats_table(stats)

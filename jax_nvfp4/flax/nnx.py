@@ -17,6 +17,8 @@ from the linen layers (``jax_nvfp4.flax`` does not import NNX).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,6 +32,10 @@ from jax_nvfp4.recipe import Recipe
 from jax_nvfp4.tensor import QuantizedWeight
 
 _DEFAULT_RECIPE = Recipe()
+
+# The NVFP4DotGeneral modules that jax_nvfp4.flax.nnx_diagnostics.collect_stats observes, by id, each with the
+# callable that runs its GEMM meanwhile. Empty outside collect_stats: a plain call traces nothing more.
+OBSERVERS: dict[int, Callable[..., jax.Array]] = {}
 
 
 class _NVFP4Op(nnx.Module):
@@ -84,6 +90,9 @@ class NVFP4DotGeneral(_NVFP4Op):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         """``jax_nvfp4.dot_general`` with this module's recipe and, if it rounds stochastically, a new key."""
+        observer = OBSERVERS.get(id(self))
+        if observer is not None:
+            return observer(self, lhs, rhs, dimension_numbers, precision, preferred_element_type, kwargs)
         self._key(kwargs)
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
 
