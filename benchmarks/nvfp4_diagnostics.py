@@ -63,9 +63,8 @@ def plot(history: dict[int, dict], path: str, title: str) -> None:
     layers = list(last)
     width = 0.27
     for i, op in enumerate(OPERANDS):
-        axes[1].bar(
-            np.arange(len(layers)) + (i - 1) * width, [last[k][op]["rel_error"] for k in layers], width, label=op
-        )
+        values = [last[k][op]["rel_error"] for k in layers]
+        axes[1].bar(np.arange(len(layers)) + (i - 1) * width, values, width, color=COLORS[op], label=op)
     axes[1].set_xticks(np.arange(len(layers)), layers, rotation=60, ha="right", fontsize=8)
     axes[1].set(ylabel="relative error", title=f"step {steps[-1]}: relative error per layer")
     axes[1].grid(axis="y", alpha=0.3)
