@@ -13,8 +13,12 @@ Hadamard Transform on the weight-gradient operands), sr (+ stochastic rounding o
 RHT), full (both: NVIDIA's recipe, ``jax_nvfp4.Recipe()``), full-est (full, with the post-RHT amax
 estimated from the pre-RHT one), 4o6 (plain + 4over6 adaptive block scaling of x, W and dy: each
 16-value block scaled to 6 or to 4, whichever gives the smaller squared error), per-token (plain +
-one global scale per token for x and dy instead of one per tensor). Stochastic rounding draws a fresh
-key every step from the layers' ``"nvfp4"`` RNG stream.
+one global scale per token for x and dy instead of one per tensor), full-keep-last (the bf16 model
+converted by rules, ``jax_nvfp4.flax.quantize_model``: the full recipe everywhere but the last block).
+Stochastic rounding draws a fresh key every step from the layers' ``"nvfp4"`` RNG stream.
+
+`--seeds N` trains every run with the seeds --seed .. --seed+N-1 (initial weights and batch order) and
+reports the mean and standard deviation of the losses and of each seed's gap to its bf16 run.
 
 `--save DIR` writes each trained model to DIR/<run> for inference (``examples/generate.py DIR`` samples text
 from it): the NVFP4 layers' kernels quantized once (``jax_nvfp4.QuantizedWeight``, 0.5625 bytes a value), every
