@@ -33,8 +33,7 @@ import train_lm
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-OPERANDS = ("x", "w", "dy")
-COLORS = {"x": "tab:blue", "w": "tab:orange", "dy": "tab:red"}
+OPERANDS = tuple(diagnostics.OPERAND_COLORS)
 SHOWN = ("rel_error", "zero", "underflow")
 
 
@@ -52,23 +51,15 @@ def plot(history: dict[int, dict], path: str, title: str) -> None:
     error per layer and operand."""
     steps = sorted(history)
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1, 2]})
-    for op, color in COLORS.items():
+    for op, color in diagnostics.OPERAND_COLORS.items():
         for stat, style in zip(SHOWN[:2], ("o-", "s--"), strict=True):
             values = [operand_means(history[s], stat)[op] for s in steps]
             axes[0].plot(steps, values, style, color=color, label=f"{op} {stat}")
     axes[0].set(xlabel="step", ylabel="mean over layers", title="relative error (solid), share of values -> 0 (dashed)")
     axes[0].grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    last = history[steps[-1]]
-    layers = list(last)
-    width = 0.27
-    for i, op in enumerate(OPERANDS):
-        values = [last[k][op]["rel_error"] for k in layers]
-        axes[1].bar(np.arange(len(layers)) + (i - 1) * width, values, width, color=COLORS[op], label=op)
-    axes[1].set_xticks(np.arange(len(layers)), layers, rotation=60, ha="right", fontsize=8)
+    diagnostics.bar_chart(axes[1], history[steps[-1]], "rel_error")
     axes[1].set(ylabel="relative error", title=f"step {steps[-1]}: relative error per layer")
-    axes[1].grid(axis="y", alpha=0.3)
-    axes[1].legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

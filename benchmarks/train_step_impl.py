@@ -13,7 +13,6 @@ also writes it there.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import os
@@ -25,8 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from timing import Report, device_name, median_seconds
 
-import jax_nvfp4
-from jax_nvfp4.flax import NVFP4Dense, NVFP4DenseGeneral
 from jax_nvfp4.gemm_impl import resolve_impl
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
@@ -37,9 +34,7 @@ def model_for(variant: str, args: argparse.Namespace) -> train_lm.TransformerLM:
     """The example's model with bf16 layers or NVFP4 layers (full recipe) whose GEMMs run as ``variant``."""
     if variant == "bf16":
         return train_lm.build_model("bf16", args)
-    recipe = dataclasses.replace(jax_nvfp4.Recipe(), impl=variant)
-    nvfp4 = (functools.partial(NVFP4Dense, recipe=recipe), functools.partial(NVFP4DenseGeneral, recipe=recipe))
-    return train_lm.TransformerLM(args.d_model, args.layers, args.heads, args.seq_len, *nvfp4)
+    return train_lm.build_model("full", args, impl=variant)
 
 
 def step_fn(model: train_lm.TransformerLM, lr: float = 1e-3):

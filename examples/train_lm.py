@@ -233,10 +233,15 @@ class TransformerLM(nn.Module):
         return head(x).astype(jnp.float32)
 
 
-def build_model(run: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None) -> nn.Module:
+def build_model(
+    run: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None, **recipe_fields: Any
+) -> nn.Module:
     """The same architecture; only the block's linear layers depend on the run (bf16 or an NVFP4 recipe, by
-    NVFP4 layers or, for RULE_RUNS, by rules on the bf16 model)."""
-    recipe = lambda name: dataclasses.replace(RECIPES[name], weight_block_2d=args.weight_blocks == "16x16")  # noqa: E731
+    NVFP4 layers or, for RULE_RUNS, by rules on the bf16 model). ``recipe_fields`` change the NVFP4 runs'
+    recipe (e.g. ``impl="scaled_dot"``)."""
+    recipe = lambda name: dataclasses.replace(  # noqa: E731
+        RECIPES[name], weight_block_2d=args.weight_blocks == "16x16", **recipe_fields
+    )
     if run in RECIPES:
         dense_cls = functools.partial(NVFP4Dense, recipe=recipe(run))
         dense_general_cls = functools.partial(NVFP4DenseGeneral, recipe=recipe(run))

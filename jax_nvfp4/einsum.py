@@ -46,6 +46,15 @@ def _expand(subscripts: str, ndims: tuple[int, int]) -> tuple[str, str, str]:
     return terms[0], terms[1], out.replace("...", ellipsis)
 
 
+def _sum_alone(x: jax.Array, term: str, other: str, out: str) -> tuple[jax.Array, str]:
+    """``x`` summed over the labels of ``term`` that neither the other operand nor the output has, and its term
+    without them."""
+    dropped = tuple(i for i, c in enumerate(term) if c not in other and c not in out)
+    if not dropped:
+        return x, term
+    return x.sum(dropped), "".join(c for i, c in enumerate(term) if i not in dropped)
+
+
 def einsum(
     subscripts: str,
     lhs: jax.Array,
@@ -70,14 +79,8 @@ def einsum(
             raise ValueError(f"einsum: a label repeated within a term ({subscripts!r}) is not supported")
     if set(out) - set(a) - set(b):
         raise ValueError(f"einsum: output labels {sorted(set(out) - set(a) - set(b))} are in neither operand")
-    # Labels of one operand alone that the output drops: summed over before the GEMM.
-    for which, (term, other) in enumerate(((a, b), (b, a))):
-        dropped = tuple(i for i, c in enumerate(term) if c not in other and c not in out)
-        if dropped:
-            if which == 0:
-                lhs, a = lhs.sum(dropped), "".join(c for i, c in enumerate(a) if i not in dropped)
-            else:
-                rhs, b = rhs.sum(dropped), "".join(c for i, c in enumerate(b) if i not in dropped)
+    lhs, a = _sum_alone(lhs, a, b, out)
+    rhs, b = _sum_alone(rhs, b, a, out)
     for c in set(a) & set(b):
         if lhs.shape[a.index(c)] != rhs.shape[b.index(c)]:
             raise ValueError(

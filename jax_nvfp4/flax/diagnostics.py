@@ -35,22 +35,31 @@ def _rows(a: jax.Array, contract: tuple[int, ...]) -> jax.Array:
     return a.transpose(*keep, *contract).reshape(-1, k)
 
 
+def gemm_operand_stats(
+    lhs: jax.Array, rhs: jax.Array, dims, recipe: Recipe, dy: jax.Array | None = None, *, rng_key=None
+) -> dict[str, dict[str, jax.Array]]:
+    """``quantization_stats`` of a GEMM's x and W, and of dy (the gradient of its output) if given, each as the
+    recipe's GEMM quantizes it: {"x" | "w" | "dy": {stat: value}}. ``rng_key``: dy's stochastic rounding."""
+    (lc, rc), _ = dims
+    operands = {"x": _rows(lhs, tuple(lc)), "w": _rows(rhs, tuple(rc))}
+    if dy is not None:
+        n_out = dy.ndim - (lhs.ndim - len(lc))  # the output's trailing axes that come from rhs
+        operands[_DY] = dy.reshape(-1, math.prod(dy.shape[dy.ndim - n_out :]))
+    return {
+        op: quantization_stats(t, recipe.spec(op, columnwise=False, tokens=t.shape[0]), rng_key=rng_key)
+        for op, t in operands.items()
+    }
+
+
 def observe(module: nn.Module, lhs: jax.Array, rhs: jax.Array, dims, recipe: Recipe, y: jax.Array) -> jax.Array:
     """Called by an NVFP4 layer with its GEMM's operands and output ``y``; returns ``y`` (with a perturbation
     while output gradients are collected). Does nothing unless a diagnostics collection is in use."""
     if module.is_initializing():  # init makes every collection mutable: no diagnostics there
         return y
     if module.is_mutable_collection(STATS_COLLECTION):
-        (lc, rc), _ = dims
-        x, w = _rows(lhs, tuple(lc)), _rows(rhs, tuple(rc))
-        module.sow(STATS_COLLECTION, "x", quantization_stats(x, recipe.spec("x", columnwise=False, tokens=x.shape[0])))
-        module.sow(STATS_COLLECTION, "w", quantization_stats(w, recipe.spec("w", columnwise=False, tokens=w.shape[0])))
-        if module.has_variable(DY_COLLECTION, _DY):
-            dy = module.get_variable(DY_COLLECTION, _DY)
-            n_out = y.ndim - (lhs.ndim - len(lc))  # the output's trailing axes that come from rhs
-            dy = dy.reshape(-1, math.prod(dy.shape[dy.ndim - n_out :]))
-            spec = recipe.spec("dy", columnwise=False, tokens=dy.shape[0])
-            module.sow(STATS_COLLECTION, _DY, quantization_stats(dy, spec))
+        dy = module.get_variable(DY_COLLECTION, _DY) if module.has_variable(DY_COLLECTION, _DY) else None
+        for operand, stats in gemm_operand_stats(lhs, rhs, dims, recipe, dy).items():
+            module.sow(STATS_COLLECTION, operand, stats)
     if module.is_mutable_collection(DY_COLLECTION):
         y = module.perturb(_DY, y, collection=DY_COLLECTION)
     return y
@@ -70,8 +79,8 @@ def collect_stats(
     Three passes: the output gradients' shapes, the gradients themselves (through Flax's ``perturb``), then a
     forward pass that sows the statistics of x, W and dy (dy quantized with the recipe's spec, stochastic
     rounding with a fixed key)."""
-    apply = jax.jit(lambda v, dy, *a: model.apply({**v, **dy}, *a, rngs=rngs, mutable=[DY_COLLECTION], **kwargs))
-    _, zeros = apply(variables, {}, *args)
+    make_zeros = jax.jit(lambda v, *a: model.apply(v, *a, rngs=rngs, mutable=[DY_COLLECTION], **kwargs))
+    _, zeros = make_zeros(variables, *args)
 
     def loss(dy):
         out, _ = model.apply({**variables, DY_COLLECTION: dy}, *args, rngs=rngs, mutable=[DY_COLLECTION], **kwargs)
@@ -107,6 +116,23 @@ def stats_table(stats: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+OPERAND_COLORS = {"x": "tab:blue", "w": "tab:orange", _DY: "tab:red"}
+
+
+def bar_chart(ax, stats: dict[str, dict[str, dict[str, float]]], stat: str = "rel_error") -> None:
+    """One statistic per layer on the matplotlib axes ``ax``, a bar per operand, the layers as tick labels."""
+    if stat not in STATS:
+        raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
+    layers = list(stats)
+    width = 0.27
+    for i, (operand, color) in enumerate(OPERAND_COLORS.items()):
+        values = [stats[layer].get(operand, {}).get(stat, np.nan) for layer in layers]
+        ax.bar(np.arange(len(layers)) + (i - 1) * width, values, width, color=color, label=operand)
+    ax.set_xticks(np.arange(len(layers)), layers, rotation=60, ha="right", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+
+
 def plot_stats(
     stats: dict[str, dict[str, dict[str, float]]], path: str, *, stat: str = "rel_error", title: str = ""
 ) -> None:
@@ -116,21 +142,24 @@ def plot_stats(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if stat not in STATS:
-        raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
-    layers = list(stats)
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(layers) + 2), 4.5))
-    width = 0.27
-    for i, operand in enumerate(("x", "w", _DY)):
-        values = [stats[layer].get(operand, {}).get(stat, np.nan) for layer in layers]
-        ax.bar(np.arange(len(layers)) + (i - 1) * width, values, width, label=operand)
-    ax.set_xticks(np.arange(len(layers)), layers, rotation=60, ha="right", fontsize=8)
-    ax.set(ylabel=stat, title=title or f"NVFP4 {stat} per layer and operand")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(stats) + 2), 4.5))
+    try:
+        bar_chart(ax, stats, stat)
+        ax.set(ylabel=stat, title=title or f"NVFP4 {stat} per layer and operand")
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+    finally:
+        plt.close(fig)
 
 
-__all__ = ["DY_COLLECTION", "STATS_COLLECTION", "collect_stats", "observe", "plot_stats", "stats_table"]
+__all__ = [
+    "DY_COLLECTION",
+    "OPERAND_COLORS",
+    "STATS_COLLECTION",
+    "bar_chart",
+    "collect_stats",
+    "gemm_operand_stats",
+    "observe",
+    "plot_stats",
+    "stats_table",
+]

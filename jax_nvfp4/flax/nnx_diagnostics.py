@@ -11,7 +11,6 @@ key.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_nvfp4.diagnostics import quantization_stats
 from jax_nvfp4.dot import dot_general
-from jax_nvfp4.flax.diagnostics import plot_stats, stats_table
+from jax_nvfp4.flax.diagnostics import gemm_operand_stats, plot_stats, stats_table
 from jax_nvfp4.flax.nnx import OBSERVERS, NVFP4DotGeneral
 
 
@@ -39,11 +37,6 @@ class _Observer:
             self.seen = (lhs, rhs, dims, jax.ShapeDtypeStruct(y.shape, y.dtype))
             return y
         return y + self.probe
-
-
-def _rows(a: jax.Array, contract: tuple[int, ...]) -> jax.Array:
-    keep = [d for d in range(a.ndim) if d not in contract]
-    return a.transpose(*keep, *contract).reshape(-1, math.prod(a.shape[d] for d in contract))
 
 
 def collect_stats(
@@ -75,16 +68,8 @@ def collect_stats(
         for o in observers.values():
             o.probe = None
     stats = {}
-    for layer, (lhs, rhs, ((lc, rc), _), out) in seen.items():
-        recipe = ops[layer].recipe
-        x, w = _rows(lhs, tuple(lc)), _rows(rhs, tuple(rc))
-        n_out = out.ndim - (lhs.ndim - len(lc))
-        dy = dys[layer].reshape(-1, math.prod(out.shape[out.ndim - n_out :]))
-        operands = {
-            "x": quantization_stats(x, recipe.spec("x", columnwise=False, tokens=x.shape[0])),
-            "w": quantization_stats(w, recipe.spec("w", columnwise=False, tokens=w.shape[0])),
-            "dy": quantization_stats(dy, recipe.spec("dy", columnwise=False, tokens=dy.shape[0]), rng_key=key),
-        }
+    for layer, (lhs, rhs, dims, _) in seen.items():
+        operands = gemm_operand_stats(lhs, rhs, dims, ops[layer].recipe, dys[layer], rng_key=key)
         stats[layer] = {op: {k: float(v) for k, v in values.items()} for op, values in operands.items()}
     return stats
 
