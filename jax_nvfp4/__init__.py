@@ -10,6 +10,7 @@ Public API:
   gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
   dot_general(lhs, rhs, dimension_numbers, ..., recipe=None, rng_key=None): lax.dot_general in NVFP4
   einsum(subscripts, lhs, rhs, ..., recipe=None, rng_key=None): a two-operand jnp.einsum in NVFP4
+  ragged_dot(lhs, rhs, group_sizes, ..., recipe=None, rng_key=None): lax.ragged_dot (mixture of experts) in NVFP4
   Recipe: the training recipe's options, and the QuantizeSpec of each GEMM operand.
   quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
     (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
@@ -24,6 +25,7 @@ from jax_nvfp4.dot import dequantize_weight, dot_general, quantize_weight
 from jax_nvfp4.einsum import einsum
 from jax_nvfp4.gemm import gemm
 from jax_nvfp4.ops import KERNELS
+from jax_nvfp4.ragged import ragged_dot
 from jax_nvfp4.recipe import Recipe
 from jax_nvfp4.sharding import all_gather
 from jax_nvfp4.spec import QuantizeSpec
@@ -47,6 +49,7 @@ __all__ = [
     "gemm",
     "quantize",
     "quantize_weight",
+    "ragged_dot",
     "reference",
 ]
 __version__ = "0.1.0"

@@ -63,9 +63,15 @@ def _emulated_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) ->
         v = block_values(data.reshape(b, -1, data.shape[-1]), scale.reshape(b, -1, scale.shape[-1]), length)
         return v.reshape(b, math.prod(rows), lead * length)
 
-    return lax.dot_general(
-        values(a_data, a_scale), values(c_data, c_scale), _BATCHED_NT, preferred_element_type=jnp.float32
-    )
+    a = values(a_data, a_scale)
+    # XLA's CPU dot sums a single row in another order than each row of a larger product (a matrix-vector
+    # path). With a zero row added, a row's sums do not depend on how many rows come with it, so a ragged
+    # GEMM's one-token group equals that token's row of any other GEMM.
+    single = a.shape[1] == 1
+    if single:
+        a = jnp.pad(a, ((0, 0), (0, 1), (0, 0)))
+    acc = lax.dot_general(a, values(c_data, c_scale), _BATCHED_NT, preferred_element_type=jnp.float32)
+    return acc[:, :1] if single else acc
 
 
 def _scaled_dot_operand(data: jax.Array, scale: jax.Array, contract_ndim: int, length: int):

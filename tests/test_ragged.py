@@ -1,0 +1,224 @@
+"""ragged_dot: y, dx and dW are, bit for bit, each group's GEMMs of the quantized operands (public quantize + gemm)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_kernels import assert_same_bytes
+
+import jax_nvfp4
+from jax_nvfp4 import NVFP4Tensor, QuantizeSpec, Recipe, gemm, quantize
+from jax_nvfp4.testing import collectives
+
+BLOCK = 16
+
+
+def _rowwise_spec(spec: QuantizeSpec) -> QuantizeSpec:
+    """How a copy decodes as a rowwise tensor: its scaling, no transform (it cancels in the GEMM)."""
+    return QuantizeSpec(
+        row_scaled=spec.row_scaled, four_over_six_error=spec.four_over_six_error, e4m3_max=spec.e4m3_max
+    )
+
+
+def _rows(t: NVFP4Tensor, lo: int, hi: int) -> NVFP4Tensor:
+    """Rows lo..hi of a rowwise [M, L] tensor."""
+    amax = t.amax[lo:hi] if t.row_scaled else t.amax
+    return NVFP4Tensor(t.data[lo:hi], t.scale[lo:hi], amax, None, None, None, (hi - lo, t.shape[1]), t.dtype, t.spec)
+
+
+def _column_blocks(t: NVFP4Tensor, first: int, end: int) -> NVFP4Tensor:
+    """The columnwise copy of [M, L], token blocks first..end-1 only, as the rowwise tensor [L, tokens]."""
+    tokens = min(BLOCK * end, t.shape[0]) - BLOCK * first
+    data = t.data_t[:, first * BLOCK // 2 : first * BLOCK // 2 + -(-tokens // 2)]
+    scale = t.scale_t[:, first : first + -(-tokens // BLOCK)]
+    spec = _rowwise_spec(t.spec)
+    return NVFP4Tensor(data, scale, t.amax_t, None, None, None, (t.shape[1], tokens), t.dtype, spec)
+
+
+def _transposed(t: NVFP4Tensor) -> NVFP4Tensor:
+    """A 16x16-block weight's columnwise copy as the rowwise tensor of its transpose."""
+    return NVFP4Tensor(t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype, _rowwise_spec(t.spec))
+
+
+def _spec(recipe: Recipe, operand: str, rows: int, columnwise: bool) -> QuantizeSpec:
+    return dataclasses.replace(recipe.spec(operand, columnwise=columnwise, tokens=rows), rowwise=not columnwise)
+
+
+def per_group(x, w, sizes, dy, recipe: Recipe, key=None):
+    """y, dx, dW from each group's GEMMs: the recipe's copies made by the public quantize, multiplied by gemm."""
+    m, groups = x.shape[0], w.shape[0]
+    ends = np.minimum(np.cumsum(sizes), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    ids = np.searchsorted(ends, np.arange(m), side="right")
+    valid = (ids < groups)[:, None]
+    keys = [None] * (groups + 1) if key is None else list(jax.random.split(key, groups + 1))
+    qx = quantize(jnp.where(valid, x, 0), _spec(recipe, "x", m, False))
+    qdy = quantize(jnp.where(valid, dy, 0), _spec(recipe, "dy", m, False), rng_key=keys[0])
+    y = np.zeros((m, w.shape[2]), jnp.result_type(x, w))
+    dx, dw = np.zeros(x.shape, x.dtype), np.zeros(w.shape, w.dtype)
+    for g, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
+        if hi == lo:
+            continue  # an empty group: no rows, a zero weight gradient
+        qw = quantize(w[g].T, recipe.spec("w", columnwise=True, tokens=w.shape[2]))
+        y[lo:hi] = gemm(_rows(qx, lo, hi), qw, y.dtype)
+        dx[lo:hi] = gemm(_rows(qdy, lo, hi), _transposed(qw), dx.dtype)
+        # The group's rows alone (the rest zero), blocked on the global 16-row grid: its blocks only.
+        mine = (ids == g)[:, None]
+        cx = quantize(jnp.where(mine, x, 0), _spec(recipe, "x", m, True))
+        cdy = quantize(jnp.where(mine, dy, 0), _spec(recipe, "dy", m, True), rng_key=keys[1 + g])
+        first, end = lo // BLOCK, -(-hi // BLOCK)
+        dw[g] = gemm(_column_blocks(cdy, first, end), _column_blocks(cx, first, end), dw.dtype).T
+    return y, dx, dw
+
+
+def _vjp(x, w, sizes, dy, recipe, key=None):
+    def f(x, w):
+        return jax_nvfp4.ragged_dot(x, w, sizes, recipe=recipe, rng_key=key)
+
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(dy.astype(y.dtype)))
+
+
+def _problem(m, k, n, groups, seed=0, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) * 0.1).astype(dtype)
+    dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
+    return x, w, dy
+
+
+def _check(m, k, n, sizes, recipe, key=None, dtype=jnp.bfloat16):
+    x, w, dy = _problem(m, k, n, len(sizes), dtype=dtype)
+    sizes = np.asarray(sizes, np.int32)
+    got = jax.jit(functools.partial(_vjp, recipe=recipe, key=key))(x, w, jnp.asarray(sizes), dy)
+    want = per_group(x, w, sizes, dy, recipe, key)
+    for name, g, e in zip(("y", "dx", "dW"), got, want, strict=True):
+        assert_same_bytes(g, e), name
+    return got
+
+
+NO_SR = Recipe(stochastic_rounding=False)
+
+
+# Groups that cut 16-row blocks (first: 5 | 0 | 27), an empty group, a one-row group, rows past the last group.
+CASES = {
+    "cut blocks": (64, 32, 48, [5, 0, 27, 1, 19]),
+    "ragged tail, no rht": (37, 40, 24, [0, 16, 3, 15]),
+    "rows past the groups": (48, 16, 16, [7, 20, 0]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ragged_dot_is_each_groups_gemms(case):
+    _check(*CASES[case], NO_SR)
+
+
+def test_stochastic_rounding_uses_the_documented_keys():
+    key = jax.random.key(7)
+    y, dx, dw = _check(48, 32, 16, [20, 0, 28], Recipe(), key=key)
+    # Another key rounds dy differently: dx and dW move, y does not.
+    y2, dx2, dw2 = jax.jit(functools.partial(_vjp, recipe=Recipe(), key=jax.random.key(8)))(
+        *_problem(48, 32, 16, 3)[:2], jnp.array([20, 0, 28]), _problem(48, 32, 16, 3)[2]
+    )
+    assert_same_bytes(y, y2)
+    assert not np.array_equal(np.asarray(dx), np.asarray(dx2)) and not np.array_equal(np.asarray(dw), np.asarray(dw2))
+
+
+def test_recipe_options_per_group():
+    """Per-token scales (x, dy; their wgrad copies per feature of each group) and 4over6 for all operands."""
+    recipe = Recipe(
+        stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True, four_over_six="all"
+    )
+    _check(48, 32, 32, [9, 30, 9], recipe)
+
+
+@settings(max_examples=examples(12))
+@given(
+    m=st.integers(1, 70),
+    k=st.sampled_from([16, 32, 24]),
+    n=st.sampled_from([16, 40]),
+    cuts=st.lists(st.integers(0, 70), min_size=0, max_size=4),
+)
+def test_random_group_sizes(m, k, n, cuts):
+    bounds = np.sort(np.minimum(cuts, m))
+    sizes = np.diff(np.concatenate([[0], bounds, [m]]))
+    _check(m, k, n, sizes, NO_SR)
+
+
+def test_a_cut_block_is_the_group_quantized_alone_with_leading_zeros():
+    """Group g's wgrad copy = its rows, padded in front by start mod 16 zero rows, quantized on their own."""
+    x, w, dy = _problem(48, 32, 16, 2)
+    sizes = jnp.array([21, 27])
+    dw = jax.jit(functools.partial(_vjp, recipe=NO_SR))(x, w, sizes, dy)[2]
+    pad = lambda v: jnp.concatenate([jnp.zeros((21 % BLOCK, v.shape[1]), v.dtype), v[21:]])  # noqa: E731
+    cx, cdy = (quantize(pad(v), columnwise=True, rht=True) for v in (x, dy))
+    want = gemm(_column_blocks(cdy, 0, 2), _column_blocks(cx, 0, 2), w.dtype).T
+    assert_same_bytes(dw[1], want)
+
+
+def test_close_to_lax_ragged_dot_and_zero_past_the_groups():
+    x, w, dy = _problem(64, 64, 32, 3)
+    sizes = jnp.array([10, 30, 14])
+    y, dx, dw = jax.jit(functools.partial(_vjp, recipe=Recipe(), key=jax.random.key(0)))(x, w, sizes, dy)
+    y16, vjp = jax.vjp(lambda x, w: lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32), x, w)
+    dx16, dw16 = vjp(dy.astype(jnp.float32))
+    for got, want in ((y, y16), (dx, dx16), (dw, dw16)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.linalg.norm(got - want) < 0.25 * np.linalg.norm(want)
+    assert not np.any(np.asarray(y)[54:]) and not np.any(np.asarray(dx)[54:])
+    assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype
+
+
+def test_errors():
+    x, w, _ = _problem(32, 16, 16, 2)
+    sizes = jnp.array([16, 16])
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32 operands, lhs is int32"):
+        jax_nvfp4.ragged_dot(x.astype(jnp.int32), w, sizes)
+    with pytest.raises(ValueError, match=r"lhs \[M, K\], rhs \[G, K, N\]"):
+        jax_nvfp4.ragged_dot(x, w, sizes[:1])
+    with pytest.raises(TypeError, match="group_sizes must be integers"):
+        jax_nvfp4.ragged_dot(x, w, sizes.astype(jnp.float32))
+    with pytest.raises(NotImplementedError, match="group_offset"):
+        jax_nvfp4.ragged_dot(x, w, sizes, group_offset=jnp.array([0]))
+    with pytest.raises(ValueError, match="rng_key"):
+        jax.grad(lambda x: jnp.sum(jax_nvfp4.ragged_dot(x, w, sizes).astype(jnp.float32)))(x)
+
+
+def test_expert_and_data_sharding_equals_unsharded_and_moves_no_values():
+    """Experts over "expert", tokens over "data" (8 CPU devices): each device multiplies its tokens by its experts.
+
+    No operand moves: the weights stay with their experts and the tokens with their shard. What
+    crosses devices are the float32 GEMM results (each row's expert output picked across the
+    expert shards, and the token-sharded weight-gradient sums) and the amaxes' bits.
+    """
+    mesh = jax.make_mesh((2, 4), ("expert", "data"), devices=jax.devices()[:8], axis_types=(AxisType.Auto,) * 2)
+    x, w, dy = _problem(256, 64, 128, 4)
+    sizes = jnp.array([50, 0, 130, 60], jnp.int32)
+    grads = jax.jit(functools.partial(_vjp, recipe=NO_SR))
+    want = grads(x, w, sizes, dy)
+    named = functools.partial(NamedSharding, mesh)
+    args = (
+        jax.device_put(x, named(P("data"))),
+        jax.device_put(w, named(P("expert"))),
+        jax.device_put(sizes, named(P())),
+        jax.device_put(dy, named(P("data"))),
+    )
+    grads = jax.jit(grads, out_shardings=(named(P("data")), named(P("data")), named(P("expert"))))
+    got = grads(*args)
+    assert_same_bytes(got[0], want[0])  # y and dx: each row is its own GEMM rows, wherever it runs
+    assert_same_bytes(got[1], want[1])
+    np.testing.assert_allclose(got[2], want[2], rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want[2]))))
+    found = collectives(grads.lower(*args).compile().as_text())
+    assert {c.op for c in found} == {"all-reduce"}, found
+    assert {c.dtype for c in found} == {"f32", "s32"}, found
