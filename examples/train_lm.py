@@ -25,6 +25,12 @@ from it): the NVFP4 layers' kernels quantized once (``jax_nvfp4.QuantizedWeight`
 other parameter as trained, saved with orbax-checkpoint (``jax_nvfp4.checkpoint``), and the model's settings in
 config.json.
 
+`--moe E` replaces every block's MLP with a mixture of E experts (``jax_nvfp4.flax.moe.MoEMLP``): top-2
+routing by a float32 router, each expert a GELU MLP of hidden width 2 x d_model (as many weights per token
+as the dense MLP's 4 x d_model), its grouped GEMMs ``jax_nvfp4.ragged_dot`` in NVFP4 runs and
+``lax.ragged_dot`` in the bf16 run. The training loss adds 0.01 x the layers' mean load-balancing loss
+(the printed train loss includes it; the validation loss is the cross-entropy alone).
+
 `--mesh data=2,fsdp=2,tensor=2` trains sharded over that many devices (on CPU, set
 XLA_FLAGS=--xla_force_host_platform_device_count=8): the batch splits over data x fsdp, the parameters
 and their optimizer state over fsdp (gathered for use), and the attention heads and MLP over tensor.
@@ -58,6 +64,7 @@ import jax_nvfp4
 from jax_nvfp4 import checkpoint
 from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, keep_ends, quantize_model
 from jax_nvfp4.flax.linen import quantize_params
+from jax_nvfp4.flax.moe import MoEMLP
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -101,6 +108,8 @@ RECIPES = {
 # layers: the recipe of RECIPES they use, every layer in NVFP4 but those of the last block (kept in bf16).
 RULE_RUNS = {"full-keep-last": "full"}
 RUNS = (*RECIPES, *RULE_RUNS, "bf16")
+MOE_TOP_K = 2  # --moe: experts per token
+LOAD_BALANCE = 0.01  # --moe: the weight of the load-balancing loss in the training loss
 # The settings that define the model (build_model's), saved with it by --save.
 MODEL_ARGS = ("d_model", "layers", "heads", "seq_len", "weight_blocks")
 
@@ -123,12 +132,18 @@ def windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     return data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
 
 
-def next_byte_loss(model: nn.Module, params: Any, batch: jax.Array, key: jax.Array | None = None) -> jax.Array:
+def next_byte_loss(
+    model: nn.Module, params: Any, batch: jax.Array, key: jax.Array | None = None, load_balance: float = 0.0
+) -> jax.Array:
     """Mean cross-entropy of predicting each next byte of the windows ``batch`` [B, seq_len + 1].
 
-    ``key`` feeds the NVFP4 layers' stochastic rounding (needed for gradients when the recipe has it)."""
-    logits = model.apply({"params": params}, batch[:, :-1], rngs=None if key is None else {RNG_STREAM: key})
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    ``key`` feeds the NVFP4 layers' stochastic rounding (needed for gradients when the recipe has it).
+    ``load_balance``: the weight of the MoE layers' mean load-balancing loss added to it (no MoE: none)."""
+    rngs = None if key is None else {RNG_STREAM: key}
+    logits, state = model.apply({"params": params}, batch[:, :-1], rngs=rngs, mutable=["losses"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    balance = jax.tree.leaves(state)
+    return loss + load_balance * sum(balance) / len(balance) if balance else loss
 
 
 def logical(init: Callable[..., jax.Array], *axes: str) -> Callable[..., Any]:
@@ -173,6 +188,7 @@ class Block(nn.Module):
     dense_cls: Callable[..., nn.Module]
     dense_general_cls: Callable[..., nn.Module]
     mesh: jax.sharding.Mesh | None = None
+    moe_cls: Callable[..., nn.Module] | None = None  # the MLP as a mixture of experts (--moe)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -197,6 +213,8 @@ class Block(nn.Module):
         )
         x = constrain(x + out(attn), self.mesh, *X)
         h = layer_norm()(x)
+        if self.moe_cls is not None:
+            return x + self.moe_cls(hidden=4 * d_model // MOE_TOP_K, top_k=MOE_TOP_K, name="moe")(h)
         up = self.dense_cls(4 * d_model, dtype=DTYPE, name="mlp_up", kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
         # Exact (erf) GELU: on CPU it is faster than the tanh approximation.
         h = constrain(nn.gelu(up(h), approximate=False), self.mesh, "batch", "length", "mlp")
@@ -214,6 +232,7 @@ class TransformerLM(nn.Module):
     dense_cls: Callable[..., nn.Module] = with_axes(nn.Dense)
     dense_general_cls: Callable[..., nn.Module] = with_axes(nn.DenseGeneral)
     mesh: jax.sharding.Mesh | None = None  # where to shard the activations
+    moe_cls: Callable[..., nn.Module] | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -225,7 +244,7 @@ class TransformerLM(nn.Module):
         pos = self.param("pos_embed", logical(init, "length", "embed"), (self.max_len, self.d_model))
         x = constrain(x + pos[: tokens.shape[1]].astype(DTYPE), self.mesh, *X)
         for i in range(self.layers):
-            x = Block(self.heads, self.dense_cls, self.dense_general_cls, self.mesh, name=f"block{i}")(x)
+            x = Block(self.heads, self.dense_cls, self.dense_general_cls, self.mesh, self.moe_cls, name=f"block{i}")(x)
         x = layer_norm("final_norm")(x)
         head = with_axes(nn.Dense)(
             VOCAB, dtype=DTYPE, name="head", kernel_axes=("embed", "vocab"), bias_axes=("vocab",)
@@ -247,7 +266,12 @@ def build_model(
         dense_general_cls = functools.partial(NVFP4DenseGeneral, recipe=recipe(run))
     else:
         dense_cls, dense_general_cls = with_axes(nn.Dense), with_axes(nn.DenseGeneral)
-    model = TransformerLM(args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh)
+    moe_cls = None
+    if getattr(args, "moe", 0):
+        moe_cls = functools.partial(MoEMLP, args.moe, recipe=recipe(run) if run in RECIPES else None, dtype=DTYPE)
+    model = TransformerLM(
+        args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh, moe_cls
+    )
     if run in RULE_RUNS:  # the last block (and the head, bf16 in every run) kept by the rules
         return quantize_model(model, keep_ends(args.layers, last=1, recipe=recipe(RULE_RUNS[run])))
     return model
@@ -386,7 +410,7 @@ def train(
     @jit_step
     def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
         key = jax.random.fold_in(rounding_key, state.step)
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key, LOAD_BALANCE)
         return state.apply_gradients(grads=grads), loss
 
     eval_step = jax.jit(loss_fn)
@@ -505,6 +529,8 @@ def prepare_data(args: argparse.Namespace) -> tuple[np.ndarray, dict[str, Any]]:
 
 def describe(run: str, args: argparse.Namespace) -> str:
     """What a run's linear layers do, for the results table."""
+    if args.moe:
+        return describe(run, argparse.Namespace(**{**vars(args), "moe": 0})) + f", MLP {args.moe} experts top-2"
     if run == "bf16":
         return "bf16"
     if run in RULE_RUNS:
@@ -600,6 +626,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seeds", type=int, default=1, help="train every run with seeds --seed, --seed+1, ...: mean and spread"
     )
+    parser.add_argument(
+        "--moe",
+        type=int,
+        default=0,
+        metavar="E",
+        help="each block's MLP a mixture of E experts (top-2; default: dense)",
+    )
     parser.add_argument("--weight-blocks", choices=("16x16", "1x16"), default="16x16", help="NVFP4 weight blocks")
     parser.add_argument(
         "--runs",
@@ -631,6 +664,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.d_model % args.heads or min(args.steps, args.eval_every, args.batch, args.seeds) < 1:
         parser.error("--d-model must be a multiple of --heads; --steps, --eval-every, --batch and --seeds at least 1")
+    if args.moe:
+        unsupported = [n for n, on in (("--mesh", args.mesh), ("--save", args.save)) if on]
+        unsupported += [f"the run {r}" for r in args.runs if r in RULE_RUNS]
+        if unsupported:
+            parser.error(f"--moe does not support {', '.join(unsupported)} yet")
+        if args.moe < MOE_TOP_K:
+            parser.error(f"--moe takes at least {MOE_TOP_K} experts (top-{MOE_TOP_K} routing)")
     try:
         mesh = make_mesh(args.mesh, args) if args.mesh else None
     except ValueError as e:

@@ -1,0 +1,79 @@
+"""The mixture-of-experts MLP for Flax NNX: ``MoEMLP``, the NNX twin of ``jax_nvfp4.flax.moe.MoEMLP``.
+
+Same routing, parameters and GEMMs (``jax_nvfp4.flax.moe``); the stochastic-rounding keys come
+from a stream forked at construction, as ``NVFP4DotGeneral``'s do. The load-balancing loss of the
+last call is the layer's ``load_balance`` (an ``nnx.Intermediate``, overwritten by each call so
+that the model's state keeps its structure under ``nnx.jit``): add ``weight *
+layer.load_balance[...]`` to the loss inside the function you differentiate.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_nvfp4.flax.moe import experts_mlp, nvfp4_or_bf16, route
+from jax_nvfp4.flax.nnx import _DEFAULT_RECIPE, _NVFP4Op
+from jax_nvfp4.recipe import Recipe
+
+_EXACT_GELU = functools.partial(nnx.gelu, approximate=False)
+_KERNEL_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2)
+
+
+class MoEMLP(nnx.Module):
+    """A top-k mixture of GELU MLP experts on the last axis, in NVFP4 (or bf16 with ``recipe=None``).
+
+    Args:
+      in_features: d.
+      hidden: each expert's hidden width.
+      num_experts: E.
+      top_k: experts per token.
+      recipe: the experts' GEMMs' NVFP4 recipe; None runs ``lax.ragged_dot`` (the baseline).
+      dtype: the activations' dtype in the GEMMs (parameters stay float32).
+      activation: the experts' nonlinearity (exact GELU by default).
+      rngs: initializes the router and the kernels; with stochastic rounding the layer forks its
+        ``"nvfp4"`` stream (else ``default``), as ``NVFP4DotGeneral`` does.
+
+    Parameters: ``router`` (an ``nnx.Linear`` in float32, no bias), ``up`` [E, d, hidden], ``down`` [E, hidden, d].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden: int,
+        num_experts: int,
+        *,
+        top_k: int = 2,
+        recipe: Recipe | None = _DEFAULT_RECIPE,
+        dtype: jnp.dtype = jnp.bfloat16,
+        activation: Callable[[jax.Array], jax.Array] = _EXACT_GELU,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.top_k, self.recipe, self.dtype, self.activation = top_k, recipe, dtype, activation
+        self.router = nnx.Linear(in_features, num_experts, use_bias=False, dtype=jnp.float32, rngs=rngs)
+        self.up = nnx.Param(_KERNEL_INIT(rngs.params(), (num_experts, in_features, hidden)))
+        self.down = nnx.Param(_KERNEL_INIT(rngs.params(), (num_experts, hidden, in_features)))
+        self.load_balance = nnx.Intermediate(jnp.zeros((), jnp.float32))
+        # The keys of the two grouped GEMMs' stochastic rounding (none for bf16).
+        self.keys = nnx.data(None if recipe is None else _NVFP4Op(recipe, rngs=rngs))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = route(self.router(tokens), self.top_k)
+        self.load_balance[...] = routing.load_balance
+        ragged = []
+        for _ in range(2):
+            kwargs = {}
+            if self.keys is not None:
+                self.keys._key(kwargs)
+            ragged.append(nvfp4_or_bf16(self.recipe, kwargs.get("rng_key")))
+        y = experts_mlp(
+            tokens.astype(self.dtype), routing, self.up[...], self.down[...], tuple(ragged), self.activation
+        )
+        return y.reshape(x.shape).astype(self.dtype)
