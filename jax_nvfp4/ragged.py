@@ -21,6 +21,11 @@ move between shards of a token-sharded batch); its blocks outside the group are 
 it equals the GEMM of the group's blocks alone wherever the float32 dot is unchanged by zero
 blocks around the sum (XLA's CPU dot in the tests).
 
+**Sharding.** Under ``jit`` with the experts (W's first axis) sharded over one mesh axis and the
+tokens over another, each device multiplies its tokens by its experts: no operand moves. Each
+row then takes its own expert's output from the expert shards (a float32 all-reduce of results),
+and the weight gradients' sums over token shards are reduced as ``dot_general``'s are.
+
 Rows past ``sum(group_sizes)`` give zeros (as in ``lax.ragged_dot``) and take no part in any amax.
 
 Stochastic rounding uses ``jax.random.split(rng_key, G + 1)``: key 0 for dy's rowwise copy, key

@@ -93,3 +93,28 @@ def test_the_four_over_six_and_per_token_runs_are_their_recipes():
     args = _args("data=1")
     assert train_lm.describe("4o6", args) == "NVFP4, 16x16 weights + 4over6 (x, W, dy; MSE, E4M3 max 256)"
     assert train_lm.describe("per-token", args) == "NVFP4, 16x16 weights + per-token scales (x, dy)"
+
+
+def test_moe_blocks_train_in_nvfp4():
+    """--moe 4: each block's MLP is 4 experts (top-2, hidden 2 x d_model) whose GEMMs are NVFP4 ragged_dots."""
+    args = argparse.Namespace(**{**vars(_args("data=1")), "moe": 4})
+    step, params, batch = _loss_and_grad(args, None, "full")
+    moe = params["block0"]["moe"]
+    assert moe["up"].shape == (4, 64, 128) and moe["down"].shape == (4, 128, 64) and "mlp_up" not in params["block0"]
+    jaxpr = jax.make_jaxpr(step)(params, batch, jax.random.key(0))
+    assert "nvfp4_gemm" in str(jaxpr) and "ragged_dot_general" not in str(jaxpr)  # every GEMM is NVFP4
+    loss, grads = step(params, batch, jax.random.key(0))
+    assert np.isfinite(loss)
+    for name in ("up", "down"):
+        assert np.all(np.isfinite(grads["block0"]["moe"][name])) and np.any(grads["block0"]["moe"][name])
+    assert np.any(grads["block0"]["moe"]["router"]["kernel"])
+
+
+@pytest.mark.parametrize(
+    "flags", [["--moe", "4", "--save", "ckpt"], ["--moe", "1"], ["--moe", "4", "--runs", "full-keep-last"]]
+)
+def test_moe_refuses_what_it_does_not_support(flags, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", *flags])
+    with pytest.raises(SystemExit):
+        train_lm.main()
+    assert "--moe" in capsys.readouterr().err
