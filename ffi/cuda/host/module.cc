@@ -98,37 +98,27 @@ bool fast_index_excluded(uint32_t u) {
   return u == 0x80000000u || a == 0.25f || a == 1.25f || a == 2.5f || a == 5.0f;
 }
 
-// Counts the float32 bit patterns whose E2M1 code from the code table differs from
-// float_to_e2m1's: by the tie-safe index, and by the fast index outside the cases it is not used
-// for (counted as excluded).
-nb::tuple e2m1_table_mismatches() {
+// Counts, in one pass over the float32 bit patterns, those whose E2M1 code from the quantize
+// kernel's tables differs from float_to_e2m1's: the code table by the tie-safe index, by the fast
+// index and the pair table's class of the truncated float16 (both outside the cases they are not
+// used for, counted as excluded).
+nb::tuple e2m1_tables_mismatches() {
   uint8_t lut[nvfp4::cuda::kLutSize];
   for (uint32_t i = 0; i < uint32_t(nvfp4::cuda::kLutSize); ++i) lut[i] = nvfp4::cuda::lut_entry(i);
-  const auto [safe, fast, excluded] =
-      count_over_floats<3>([&](uint32_t u, float v, std::array<uint64_t, 3>& c) {
-        const uint8_t want = nvfp4::float_to_e2m1(v);
-        c[0] += lut[(u + ((u >> 22) & 1u) - 1u) >> nvfp4::cuda::kLutShift] != want;
-        if (fast_index_excluded(u))
-          ++c[2];
-        else
-          c[1] += lut[u >> nvfp4::cuda::kLutShift] != want;
-      });
-  return nb::make_tuple(safe, fast, excluded);
-}
-
-// The pair table's class of the truncated float16 against float_to_e2m1, as (mismatches, cases
-// excluded as for the fast index).
-nb::tuple pair_table_mismatches() {
   uint8_t codes[256];
   for (uint32_t b = 0; b < 256; ++b) codes[b] = nvfp4::cuda::f16_class_code(b);
-  const auto [mismatches, excluded] =
-      count_over_floats<2>([&](uint32_t u, float v, std::array<uint64_t, 2>& c) {
-        if (fast_index_excluded(u))
-          ++c[1];
-        else
-          c[0] += codes[nvfp4::f16_rz_bits(v) >> 8] != nvfp4::float_to_e2m1(v);
+  const auto [safe, fast, pair, excluded] =
+      count_over_floats<4>([&](uint32_t u, float v, std::array<uint64_t, 4>& c) {
+        const uint8_t want = nvfp4::float_to_e2m1(v);
+        c[0] += lut[(u + ((u >> 22) & 1u) - 1u) >> nvfp4::cuda::kLutShift] != want;
+        if (fast_index_excluded(u)) {
+          ++c[3];
+        } else {
+          c[1] += lut[u >> nvfp4::cuda::kLutShift] != want;
+          c[2] += codes[nvfp4::f16_rz_bits(v) >> 8] != want;
+        }
       });
-  return nb::make_tuple(mismatches, excluded);
+  return nb::make_tuple(safe, fast, pair, excluded);
 }
 
 nb::bytes f16_rz(Floats x) {
@@ -151,12 +141,10 @@ NB_MODULE(_nvfp4_cuda_host, m) {
   m.def("cvt_rn_satfinite_e2m1x2", &cvt_e2m1x2, nb::arg("hi"), nb::arg("lo"),
         "The bytes cvt.rn.satfinite.e2m1x2.f32 gives for float32 arrays hi and lo (host "
         "equivalent).");
-  m.def("e2m1_table_mismatches", &e2m1_table_mismatches,
-        "Exhaustive check of the quantize kernel's E2M1 code table (cuda/e2m1_lut.cuh): "
-        "(tie-safe index mismatches, fast index mismatches, cases excluded from the fast one).");
-  m.def("pair_table_mismatches", &pair_table_mismatches,
-        "Exhaustive check of the quantize kernel's pair table classes (cuda/e2m1_lut.cuh): "
-        "(mismatches, cases excluded from the fast index).");
+  m.def("e2m1_tables_mismatches", &e2m1_tables_mismatches,
+        "Exhaustive check of the quantize kernel's E2M1 tables (cuda/e2m1_lut.cuh), one pass: "
+        "(code table mismatches by the tie-safe index, by the fast index, pair table class "
+        "mismatches, cases excluded from the fast index and the pair table).");
   m.def("f16_rz", &f16_rz, nb::arg("x"),
         "The float16 bits cvt.rz.f16x2.f32 gives for a float32 array (host equivalent).");
   m.def("probe", &nvfp4::cuda::probes::probe, nb::arg("name"), nb::arg("size"), nb::arg("a") = 0,
