@@ -507,6 +507,7 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         f"byte-level LM on stdlib source: d_model {args.d_model}, {args.layers} layers, "
         f"batch {args.batch}x{args.seq_len}, NVFP4 weight blocks {args.weight_blocks}"
         + (f", mesh {mesh_name(args.mesh)}" if args.mesh else "")
+        + (f", MLP {args.moe} experts top-{MOE_TOP_K}" if getattr(args, "moe", 0) else "")
     )
     fig.tight_layout()
     fig.savefig(args.out, dpi=90)
