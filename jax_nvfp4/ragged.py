@@ -87,13 +87,13 @@ def _broadcast(t: NVFP4Tensor, groups: int) -> NVFP4Tensor:
     return dataclasses.replace(t, shape=(groups, *t.shape[1:]))
 
 
-def _experts(w: jax.Array, recipe: Recipe) -> NVFP4Tensor:
-    """W^T [G, N, K], each expert quantized on its own (own amax), both copies: [G, N, K]."""
-    spec = recipe.spec("w", columnwise=True, tokens=w.shape[1])
+def _experts(w: jax.Array, recipe: Recipe, columnwise: bool) -> NVFP4Tensor:
+    """W^T [G, N, K], each expert quantized on its own (own amax): [G, N, K], with the columnwise copy if asked."""
+    spec = recipe.spec("w", columnwise=columnwise, tokens=w.shape[1])
     return _stack(jax.vmap(lambda wg: quantize_batch(KERNELS, wg[None], spec))(w))
 
 
-def _group_copies(v: jax.Array, ids: jax.Array, group_sizes: jax.Array, recipe: Recipe, operand: str, keys):
+def _group_copies(v: jax.Array, ids: jax.Array, groups: int, recipe: Recipe, operand: str, keys) -> NVFP4Tensor:
     """Group g's rows of v [M, L] (the other rows zero) quantized columnwise, one tensor per group: [G, M, L]."""
     spec = _spec(recipe, operand, v.shape[0], columnwise=True)
 
@@ -101,7 +101,7 @@ def _group_copies(v: jax.Array, ids: jax.Array, group_sizes: jax.Array, recipe: 
         vg = jnp.where((ids == g)[:, None], v, jnp.zeros((), v.dtype))
         return quantize_batch(KERNELS, vg[None], spec, rng_key=key)
 
-    return _stack(jax.vmap(one)(jnp.arange(group_sizes.shape[0]), keys))
+    return _stack(jax.vmap(one)(jnp.arange(groups), keys))
 
 
 def _pick(y: jax.Array, ids: jax.Array) -> jax.Array:
@@ -120,6 +120,7 @@ def _keys(key, groups: int):
 
 
 def _masked(v: jax.Array, ids: jax.Array, groups: int) -> jax.Array:
+    """v [M, L] with the rows past the last group zero."""
     return jnp.where((ids < groups)[:, None], v, jnp.zeros((), v.dtype))
 
 
@@ -133,14 +134,14 @@ def _fprop(x, qw: NVFP4Tensor, ids, config: _Config) -> jax.Array:
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: _Config) -> jax.Array:
     """x [M, K], W^T [G, N, K], group_sizes [G] -> y [M, N]."""
     del key
-    return _fprop(x, _experts(w, config.recipe), group_ids(group_sizes, x.shape[0]), config)
+    return _fprop(x, _experts(w, config.recipe, columnwise=False), group_ids(group_sizes, x.shape[0]), config)
 
 
 def _ragged_fwd(x, w, group_sizes, key, config: _Config):
     ids = group_ids(group_sizes, x.shape[0])
-    qw = _experts(w, config.recipe)
+    qw = _experts(w, config.recipe, columnwise=True)
     y = _fprop(x, qw, ids, config)
-    qx_t = _group_copies(_masked(x, ids, w.shape[0]), ids, group_sizes, config.recipe, "x", None)
+    qx_t = _group_copies(x, ids, w.shape[0], config.recipe, "x", None)
     return y, (_columnwise_only(qx_t), _columnwise_only(qw), group_sizes, key)
 
 
@@ -154,7 +155,7 @@ def _ragged_bwd(config: _Config, residuals, dy):
     qdy = _rows(dy, recipe, "dy", key=row_key)
     # [G, M, N] . [G, K, N] -> [G, M, K]: each expert's dgrad, of which each row keeps its own expert's.
     dx = _pick(batched_gemm(_broadcast(qdy, groups), qw, config.x_dtype, c_columnwise=True, impl=recipe.impl), ids)
-    qdy_t = _group_copies(dy, ids, group_sizes, recipe, "dy", group_keys)
+    qdy_t = _group_copies(dy, ids, groups, recipe, "dy", group_keys)
     # [G, N, M] . [G, K, M] -> [G, N, K], each contracting its group's tokens (the others are zero codes).
     dw = batched_gemm(qdy_t, qx_t, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=recipe.impl)
     return dx, dw, None, None
