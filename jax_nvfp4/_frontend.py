@@ -10,16 +10,19 @@ the reference share one public contract.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from jax_nvfp4._backend import Backend
 from jax_nvfp4._checks import check_flag, check_key, check_mesh_axes, check_out_dtype, check_real, renamed
+from jax_nvfp4._explicit import explicit_sharding, fit, merged, spec_of, unmerged
 from jax_nvfp4.formats import BLOCK, INPUT_DTYPES, num_blocks, packed_size
 from jax_nvfp4.spec import QuantizeSpec
 from jax_nvfp4.tensor import NVFP4Tensor, check_tensor
@@ -105,7 +108,53 @@ def quantize_batch(backend: Backend, x: jax.Array, spec: QuantizeSpec, *, amax=N
     )
 
 
+# The shardings of the public results on Explicit axes (see _explicit): each array keeps the mesh axes of the
+# dimension of x it runs along, where they split it into whole blocks (else it is typed replicated).
+
+
+def _rows_spec(x) -> list:
+    """The mesh axes of x's leading dimensions, each kept where it splits evenly."""
+    return [fit(e, n) for e, n in zip(spec_of(x)[:-1], jnp.shape(x)[:-1], strict=True)]
+
+
+def _amax_spec(result, x, *, row_scaled: bool = False, **_) -> PartitionSpec:
+    return PartitionSpec(*_rows_spec(x)) if row_scaled else PartitionSpec()
+
+
+def _quantize_spec(t: NVFP4Tensor, x, *_, **__) -> NVFP4Tensor:
+    """NVFP4Tensor ``t`` with the sharding of each of its arrays, as ``x`` implies: the rowwise copy [..., N/2] as
+    x; the columnwise copy [N, M/2] with x's last axes on N and those of its (merged) leading axes on M."""
+    rows, last, n = _rows_spec(x), spec_of(x)[-1], jnp.shape(x)[-1]
+    rowwise = PartitionSpec(*rows, fit(last, n, BLOCK))
+    columnwise = PartitionSpec(fit(last, n), merged(spec_of(x)[:-1], jnp.shape(x)[:-1], BLOCK))
+    per_row = t.spec.row_scaled
+
+    def given(array, spec):
+        return None if array is None else spec
+
+    return dataclasses.replace(
+        t,
+        data=given(t.data, rowwise),
+        scale=given(t.scale, rowwise),
+        amax=PartitionSpec(*rows) if per_row else PartitionSpec(),
+        data_t=given(t.data_t, columnwise),
+        scale_t=given(t.scale_t, columnwise),
+        amax_t=given(t.amax_t, PartitionSpec(fit(last, n)) if per_row else PartitionSpec()),
+    )
+
+
+def _dequantize_spec(result, t: NVFP4Tensor, dtype=None, columnwise: bool = False) -> PartitionSpec:
+    """The values [..., N] sharded as the copy they come from: the rowwise copy's axes, or the columnwise
+    copy's N axes on N and its M axes split over the leading axes."""
+    if columnwise:
+        n, m = spec_of(t.data_t)
+        return PartitionSpec(*unmerged(m, t.shape[:-1]), fit(n, t.cols))
+    *rows, last = spec_of(t.data)
+    return PartitionSpec(*(fit(e, size) for e, size in zip(rows, t.shape[:-1], strict=True)), fit(last, t.cols))
+
+
 def amax_fn(backend: Backend) -> Callable:
+    @explicit_sharding(_amax_spec)
     def amax(
         x: jax.Array, *, amax_mesh_axes: Sequence[str] | None = None, row_scaled: bool = False, **renamed_options
     ) -> jax.Array:
@@ -124,7 +173,9 @@ def amax_fn(backend: Backend) -> Callable:
         which local quantization and dequantization use consistently, while
         the global view of the result shows one shard's value. The pure-JAX
         reference ignores ``amax_mesh_axes`` (always the global amax).
-        (``mesh_axes=``: the deprecated spelling of ``amax_mesh_axes``.)
+        (``mesh_axes=``: the deprecated spelling of ``amax_mesh_axes``.) On
+        Explicit axes the result is typed replicated, per-row amaxes as the
+        rows of ``x`` (see ``quantize``).
         """
         given = {} if amax_mesh_axes is None else {"amax_mesh_axes": amax_mesh_axes}
         options = renamed(given | renamed_options, "mesh_axes", "amax_mesh_axes", "amax")
@@ -160,6 +211,7 @@ def _given_amax(amax, spec: QuantizeSpec, lead: tuple[int, ...], rows: tuple[int
 
 
 def quantize_fn(backend: Backend) -> Callable:
+    @explicit_sharding(_quantize_spec)
     def quantize(
         x: jax.Array,
         spec: QuantizeSpec | None = None,
@@ -187,6 +239,15 @@ def quantize_fn(backend: Backend) -> Callable:
         high nibble is 0). The old keywords ``four_over_six``,
         ``rht_amax_estimate`` and ``stochastic_rounding_key`` still work, with
         a DeprecationWarning.
+
+        Under ``jax.set_mesh`` with Explicit axes the primitives run with those
+        axes Auto (custom partitioning has no sharding-in-types rule) and each
+        array of the result is typed with the sharding ``x`` implies: the
+        rowwise copy and row amaxes as ``x``'s leading axes (and its last, where
+        each shard is whole 16-value blocks), the columnwise copy [N, M/2] with
+        ``x``'s last-axis sharding on N and its leading axes' on M (where their
+        row-major merge keeps each shard one run of whole blocks); anything
+        else replicated. ``dequantize`` and ``amax`` type theirs alike.
         """
         options = ({} if rng_key is None else {"rng_key": rng_key}) | options
         for old, new in _RENAMED_QUANTIZE.items():
@@ -223,6 +284,7 @@ def quantize_fn(backend: Backend) -> Callable:
 
 
 def dequantize_fn(backend: Backend) -> Callable:
+    @explicit_sharding(_dequantize_spec)
     def dequantize(t: NVFP4Tensor, dtype: DTypeLike = jnp.float32, columnwise: bool = False) -> jax.Array:
         """Dequantize to ``dtype``: value = fp32(E2M1 * scale) * (amax / (6 E)).
 
@@ -231,7 +293,9 @@ def dequantize_fn(backend: Backend) -> Callable:
         scale the reference GEMM applies; an infinite amax gives no finite
         value back. ``columnwise=True`` dequantizes the columnwise copy
         (with ``amax_t``) and transposes it back, so both give ``t.shape``.
-        A NaN scale (NaN input) gives NaN for its whole block.
+        A NaN scale (NaN input) gives NaN for its whole block. On Explicit
+        axes the result is typed with the sharding of the copy it decodes
+        (see ``quantize``).
         """
         check_tensor("dequantize's t", t)
         dtype, columnwise = check_out_dtype(dtype), check_flag("columnwise", columnwise)

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from jax_nvfp4._checks import check_key, check_out_dtype
+from jax_nvfp4._explicit import explicit_sharding
 from jax_nvfp4._frontend import dequantize_fn, quantize_batch, row_axes
 from jax_nvfp4.formats import INPUT_DTYPES
 from jax_nvfp4.gemm import batched_gemm
@@ -167,6 +168,21 @@ def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, re
     return _jitted_fprop(x, rhs.tensor, recipe, out.dtype).reshape(out.shape)
 
 
+def _lax_sharding(result, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """The sharding ``lax.dot_general`` gives its result on Explicit axes: its own rule, or ``out_sharding``."""
+    del result, precision
+    # A QuantizedWeight's kernel has no layout of its own (its arrays are the packed W^T).
+    rhs = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype) if isinstance(rhs, QuantizedWeight) else jnp.asarray(rhs)
+    dot = functools.partial(
+        lax.dot_general,
+        dimension_numbers=_int_dims(dimension_numbers),
+        preferred_element_type=preferred_element_type,
+        out_sharding=kwargs.get("out_sharding"),
+    )
+    return jax.eval_shape(dot, jnp.asarray(lhs), rhs).sharding.spec
+
+
+@explicit_sharding(_lax_sharding, applies=("out_sharding",))
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -196,7 +212,7 @@ def dot_general(
       out_sharding: a ``NamedSharding`` (or a ``PartitionSpec`` of the
         current mesh) for the result, applied as a sharding constraint: the
         GEMM computes that layout and moves its quantized operands to fit.
-        Meshes with Auto axes only.
+        On Explicit axes it is the result's type, as for ``lax.dot_general``.
       recipe: the NVFP4 recipe options; ``Recipe()`` by default.
       rng_key: a JAX PRNG key for the stochastic rounding of the gradients
         (on by default, ``Recipe.needs_rng_key``): needed when the
@@ -204,6 +220,13 @@ def dot_general(
 
     Gradients have the dtypes of ``lhs`` and ``rhs``. Forward-mode autodiff
     (jvp) is not defined. Empty operands fall back to ``lax.dot_general``.
+
+    Under ``jax.set_mesh`` with Explicit axes the result's type has the
+    sharding ``lax.dot_general`` would give it (its rule, or ``out_sharding``;
+    where lax asks for ``out_sharding`` so does this), and each gradient its
+    operand's. The GEMMs cannot take part in sharding in types themselves
+    (custom partitioning), so they run with those axes Auto, partitioned by
+    the operands' layouts, and the result is resharded to that type.
     """
     del precision
     recipe = Recipe() if recipe is None else recipe

@@ -32,6 +32,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_nvfp4 import _ffi
+from jax_nvfp4._explicit import auto_mesh
 
 Dims = tuple[tuple[str, ...], ...]
 """A sharding as the mesh axes of each dimension: ((), ("data", "fsdp"), ...)."""
@@ -145,6 +146,26 @@ def _named(mesh, dims: Dims) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*(d if d else None for d in dims)))
 
 
+def _on_auto_axes(local_fn: Callable) -> Callable:
+    """``local_fn`` traced with the current mesh's Explicit axes as Auto.
+
+    custom_partitioning traces the per-shard function while XLA compiles, under whatever mesh is
+    current (``jax.set_mesh``). With Explicit axes its ops would carry sharding annotations of the
+    global mesh inside a per-device program, which XLA cannot compile (a leftover "Sharding" custom
+    call, or a collective whose reduction holds one). The per-shard program has no global layout.
+    """
+
+    @functools.wraps(local_fn)
+    def traced(*args):
+        mesh = auto_mesh()
+        if mesh is None:
+            return local_fn(*args)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return local_fn(*args)
+
+    return traced
+
+
 def _custom_partitioned(kernel_prim: Primitive, params: dict, partitioning: Partitioning, adapt) -> Callable:
     def kernel(*args, **overrides):
         p = {**params, **overrides}
@@ -169,7 +190,7 @@ def _custom_partitioned(kernel_prim: Primitive, params: dict, partitioning: Part
     def partition(mesh, arg_shapes, result_shape):
         in_dims, out_dims, local_fn = choose(mesh, arg_shapes, result_shape)
         out = tuple(_named(mesh, d) for d in out_dims)
-        return mesh, local_fn, out, tuple(_named(mesh, d) for d in in_dims)
+        return mesh, _on_auto_axes(local_fn), out, tuple(_named(mesh, d) for d in in_dims)
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
         del result_shape  # only the GSPMD partitioner (Shardy off) calls this
