@@ -530,8 +530,9 @@ def prepare_data(args: argparse.Namespace) -> tuple[np.ndarray, dict[str, Any]]:
 
 def describe(run: str, args: argparse.Namespace) -> str:
     """What a run's linear layers do, for the results table."""
-    if args.moe:
-        return describe(run, argparse.Namespace(**{**vars(args), "moe": 0})) + f", MLP {args.moe} experts top-2"
+    if getattr(args, "moe", 0):
+        dense = describe(run, argparse.Namespace(**{**vars(args), "moe": 0}))
+        return dense + f", MLP {args.moe} experts top-{MOE_TOP_K}"
     if run == "bf16":
         return "bf16"
     if run in RULE_RUNS:

@@ -45,9 +45,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from jax_nvfp4._checks import check_key, check_out_dtype
+from jax_nvfp4._explicit import explicit_sharding, spec_of
 from jax_nvfp4._frontend import quantize_batch
 from jax_nvfp4.dot import _columnwise_only, _Config
 from jax_nvfp4.formats import INPUT_DTYPES
@@ -166,6 +168,18 @@ _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 _jitted_ragged = jax.jit(_ragged, static_argnums=4)
 
 
+def _explicit_sharding(result, lhs, rhs, group_sizes, *args, **kwargs) -> PartitionSpec:
+    """The result's type on Explicit axes, which lax has no rule for (it asks for an out_sharding): the one
+    ``lax.dot_general`` gives lhs [M, K] times one group's rhs [K, N], tokens as lhs's rows and N as rhs's."""
+    del result, group_sizes, args, kwargs
+    rhs = jnp.asarray(rhs)
+    mesh = jax.sharding.get_abstract_mesh()
+    one = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec_of(rhs)[1:])))
+    dense = functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())))
+    return jax.eval_shape(dense, jnp.asarray(lhs), one).sharding.spec
+
+
+@explicit_sharding(_explicit_sharding)
 def ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -194,6 +208,11 @@ def ragged_dot(
     Returns [M, N] of ``lax.ragged_dot``'s dtype. The module docstring has the recipe, how the
     weight-gradient copies treat group boundaries inside a 16-token block, and the cost.
     Gradients flow to ``lhs`` and ``rhs`` (not ``group_sizes``); forward-mode autodiff is not defined.
+
+    Under ``jax.set_mesh`` with Explicit axes, where ``lax.ragged_dot`` asks for an ``out_sharding``, the
+    result's type is the sharding ``lax.dot_general`` gives lhs times one group's rhs [K, N] (the tokens as
+    lhs's rows, N as rhs's last axis; an expert axis of rhs does not show in it), and each gradient has
+    its operand's. The GEMMs run with those axes Auto, as ``dot_general``'s do.
     """
     del precision
     recipe = Recipe() if recipe is None else recipe

@@ -6,6 +6,10 @@ grouped GEMM per projection (``ragged_dot`` over all experts' rows), and the out
 back per token with the router's weights (softmax over the chosen experts' logits). The routing
 functions are shared with the NNX layer (``jax_nvfp4.flax.nnx_moe``).
 
+On a mesh with Explicit axes (``jax.set_mesh``) the routing sorts all the tokens together, which JAX
+types only for unsharded arrays: the layer takes its tokens unsharded for the routing and the
+experts (moving them, as any MoE dispatch does) and gives its output the sharding of its input.
+
 The load-balancing loss of Switch Transformer (num_experts * sum_e f_e p_e: f_e the share of
 routed rows expert e gets, p_e its mean router probability; 1 when balanced) is sown as
 ``("losses", "load_balance")``: add ``weight * sum`` of that collection to the training loss.
@@ -21,7 +25,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
+from jax_nvfp4._explicit import auto_mesh, spec_of
 from jax_nvfp4.flax.linen import RNG_STREAM
 from jax_nvfp4.ragged import ragged_dot
 from jax_nvfp4.recipe import Recipe
@@ -47,6 +53,22 @@ def route(logits: jax.Array, top_k: int) -> Routing:
     return Routing(order, group_sizes, jax.nn.softmax(top, axis=-1), experts * jnp.sum(share * mean_prob))
 
 
+def tokens_of(x: jax.Array) -> jax.Array:
+    """x [..., d] as tokens [T, d] to route: unsharded under a mesh (the routing sorts them all)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    if jax.sharding.get_abstract_mesh().empty:
+        return tokens
+    if auto_mesh() is None:
+        return lax.with_sharding_constraint(tokens, PartitionSpec())
+    return jax.sharding.reshard(tokens, PartitionSpec())
+
+
+def like(y: jax.Array, x: jax.Array) -> jax.Array:
+    """The layer's output [T, d] in the shape, and on Explicit axes the sharding, of its input x."""
+    y = y.reshape(x.shape)
+    return y if auto_mesh() is None else jax.sharding.reshard(y, spec_of(x))
+
+
 def experts_mlp(
     x: jax.Array,
     routing: Routing,
@@ -64,7 +86,7 @@ def experts_mlp(
     h = activation(ragged[0](rows, up.astype(x.dtype), routing.group_sizes))
     out = ragged[1](h, down.astype(x.dtype), routing.group_sizes)
     out = jnp.zeros_like(out).at[routing.order].set(out).reshape(tokens, top_k, -1)
-    return jnp.einsum("tkd,tk->td", out, routing.gates.astype(out.dtype))
+    return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), routing.gates)  # the weighting in float32
 
 
 def nvfp4_or_bf16(recipe: Recipe | None, key: jax.Array | None) -> Callable[..., jax.Array]:
@@ -104,7 +126,7 @@ class MoEMLP(nn.Module):
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         d = x.shape[-1]
-        tokens = x.reshape(-1, d)
+        tokens = tokens_of(x)
         logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, name="router")(tokens)
         routing = route(logits, self.top_k)
         self.sow("losses", "load_balance", routing.load_balance)
@@ -113,4 +135,4 @@ class MoEMLP(nn.Module):
         keyed = self.recipe is not None and self.recipe.needs_rng_key and self.has_rng(RNG_STREAM)
         ragged = tuple(nvfp4_or_bf16(self.recipe, self.make_rng(RNG_STREAM) if keyed else None) for _ in range(2))
         y = experts_mlp(tokens.astype(self.dtype), routing, up, down, ragged, self.activation)
-        return y.reshape(x.shape).astype(self.dtype)
+        return like(y.astype(self.dtype), x)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_nvfp4.flax.moe import experts_mlp, nvfp4_or_bf16, route
+from jax_nvfp4.flax.moe import experts_mlp, like, nvfp4_or_bf16, route, tokens_of
 from jax_nvfp4.flax.nnx import _DEFAULT_RECIPE, _NVFP4Op
 from jax_nvfp4.recipe import Recipe
 
@@ -64,7 +64,7 @@ class MoEMLP(nnx.Module):
         self.keys = nnx.data(None if recipe is None else _NVFP4Op(recipe, rngs=rngs))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        tokens = x.reshape(-1, x.shape[-1])
+        tokens = tokens_of(x)
         routing = route(self.router(tokens), self.top_k)
         self.load_balance[...] = routing.load_balance
         ragged = []
@@ -76,4 +76,4 @@ class MoEMLP(nnx.Module):
         y = experts_mlp(
             tokens.astype(self.dtype), routing, self.up[...], self.down[...], tuple(ragged), self.activation
         )
-        return y.reshape(x.shape).astype(self.dtype)
+        return like(y.astype(self.dtype), x)
