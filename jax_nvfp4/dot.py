@@ -168,6 +168,31 @@ def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, re
     return _jitted_fprop(x, rhs.tensor, recipe, out.dtype).reshape(out.shape)
 
 
+def check_options(owner: str, recipe: Recipe | None, rng_key, preferred_element_type) -> Recipe:
+    """The options every NVFP4 GEMM entry point (``owner``) takes, checked: its recipe (``Recipe()`` by default)."""
+    recipe = Recipe() if recipe is None else recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+    if rng_key is not None:
+        check_key(rng_key, "rng_key")
+    if preferred_element_type is not None:
+        check_out_dtype(preferred_element_type, "preferred_element_type", owner)
+    return recipe
+
+
+def check_operands(owner: str, **operands: jax.Array) -> None:
+    """TypeError unless each operand is bfloat16, float16 or float32, naming it."""
+    for name, a in operands.items():
+        if a.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{owner} takes bfloat16, float16 or float32 operands, {name} is {a.dtype}")
+
+
+def check_result(owner: str, out: jax.ShapeDtypeStruct) -> None:
+    """TypeError unless the result type (lax's rule) is bfloat16, float16 or float32."""
+    if out.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{owner} produces bfloat16, float16 or float32, not {out.dtype}")
+
+
 def _lax_sharding(result, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """The sharding ``lax.dot_general`` gives its result on Explicit axes: its own rule, or ``out_sharding``."""
     del result, precision
@@ -229,20 +254,12 @@ def dot_general(
     the operands' layouts, and the result is resharded to that type.
     """
     del precision
-    recipe = Recipe() if recipe is None else recipe
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
-    if rng_key is not None:
-        check_key(rng_key, "rng_key")
-    if preferred_element_type is not None:
-        check_out_dtype(preferred_element_type, "preferred_element_type", "NVFP4 dot_general")
+    recipe = check_options("NVFP4 dot_general", recipe, rng_key, preferred_element_type)
     if isinstance(rhs, QuantizedWeight):
         y = _apply_quantized(jnp.asarray(lhs), rhs, dimension_numbers, preferred_element_type, recipe)
         return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    for name, a in (("lhs", lhs), ("rhs", rhs)):
-        if a.dtype not in INPUT_DTYPES:
-            raise TypeError(f"NVFP4 dot_general takes bfloat16, float16 or float32 operands, {name} is {a.dtype}")
+    check_operands("NVFP4 dot_general", lhs=lhs, rhs=rhs)
     dims = _int_dims(dimension_numbers)
     (lc, rc), (lb, rb) = dims
     # lax's own shape rule validates the dimension numbers and gives the result type.
@@ -251,8 +268,7 @@ def dot_general(
         lhs,
         rhs,
     )
-    if out.dtype not in INPUT_DTYPES:
-        raise TypeError(f"NVFP4 dot_general produces bfloat16, float16 or float32, not {out.dtype}")
+    check_result("NVFP4 dot_general", out)
     if out.size == 0 or lhs.size == 0 or rhs.size == 0:
         return lax.dot_general(lhs, rhs, dims, preferred_element_type=out.dtype)
 

@@ -48,11 +48,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
-from jax_nvfp4._checks import check_key, check_out_dtype
 from jax_nvfp4._explicit import explicit_sharding, spec_of
 from jax_nvfp4._frontend import quantize_batch
-from jax_nvfp4.dot import _columnwise_only, _Config
-from jax_nvfp4.formats import INPUT_DTYPES
+from jax_nvfp4.dot import _columnwise_only, _Config, check_operands, check_options, check_result
 from jax_nvfp4.gemm import batched_gemm
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.recipe import Recipe
@@ -215,19 +213,11 @@ def ragged_dot(
     its operand's. The GEMMs run with those axes Auto, as ``dot_general``'s do.
     """
     del precision
-    recipe = Recipe() if recipe is None else recipe
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+    recipe = check_options("NVFP4 ragged_dot", recipe, rng_key, preferred_element_type)
     if group_offset is not None:
         raise NotImplementedError("NVFP4 ragged_dot does not support group_offset")
-    if rng_key is not None:
-        check_key(rng_key, "rng_key")
-    if preferred_element_type is not None:
-        check_out_dtype(preferred_element_type, "preferred_element_type", "NVFP4 ragged_dot")
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
-    for name, a in (("lhs", lhs), ("rhs", rhs)):
-        if a.dtype not in INPUT_DTYPES:
-            raise TypeError(f"NVFP4 ragged_dot takes bfloat16, float16 or float32 operands, {name} is {a.dtype}")
+    check_operands("NVFP4 ragged_dot", lhs=lhs, rhs=rhs)
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != rhs.shape[:1]:
         raise ValueError(
             "NVFP4 ragged_dot takes lhs [M, K], rhs [G, K, N] and group_sizes [G], got shapes "
@@ -238,8 +228,7 @@ def ragged_dot(
     # lax's own shape rule checks K and gives the result type.
     ragged = functools.partial(lax.ragged_dot, preferred_element_type=preferred_element_type)
     out = jax.eval_shape(ragged, lhs, rhs, group_sizes)
-    if out.dtype not in INPUT_DTYPES:
-        raise TypeError(f"NVFP4 ragged_dot produces bfloat16, float16 or float32, not {out.dtype}")
+    check_result("NVFP4 ragged_dot", out)
     if out.size == 0 or lhs.size == 0 or rhs.size == 0:
         return ragged(lhs, rhs, group_sizes)
     config = _Config(recipe, out.dtype, lhs.dtype, rhs.dtype)
