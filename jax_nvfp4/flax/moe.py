@@ -54,13 +54,9 @@ def route(logits: jax.Array, top_k: int) -> Routing:
 
 
 def tokens_of(x: jax.Array) -> jax.Array:
-    """x [..., d] as tokens [T, d] to route: unsharded under a mesh (the routing sorts them all)."""
+    """x [..., d] as tokens [T, d] to route: on Explicit axes unsharded (the routing sorts them all)."""
     tokens = x.reshape(-1, x.shape[-1])
-    if jax.sharding.get_abstract_mesh().empty:
-        return tokens
-    if auto_mesh() is None:
-        return lax.with_sharding_constraint(tokens, PartitionSpec())
-    return jax.sharding.reshard(tokens, PartitionSpec())
+    return tokens if auto_mesh() is None else jax.sharding.reshard(tokens, PartitionSpec())
 
 
 def like(y: jax.Array, x: jax.Array) -> jax.Array:
