@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_kernels import assert_same_bytes
 
 import jax_nvfp4
 
@@ -39,15 +40,10 @@ def _random(shape, dtype=jnp.bfloat16, seed=0, scale=1.0) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, dtype)
 
 
-def _bytes(a) -> np.ndarray:
-    return np.asarray(a).reshape(-1).view(np.uint8)
-
-
 def _assert_same_bytes(got, want) -> None:
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_array_equal(_bytes(g), _bytes(w))
+        assert_same_bytes(g, w)
 
 
 def _spec(a) -> P:

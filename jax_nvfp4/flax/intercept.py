@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax_nvfp4.dot import dot_general
 from jax_nvfp4.einsum import einsum
 from jax_nvfp4.flax import diagnostics
-from jax_nvfp4.flax.linen import RNG_STREAM, _NVFP4Layer
+from jax_nvfp4.flax.linen import _NVFP4Layer, stream_key
 from jax_nvfp4.flax.rules import Rule, check_rules, recipe_for
 from jax_nvfp4.recipe import Recipe
 
@@ -31,11 +31,6 @@ _LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
 def module_path(module: nn.Module) -> str:
     """A linen module's path as the rules match it: its names from the root joined by ``/``."""
     return "/".join(str(name) for name in module.path)
-
-
-def _rng_key(module: nn.Module, recipe: Recipe):
-    """A stochastic-rounding key from the module's ``"nvfp4"`` stream, when the recipe needs one and it is given."""
-    return module.make_rng(RNG_STREAM) if recipe.needs_rng_key and module.has_rng(RNG_STREAM) else None
 
 
 @contextlib.contextmanager
@@ -60,7 +55,7 @@ def _dense_call(module: nn.Dense | nn.DenseGeneral, recipe: Recipe, next_fun, ar
         )
 
     def nvfp4_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
-        key = _rng_key(module, recipe)
+        key = stream_key(module, recipe)
         y = dot_general(
             lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, rng_key=key, **kw
         )
@@ -89,7 +84,7 @@ def _einsum_call(module: nn.Einsum, recipe: Recipe, inputs, einsum_str: str | No
         precision=module.precision,
         preferred_element_type=getattr(module, "preferred_element_type", None),
         recipe=recipe,
-        rng_key=_rng_key(module, recipe),
+        rng_key=stream_key(module, recipe),
     )
     return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
 

@@ -30,6 +30,11 @@ RNG_STREAM = "nvfp4"
 ``model.apply(variables, x, rngs={"nvfp4": key})`` (a fresh key each step)."""
 
 
+def stream_key(module: nn.Module, recipe: Recipe) -> jax.Array | None:
+    """A stochastic-rounding key from the module's ``"nvfp4"`` stream, when the recipe needs one and it is given."""
+    return module.make_rng(RNG_STREAM) if recipe.needs_rng_key and module.has_rng(RNG_STREAM) else None
+
+
 class NVFP4DotGeneral(nn.Module):
     """``lax.dot_general`` in NVFP4, as a module for ``dot_general_cls=``.
 
@@ -45,8 +50,8 @@ class NVFP4DotGeneral(nn.Module):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         """``jax_nvfp4.dot_general`` with this module's recipe."""
-        if self.recipe.needs_rng_key and "rng_key" not in kwargs and self.has_rng(RNG_STREAM):
-            kwargs["rng_key"] = self.make_rng(RNG_STREAM)
+        if "rng_key" not in kwargs:
+            kwargs["rng_key"] = stream_key(self, self.recipe)
         y = dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
         if isinstance(rhs, QuantizedWeight):
             return y

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jax_nvfp4._explicit import auto_mesh, spec_of
-from jax_nvfp4.flax.linen import RNG_STREAM
+from jax_nvfp4.flax.linen import stream_key
 from jax_nvfp4.ragged import ragged_dot
 from jax_nvfp4.recipe import Recipe
 
@@ -46,8 +46,9 @@ def route(logits: jax.Array, top_k: int) -> Routing:
     """Top-``top_k`` routing of float32 router logits [T, E]."""
     experts = logits.shape[-1]
     top, chosen = lax.top_k(logits, top_k)  # [T, k]
-    order = jnp.argsort(chosen.reshape(-1), stable=True).astype(jnp.int32)
-    group_sizes = jnp.bincount(chosen.reshape(-1), length=experts).astype(jnp.int32)
+    flat = chosen.reshape(-1)  # the expert of each (token, choice)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
     share = group_sizes.astype(jnp.float32) / chosen.size
     mean_prob = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)
     return Routing(order, group_sizes, jax.nn.softmax(top, axis=-1), experts * jnp.sum(share * mean_prob))
@@ -128,7 +129,7 @@ class MoEMLP(nn.Module):
         self.sow("losses", "load_balance", routing.load_balance)
         up = self.param("up", self.kernel_init, (self.num_experts, d, self.hidden))
         down = self.param("down", self.kernel_init, (self.num_experts, self.hidden, d))
-        keyed = self.recipe is not None and self.recipe.needs_rng_key and self.has_rng(RNG_STREAM)
-        ragged = tuple(nvfp4_or_bf16(self.recipe, self.make_rng(RNG_STREAM) if keyed else None) for _ in range(2))
+        keys = (None, None) if self.recipe is None else (stream_key(self, self.recipe) for _ in range(2))
+        ragged = tuple(nvfp4_or_bf16(self.recipe, key) for key in keys)
         y = experts_mlp(tokens.astype(self.dtype), routing, up, down, ragged, self.activation)
         return like(y.astype(self.dtype), x)

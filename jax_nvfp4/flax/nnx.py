@@ -65,10 +65,14 @@ class _NVFP4Op(nnx.Module):
             # A fork of the stream (one key from it), tagged "nvfp4" whichever stream it came from.
             self.rngs = nnx.RngStream(rngs(), tag=RNG_STREAM)
 
+    def next_key(self) -> jax.Array | None:
+        """A fresh stochastic-rounding key from the stream when the recipe needs one and the stream is given."""
+        return self.rngs() if self.recipe.needs_rng_key and self.rngs is not None else None
+
     def _key(self, kwargs: dict) -> None:
-        """Put a fresh stochastic-rounding key in ``kwargs`` when the recipe needs one and none is given."""
-        if self.recipe.needs_rng_key and self.rngs is not None and kwargs.get("rng_key") is None:
-            kwargs["rng_key"] = self.rngs()
+        """Put a fresh stochastic-rounding key in ``kwargs`` when none is given."""
+        if kwargs.get("rng_key") is None:
+            kwargs["rng_key"] = self.next_key()
 
 
 class NVFP4DotGeneral(_NVFP4Op):

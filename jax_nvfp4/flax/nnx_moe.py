@@ -67,13 +67,7 @@ class MoEMLP(nnx.Module):
         tokens = tokens_of(x)
         routing = route(self.router(tokens), self.top_k)
         self.load_balance[...] = routing.load_balance
-        ragged = []
-        for _ in range(2):
-            kwargs = {}
-            if self.keys is not None:
-                self.keys._key(kwargs)
-            ragged.append(nvfp4_or_bf16(self.recipe, kwargs.get("rng_key")))
-        y = experts_mlp(
-            tokens.astype(self.dtype), routing, self.up[...], self.down[...], tuple(ragged), self.activation
-        )
+        keys = (None, None) if self.keys is None else (self.keys.next_key() for _ in range(2))
+        ragged = tuple(nvfp4_or_bf16(self.recipe, key) for key in keys)
+        y = experts_mlp(tokens.astype(self.dtype), routing, self.up[...], self.down[...], ragged, self.activation)
         return like(y.astype(self.dtype), x)
