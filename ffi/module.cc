@@ -30,6 +30,8 @@ nb::dict registrations() {
   d["nvfp4_amax"] = capsule(Nvfp4AmaxCpu);
   d["nvfp4_quantize"] = capsule(Nvfp4QuantizeCpu);
   d["nvfp4_dequantize"] = capsule(Nvfp4DequantizeCpu);
+  d["nvfp4_grouped_amax"] = capsule(Nvfp4GroupedAmaxCpu);
+  d["nvfp4_grouped_quantize"] = capsule(Nvfp4GroupedQuantizeCpu);
 #endif
   return d;
 }
