@@ -10,31 +10,34 @@ The custom VJP follows ``dot_general``'s recipe, group by group:
   wgrad  dW_g = dy_g^T x_g  the columnwise copies of group g's tokens alone, blocked along the tokens
 
 **Group boundaries in the wgrad copies.** The token blocks of the columnwise copies lie on the
-global grid of 16 rows (rows 16j..16j+15). Each group is quantized as its own tensor: the rows of
-the other groups are zero, so a block that a group boundary cuts holds, in group g's copy, only
-g's rows (with their own block scale), and the same block in the next group's copy holds the
-rest. Each group's copy has its own amax (of its transform, with the RHT), and with the RHT each
-16-row chunk is transformed with the rows outside the group as zeros. So group g's copy is the
-quantization of its rows padded in front by ``start_g mod 16`` zero rows, and no 16-token block
-mixes two experts' tokens. dW_g contracts group g's copy over all M tokens in place (no codes
-move between shards of a token-sharded batch); its blocks outside the group are zero codes, so
-it equals the GEMM of the group's blocks alone wherever the float32 dot is unchanged by zero
-blocks around the sum (XLA's CPU dot in the tests).
+global grid of 16 rows (rows 16j..16j+15). Each group is quantized as its own tensor: a block that a
+group boundary cuts holds, in group g's copy, only g's rows (with their own block scale), and the
+next group's copy of the same block holds the rest. Each group has its own amax (of its transform,
+with the RHT), and with the RHT each 16-row chunk is transformed with the rows outside the group as
+zeros. So group g's blocks are the quantization of its rows padded in front by ``start_g mod 16``
+zero rows, and no 16-token block mixes two experts' tokens. One grouped quantize
+(``_reference_grouped``) writes every group's blocks into one copy of at most M + 16 (G - 1) token
+rows: residuals about a dense layer's, not G of them.
 
-**Sharding.** Under ``jit`` with the experts (W's first axis) sharded over one mesh axis and the
-tokens over another, each device multiplies its tokens by its experts: no operand moves. Each
-row then takes its own expert's output from the expert shards (a float32 all-reduce of results),
-and the weight gradients' sums over token shards are reduced as ``dot_general``'s are.
+**The GEMMs, once each.** An E2M1 value times its E4M3 block scale is exact in bfloat16, so each
+product runs as one grouped GEMM of the decoded blocks with float32 accumulation, and each group's
+global decode scales apply to its float32 result, in ``gemm``'s order (the product of the
+per-tensor scales, then the per-row ones): fprop and dgrad as one ``lax.ragged_dot``, wgrad as one
+``lax.ragged_dot_general`` contracting each group's segment of the grouped copies. The cost is that
+of the backend's own grouped GEMM of bf16 operands plus the quantization. Each group's result equals
+``gemm`` of the group's quantized blocks wherever the float32 sums are exact; otherwise the two
+differ only in the order of the float32 accumulation. ``Recipe.impl`` does not apply here (XLA has
+no block-scaled ragged dot).
+
+**Sharding.** The grouped quantize keeps the token rows whole (a group's place in the grouped copy
+depends on every size before it); under ``jit`` it shards over the features, and XLA partitions the
+grouped GEMMs of the decoded values.
 
 Rows past ``sum(group_sizes)`` give zeros (as in ``lax.ragged_dot``) and take no part in any amax.
 
 Stochastic rounding uses ``jax.random.split(rng_key, G + 1)``: key 0 for dy's rowwise copy, key
-1 + g for group g's columnwise copy.
-
-Cost: the emulation runs each GEMM once per expert over all rows (masked), like
-``lax.ragged_dot``'s own decomposition on CPU, and keeps G columnwise copies of x for the
-backward pass. The per-group bytes are those of ``gemm`` on the group's rows (tested); a fused
-grouped kernel is not part of this library yet.
+1 + g for group g's columnwise blocks (the random words of each element at its place in the
+[N, M] copy, as a per-group quantization of the whole tensor would draw them).
 """
 
 from __future__ import annotations
@@ -48,13 +51,21 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
+from jax_nvfp4 import _bits as b
 from jax_nvfp4._explicit import explicit_sharding, spec_of
 from jax_nvfp4._frontend import quantize_batch
+from jax_nvfp4._grouped import GroupedCopies, Scaled, quantize_grouped
+from jax_nvfp4._reference_grouped import bounds, segment_sizes
 from jax_nvfp4.dot import _columnwise_only, _Config, check_operands, check_options, check_result
-from jax_nvfp4.gemm import batched_gemm
 from jax_nvfp4.ops import KERNELS
+from jax_nvfp4.ops.gemm import block_values, decode_scale
 from jax_nvfp4.recipe import Recipe
 from jax_nvfp4.tensor import NVFP4Tensor
+
+_WGRAD = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
+)
+"""[N, Mp] . [K, Mp] -> [G, N, K], each group contracting its segment of the tokens."""
 
 
 def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -63,52 +74,78 @@ def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.sum(jnp.arange(rows, dtype=jnp.int32)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
 
-def _spec(recipe: Recipe, operand: str, rows: int, columnwise: bool):
-    """The recipe's spec for one copy only: the rowwise one, or (``columnwise``) the columnwise one."""
-    spec = recipe.spec(operand, columnwise=columnwise, tokens=rows)
-    return dataclasses.replace(spec, rowwise=not columnwise)
-
-
-def _rows(x: jax.Array, recipe: Recipe, operand: str, key=None) -> NVFP4Tensor:
-    """The rowwise copy of x [M, L] (one amax, or one per row), as a batch of one."""
-    return quantize_batch(KERNELS, x[None], _spec(recipe, operand, x.shape[0], False), rng_key=key)
-
-
-def _stack(t: NVFP4Tensor) -> NVFP4Tensor:
-    """A vmapped batch of one [G, 1, ...] as a batch of G [G, ...]."""
-    squeeze = lambda a: None if a is None else a.reshape(a.shape[0], *a.shape[2:])  # noqa: E731
-    arrays = [squeeze(a) for a in (t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)]
-    return NVFP4Tensor(*arrays, (arrays[2].shape[0], *t.shape[1:]), t.dtype, t.spec, batched=True)
-
-
-def _broadcast(t: NVFP4Tensor, groups: int) -> NVFP4Tensor:
-    """A batch of one as a batch of ``groups`` (the same codes for every expert's GEMM)."""
-    t = jax.tree.map(lambda a: jnp.broadcast_to(a, (groups, *a.shape[1:])), t)
-    return dataclasses.replace(t, shape=(groups, *t.shape[1:]))
+def _cut_sizes(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group sizes with their sum cut at ``rows`` (later groups lose rows, as ``group_ids`` assigns them)."""
+    starts, ends = bounds(group_sizes, rows)
+    return ends - starts
 
 
 def _experts(w: jax.Array, recipe: Recipe, columnwise: bool) -> NVFP4Tensor:
     """W^T [G, N, K], each expert quantized on its own (own amax): [G, N, K], with the columnwise copy if asked."""
     spec = recipe.spec("w", columnwise=columnwise, tokens=w.shape[1])
-    return _stack(jax.vmap(lambda wg: quantize_batch(KERNELS, wg[None], spec))(w))
+    t = jax.vmap(lambda wg: quantize_batch(KERNELS, wg[None], spec))(w)
+    squeeze = lambda a: None if a is None else a.reshape(a.shape[0], *a.shape[2:])  # noqa: E731
+    arrays = [squeeze(a) for a in (t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)]
+    return NVFP4Tensor(*arrays, (w.shape[0], *t.shape[1:]), t.dtype, t.spec, batched=True)
 
 
-def _group_copies(v: jax.Array, ids: jax.Array, groups: int, recipe: Recipe, operand: str, keys) -> NVFP4Tensor:
-    """Group g's rows of v [M, L] (the other rows zero) quantized columnwise, one tensor per group: [G, M, L]."""
-    spec = _spec(recipe, operand, v.shape[0], columnwise=True)
-
-    def one(g, key):
-        vg = jnp.where((ids == g)[:, None], v, jnp.zeros((), v.dtype))
-        return quantize_batch(KERNELS, vg[None], spec, rng_key=key)
-
-    return _stack(jax.vmap(one)(jnp.arange(groups), keys))
+def _expert_values(qw: NVFP4Tensor, columnwise: bool) -> Scaled:
+    """Each expert's values as ``lax.ragged_dot``'s rhs [G, in, out] and its scales [G]: W for the forward
+    GEMM (from W^T's rowwise copy), W^T for the backward one (from its columnwise copy)."""
+    data, scale, amax = (qw.data_t, qw.scale_t, qw.amax_t) if columnwise else (qw.data, qw.scale, qw.amax)
+    values = block_values(data, scale, qw.shape[1] if columnwise else qw.shape[2])
+    return Scaled(jnp.swapaxes(values, 1, 2), amax, qw.spec.row_scaled, qw.spec.e4m3_max)
 
 
-def _pick(y: jax.Array, ids: jax.Array) -> jax.Array:
-    """Row r of expert ids[r]'s output y [G, M, n]; zeros for rows past the last group."""
-    groups = y.shape[0]
-    picked = jnp.take_along_axis(y, jnp.minimum(ids, groups - 1)[None, :, None], axis=0)[0]
-    return jnp.where((ids < groups)[:, None], picked, jnp.zeros((), y.dtype))
+def _scaled(acc: jax.Array, per_tensor: list[jax.Array], per_row: list[jax.Array], out_dtype) -> jax.Array:
+    """The float32 sums times the operands' global decode scales, in ``gemm``'s order: the product of the
+    per-tensor ones (rounded once), then each per-row one; cast to ``out_dtype``. Each scale broadcasts
+    against ``acc`` already."""
+    if per_tensor:
+        g = per_tensor[0] if len(per_tensor) == 1 else b.from_bits(b.mul(*(b.to_bits(s) for s in per_tensor)))
+        acc = acc * g
+    for s in per_row:
+        acc = acc * s
+    return acc.astype(out_dtype)
+
+
+def _decode(op: Scaled) -> jax.Array:
+    # The barrier keeps the scales' integer emulation out of the fusion with the output's multiply (as gemm's).
+    return lax.optimization_barrier(decode_scale(op.amax, op.e4m3_max))
+
+
+def _token_gemm(tokens: Scaled, experts: Scaled, sizes: jax.Array, ids: jax.Array, out_dtype) -> jax.Array:
+    """Rows [M, L] of the tokens times their group's expert [G, L, n] -> [M, n] (fprop and dgrad)."""
+    groups = experts.values.shape[0]
+    acc = lax.ragged_dot(tokens.values, experts.values, sizes, preferred_element_type=jnp.float32)
+    expert = _decode(experts)[jnp.minimum(ids, groups - 1)][:, None]  # each row's expert's scale
+    token = _decode(tokens)
+    per_tensor, per_row = [expert], []
+    if tokens.per_row:
+        per_row.append(token[:, None])
+    else:
+        per_tensor.insert(0, jnp.broadcast_to(token, expert.shape))
+    y = _scaled(acc, per_tensor, per_row, out_dtype)
+    return jnp.where((ids < groups)[:, None], y, jnp.zeros((), y.dtype))
+
+
+def _weight_gemm(a: Scaled, c: Scaled, segments: jax.Array, out_dtype) -> jax.Array:
+    """Each group's columnwise copies [N, Mp] and [K, Mp] contracted over its segment -> [G, N, K] (wgrad)."""
+    acc = lax.ragged_dot_general(a.values, c.values, segments, _WGRAD, preferred_element_type=jnp.float32)
+    sa, sc = _decode(a), _decode(c)
+    per_tensor = [s[:, None, None] for s, op in ((sa, a), (sc, c)) if not op.per_row]
+    per_row = ([sa[:, :, None]] if a.per_row else []) + ([sc[:, None, :]] if c.per_row else [])
+    return _scaled(acc, per_tensor, per_row, out_dtype)
+
+
+def _spec(recipe: Recipe, operand: str, rows: int, columnwise: bool):
+    """The recipe's spec of an operand's copies: the rowwise one, and the columnwise one if asked."""
+    return dataclasses.replace(recipe.spec(operand, columnwise=columnwise, tokens=rows), rowwise=True)
+
+
+def _masked(v: jax.Array, ids: jax.Array, groups: int) -> jax.Array:
+    """v [M, L] with the rows past the last group zero."""
+    return jnp.where((ids < groups)[:, None], v, jnp.zeros((), v.dtype))
 
 
 def _keys(key, groups: int):
@@ -119,45 +156,43 @@ def _keys(key, groups: int):
     return keys[0], keys[1:]
 
 
-def _masked(v: jax.Array, ids: jax.Array, groups: int) -> jax.Array:
-    """v [M, L] with the rows past the last group zero."""
-    return jnp.where((ids < groups)[:, None], v, jnp.zeros((), v.dtype))
-
-
-def _fprop(x, qw: NVFP4Tensor, ids, config: _Config) -> jax.Array:
-    groups = qw.shape[0]
-    qx = _rows(_masked(x, ids, groups), config.recipe, "x")
-    return _pick(batched_gemm(_broadcast(qx, groups), qw, config.out_dtype, impl=config.recipe.impl), ids)
+def _fprop(x, qx_rows: Scaled, qw: NVFP4Tensor, sizes, ids, config: _Config) -> jax.Array:
+    del x
+    return _token_gemm(qx_rows, _expert_values(qw, columnwise=False), sizes, ids, config.out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: _Config) -> jax.Array:
     """x [M, K], W^T [G, N, K], group_sizes [G] -> y [M, N]."""
     del key
-    return _fprop(x, _experts(w, config.recipe, columnwise=False), group_ids(group_sizes, x.shape[0]), config)
+    groups, rows = w.shape[0], x.shape[0]
+    ids = group_ids(group_sizes, rows)
+    spec = dataclasses.replace(_spec(config.recipe, "x", rows, False), columnwise=False)
+    t = quantize_batch(KERNELS, _masked(x, ids, groups)[None], spec)
+    qx = Scaled(block_values(t.data, t.scale, x.shape[1])[0], t.amax[0], spec.row_scaled, spec.e4m3_max)
+    qw = _experts(w, config.recipe, columnwise=False)
+    return _fprop(x, qx, qw, _cut_sizes(group_sizes, rows), ids, config)
 
 
 def _ragged_fwd(x, w, group_sizes, key, config: _Config):
-    ids = group_ids(group_sizes, x.shape[0])
+    rows = x.shape[0]
+    ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
     qw = _experts(w, config.recipe, columnwise=True)
-    y = _fprop(x, qw, ids, config)
-    qx_t = _group_copies(x, ids, w.shape[0], config.recipe, "x", None)
-    return y, (_columnwise_only(qx_t), _columnwise_only(qw), group_sizes, key)
+    qx = quantize_grouped(x, group_sizes, _spec(config.recipe, "x", rows, True))
+    y = _fprop(x, qx.rows(), qw, sizes, ids, config)
+    return y, (qx.columnwise_only(), _columnwise_only(qw), group_sizes, key)
 
 
 def _ragged_bwd(config: _Config, residuals, dy):
-    qx_t, qw, group_sizes, key = residuals
-    recipe, groups = config.recipe, qw.shape[0]
+    qx, qw, group_sizes, key = residuals
+    qx: GroupedCopies
+    recipe, groups, rows = config.recipe, qw.shape[0], dy.shape[0]
     recipe.check_rng_key(key)
     row_key, group_keys = _keys(key, groups)
-    ids = group_ids(group_sizes, dy.shape[0])
-    dy = _masked(dy, ids, groups)
-    qdy = _rows(dy, recipe, "dy", key=row_key)
-    # [G, M, N] . [G, K, N] -> [G, M, K]: each expert's dgrad, of which each row keeps its own expert's.
-    dx = _pick(batched_gemm(_broadcast(qdy, groups), qw, config.x_dtype, c_columnwise=True, impl=recipe.impl), ids)
-    qdy_t = _group_copies(dy, ids, groups, recipe, "dy", group_keys)
-    # [G, N, M] . [G, K, M] -> [G, N, K], each contracting its group's tokens (the others are zero codes).
-    dw = batched_gemm(qdy_t, qx_t, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=recipe.impl)
+    ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
+    qdy = quantize_grouped(dy, group_sizes, _spec(recipe, "dy", rows, True), row_key=row_key, group_keys=group_keys)
+    dx = _token_gemm(qdy.rows(), _expert_values(qw, columnwise=True), sizes, ids, config.x_dtype)
+    dw = _weight_gemm(qdy.columns(), qx.columns(), segment_sizes(group_sizes, rows), config.w_dtype)
     return dx, dw, None, None
 
 

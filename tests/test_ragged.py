@@ -195,15 +195,16 @@ def test_errors():
         jax.grad(lambda x: jnp.sum(jax_nvfp4.ragged_dot(x, w, sizes).astype(jnp.float32)))(x)
 
 
-def test_expert_and_data_sharding_equals_unsharded_and_moves_no_values():
-    """Experts over "expert", tokens over "data" (8 CPU devices): each device multiplies its tokens by its experts.
+def test_expert_and_data_sharding_equals_unsharded_and_moves_no_weights():
+    """Experts over "expert", tokens over "data" (8 CPU devices): the unsharded results, the weights stay put.
 
-    No operand moves: the weights stay with their experts and the tokens with their shard. What
-    crosses devices are the float32 GEMM results (each row's expert output picked across the
-    expert shards, and the token-sharded weight-gradient sums) and the amaxes' bits.
+    The grouped quantize keeps the token rows whole, so x (forward) and dy (backward) are gathered for it
+    once each; nothing else of their size or of the weights' crosses devices: the other collectives are
+    the float32 GEMM results' reductions, the amaxes and the group sizes.
     """
     mesh = jax.make_mesh((2, 4), ("expert", "data"), devices=jax.devices()[:8], axis_types=(AxisType.Auto,) * 2)
-    x, w, dy = _problem(256, 64, 128, 4)
+    m, k, n, groups = 256, 64, 128, 4
+    x, w, dy = _problem(m, k, n, groups)
     sizes = jnp.array([50, 0, 130, 60], jnp.int32)
     grads = jax.jit(functools.partial(_vjp, recipe=NO_SR))
     want = grads(x, w, sizes, dy)
@@ -220,5 +221,9 @@ def test_expert_and_data_sharding_equals_unsharded_and_moves_no_values():
     assert_same_bytes(got[1], want[1])
     np.testing.assert_allclose(got[2], want[2], rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want[2]))))
     found = collectives(grads.lower(*args).compile().as_text())
-    assert {c.op for c in found} == {"all-reduce"}, found
-    assert {c.dtype for c in found} == {"f32", "s32"}, found
+    gathered = {c.shape[-2:] for c in found if c.op == "all-gather" and c.nbytes > 4 * groups * k}
+    assert gathered == {(m, k), (m, n)}, found  # x and dy, once each
+    others = [c for c in found if c.op != "all-gather"]
+    assert {c.op for c in others} <= {"all-reduce", "collective-permute"}, found
+    assert all(c.dtype in ("f32", "s32") for c in found), found
+    assert all(c.nbytes < m * k * 2 for c in others if c.op == "collective-permute"), found
