@@ -29,7 +29,11 @@ config.json.
 routing by a float32 router, each expert a GELU MLP of hidden width 2 x d_model (as many weights per token
 as the dense MLP's 4 x d_model), its grouped GEMMs ``jax_nvfp4.ragged_dot`` in NVFP4 runs and
 ``lax.ragged_dot`` in the bf16 run. The training loss adds 0.01 x the layers' mean load-balancing loss
-(the printed train loss includes it; the validation loss is the cross-entropy alone).
+(the printed train loss includes it; the validation loss is the cross-entropy alone). `--dispatch capacity`
+gives each expert at most C = ceil(--capacity-factor x T x 2 / E) of the (token, choice) pairs of a batch of
+T = batch x seq-len tokens (the first in token order; the others are dropped, in evaluation too) and runs its
+GEMMs as batched ``jax_nvfp4.dot_general`` (``lax.dot_general`` in bf16) on a [E, C, d] buffer; the default,
+`--dispatch ragged`, drops nothing.
 
 `--mesh data=2,fsdp=2,tensor=2` trains sharded over that many devices (on CPU, set
 XLA_FLAGS=--xla_force_host_platform_device_count=8): the batch splits over data x fsdp, the parameters
@@ -268,7 +272,14 @@ def build_model(
         dense_cls, dense_general_cls = with_axes(nn.Dense), with_axes(nn.DenseGeneral)
     moe_cls = None
     if getattr(args, "moe", 0):
-        moe_cls = functools.partial(MoEMLP, args.moe, recipe=recipe(run) if run in RECIPES else None, dtype=DTYPE)
+        moe_cls = functools.partial(
+            MoEMLP,
+            args.moe,
+            recipe=recipe(run) if run in RECIPES else None,
+            dtype=DTYPE,
+            dispatch=getattr(args, "dispatch", "ragged"),
+            capacity_factor=getattr(args, "capacity_factor", 1.25),
+        )
     model = TransformerLM(
         args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh, moe_cls
     )
@@ -507,7 +518,7 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         f"byte-level LM on stdlib source: d_model {args.d_model}, {args.layers} layers, "
         f"batch {args.batch}x{args.seq_len}, NVFP4 weight blocks {args.weight_blocks}"
         + (f", mesh {mesh_name(args.mesh)}" if args.mesh else "")
-        + (f", MLP {args.moe} experts top-{MOE_TOP_K}" if getattr(args, "moe", 0) else "")
+        + (f", MLP {describe_moe(args)}" if getattr(args, "moe", 0) else "")
     )
     fig.tight_layout()
     fig.savefig(args.out, dpi=90)
@@ -528,11 +539,19 @@ def prepare_data(args: argparse.Namespace) -> tuple[np.ndarray, dict[str, Any]]:
     return train_starts, {"train": train_data, "val_batches": val_batches}
 
 
+def describe_moe(args: argparse.Namespace) -> str:
+    """The MoE MLP's settings (--moe, --dispatch, --capacity-factor), for the table and the plot."""
+    text = f"{args.moe} experts top-{MOE_TOP_K}"
+    if getattr(args, "dispatch", "ragged") == "capacity":
+        text += f", capacity factor {args.capacity_factor:g}"
+    return text
+
+
 def describe(run: str, args: argparse.Namespace) -> str:
     """What a run's linear layers do, for the results table."""
     if getattr(args, "moe", 0):
         dense = describe(run, argparse.Namespace(**{**vars(args), "moe": 0}))
-        return dense + f", MLP {args.moe} experts top-{MOE_TOP_K}"
+        return dense + f", MLP {describe_moe(args)}"
     if run == "bf16":
         return "bf16"
     if run in RULE_RUNS:
@@ -635,6 +654,19 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="E",
         help="each block's MLP a mixture of E experts (top-2; default: dense)",
     )
+    parser.add_argument(
+        "--dispatch",
+        choices=("ragged", "capacity"),
+        default="ragged",
+        help="--moe: grouped GEMMs over every routed token (ragged), or batched GEMMs over at most C tokens per "
+        "expert, the rest dropped (capacity)",
+    )
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.25,
+        help="--dispatch capacity: C = ceil(factor x tokens x top-k / E) slots per expert (default 1.25)",
+    )
     parser.add_argument("--weight-blocks", choices=("16x16", "1x16"), default="16x16", help="NVFP4 weight blocks")
     parser.add_argument(
         "--runs",
@@ -673,6 +705,10 @@ def main() -> None:
             parser.error(f"--moe does not support {', '.join(unsupported)} yet")
         if args.moe < MOE_TOP_K:
             parser.error(f"--moe takes at least {MOE_TOP_K} experts (top-{MOE_TOP_K} routing)")
+        if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
+            parser.error(f"--moe --capacity-factor must be a positive number, got {args.capacity_factor}")
+    elif args.dispatch != "ragged":
+        parser.error("--dispatch needs --moe")
     try:
         mesh = make_mesh(args.mesh, args) if args.mesh else None
     except ValueError as e:

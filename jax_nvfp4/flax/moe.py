@@ -1,25 +1,44 @@
-"""A mixture-of-experts MLP (linen) whose grouped GEMMs are ``jax_nvfp4.ragged_dot``, and its routing.
+"""A mixture-of-experts MLP (linen) in NVFP4, its routing and its two dispatches.
 
 Each token goes to its ``top_k`` experts by a float32 router (not quantized: it is small and
-decides discrete choices); the rows are sorted by expert, each expert's GELU MLP runs as one
-grouped GEMM per projection (``ragged_dot`` over all experts' rows), and the outputs are summed
-back per token with the router's weights (softmax over the chosen experts' logits). The routing
-functions are shared with the NNX layer (``jax_nvfp4.flax.nnx_moe``).
+decides discrete choices); each expert's GELU MLP runs its two projections in NVFP4 (or in bf16 with
+``recipe=None``, the baseline), and the outputs
+are summed back per token with the router's weights (softmax over the chosen experts' logits), in
+float32. Two dispatches:
+
+- ``"ragged"`` (the default): the rows sorted by expert, one grouped GEMM per projection
+  (``jax_nvfp4.ragged_dot`` over all experts' rows); every (token, choice) pair is computed.
+- ``"capacity"`` (Switch Transformer, GShard, MaxText): each expert takes at most
+  C = ceil(capacity_factor * T * top_k / E) pairs (T tokens, E experts), the first ones in token
+  order; the others are dropped (they add 0 to their token's output, their gate weight is lost).
+  The kept tokens are scattered into a buffer [E, C, d] (C rounded up to a multiple of 16 rows in
+  NVFP4, the extra rows empty) and each projection is ONE batched ``jax_nvfp4.dot_general`` with the
+  experts as its batch axis: static shapes, dense GEMMs. Unlike ``ragged_dot``, which gives each
+  expert's weight its own amax, the batched GEMM quantizes all experts' weights with one amax (as it
+  does every batched operand), so the two dispatches differ in NVFP4 even when nothing is dropped.
+
+The routing and dispatch functions are shared with the NNX layer (``jax_nvfp4.flax.nnx_moe``).
 
 On a mesh with Explicit axes (``jax.set_mesh``) the routing sorts all the tokens together, which JAX
 types only for unsharded arrays: the layer takes its tokens unsharded for the routing and the
-experts (moving them, as any MoE dispatch does) and gives its output the sharding of its input.
+experts (moving them, as any MoE dispatch does) and gives its output the sharding of its input. With
+capacity dispatch the buffer takes the experts' kernels' sharding of E (expert parallelism where they are
+sharded) and the experts' outputs come back unsharded.
 
 The load-balancing loss of Switch Transformer (num_experts * sum_e f_e p_e: f_e the share of
 routed rows expert e gets, p_e its mean router probability; 1 when balanced) is sown as
 ``("losses", "load_balance")``: add ``weight * sum`` of that collection to the training loss.
+With capacity dispatch the layer also sows ``("intermediates", "dropped")``, the number of dropped
+(token, choice) pairs (int32), and ``("intermediates", "dropped_fraction")``, that number over T * top_k
+(float32); apply with ``mutable=["intermediates"]`` to read them.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -27,10 +46,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jax_nvfp4._checks import check_choice, check_positive_factor
 from jax_nvfp4._explicit import auto_mesh, spec_of
+from jax_nvfp4.dot import dot_general
 from jax_nvfp4.flax.linen import stream_key
+from jax_nvfp4.formats import BLOCK
 from jax_nvfp4.ragged import ragged_dot
 from jax_nvfp4.recipe import Recipe
+
+Dispatch = Literal["ragged", "capacity"]
+DISPATCHES: tuple[Dispatch, ...] = ("ragged", "capacity")
 
 
 class Routing(NamedTuple):
@@ -40,6 +65,7 @@ class Routing(NamedTuple):
     group_sizes: jax.Array  # int32 [E]: the rows of each expert
     gates: jax.Array  # float32 [T, k]: each token's weights over its k experts
     load_balance: jax.Array  # float32 []: Switch Transformer's auxiliary loss
+    experts: jax.Array  # int32 [T, k]: each token's chosen experts
 
 
 def route(logits: jax.Array, top_k: int) -> Routing:
@@ -51,7 +77,8 @@ def route(logits: jax.Array, top_k: int) -> Routing:
     group_sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
     share = group_sizes.astype(jnp.float32) / chosen.size
     mean_prob = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)
-    return Routing(order, group_sizes, jax.nn.softmax(top, axis=-1), experts * jnp.sum(share * mean_prob))
+    balance = experts * jnp.sum(share * mean_prob)
+    return Routing(order, group_sizes, jax.nn.softmax(top, axis=-1), balance, chosen.astype(jnp.int32))
 
 
 def tokens_of(x: jax.Array) -> jax.Array:
@@ -83,7 +110,12 @@ def experts_mlp(
     h = activation(ragged[0](rows, up.astype(x.dtype), routing.group_sizes))
     out = ragged[1](h, down.astype(x.dtype), routing.group_sizes)
     out = jnp.zeros_like(out).at[routing.order].set(out).reshape(tokens, top_k, -1)
-    return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), routing.gates)  # the weighting in float32
+    return combine(out, routing.gates)
+
+
+def combine(out: jax.Array, gates: jax.Array) -> jax.Array:
+    """Each token's expert outputs [T, k, d] weighted by its gates [T, k] and summed: float32 [T, d]."""
+    return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), gates)  # the weighting in float32
 
 
 def nvfp4_or_bf16(recipe: Recipe | None, key: jax.Array | None) -> Callable[..., jax.Array]:
@@ -93,6 +125,144 @@ def nvfp4_or_bf16(recipe: Recipe | None, key: jax.Array | None) -> Callable[...,
     return functools.partial(ragged_dot, recipe=recipe, rng_key=key)
 
 
+# ---- Capacity dispatch: a fixed number of slots per expert, the experts' GEMMs batched.
+
+
+def check_dispatch(dispatch: Dispatch, capacity_factor: float) -> tuple[Dispatch, float]:
+    """``dispatch`` and ``capacity_factor`` checked (ValueError naming the bad one)."""
+    dispatch = check_choice("dispatch", dispatch, DISPATCHES)
+    return dispatch, check_positive_factor("capacity_factor", capacity_factor)
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(capacity_factor * T * top_k / E) slots per expert, at most T.
+
+    At most T: top-k picks distinct experts, so no expert gets more than one pair per token. The
+    product is rounded to 6 decimals before the ceiling, so that a factor's float error (1.1 * 10 =
+    11.000000000000002) does not add a slot.
+    """
+    return min(tokens, math.ceil(round(capacity_factor * tokens * top_k / num_experts, 6)))
+
+
+def buffer_rows(capacity: int, recipe: Recipe | None) -> int:
+    """Each expert's rows in the dispatch buffer: C, rounded up to a multiple of 16 for NVFP4.
+
+    The weight gradient contracts these rows in 16-row blocks, and the recipe's Random Hadamard
+    Transform applies only when they are whole blocks; the extra rows are empty slots (zeros), which
+    change no amax and no product.
+    """
+    return capacity if recipe is None else -(-capacity // BLOCK) * BLOCK
+
+
+class Slots(NamedTuple):
+    """Where each (token, choice) pair sits in the capacity dispatch's buffer [E * rows, d]."""
+
+    index: jax.Array  # int32 [T * k], in (token, choice) order: expert * rows + position; E * rows if dropped
+    filled: jax.Array  # int32 [E]: the kept pairs of each expert, min(group size, C)
+    dropped: jax.Array  # int32 []: the pairs beyond their expert's capacity
+
+
+def capacity_slots(routing: Routing, capacity: int, rows: int) -> Slots:
+    """Each pair's slot: its rank among its expert's pairs in token order; pairs ranked C or later dropped.
+
+    ``route`` sorts the pairs by expert with a stable sort of the (token, choice) order, so a sorted row's
+    rank in its expert is its distance from the expert's first row.
+    """
+    num_experts, pairs = routing.group_sizes.size, routing.order.size
+    starts = jnp.cumsum(routing.group_sizes) - routing.group_sizes
+    expert = routing.experts.reshape(-1)[routing.order]  # of each sorted row
+    position = jnp.arange(pairs, dtype=jnp.int32) - starts[expert]
+    sorted_index = jnp.where(position < capacity, expert * rows + position, num_experts * rows)
+    index = jnp.zeros(pairs, jnp.int32).at[routing.order].set(sorted_index)
+    filled = jnp.minimum(routing.group_sizes, capacity)
+    return Slots(index, filled, jnp.sum(routing.group_sizes - filled))
+
+
+def nvfp4_or_bf16_dot(recipe: Recipe | None, key: jax.Array | None) -> Callable[..., jax.Array]:
+    """``jax_nvfp4.dot_general`` with ``recipe`` and ``key``, or ``lax.dot_general`` for ``recipe=None``."""
+    if recipe is None:
+        return lax.dot_general
+    return functools.partial(dot_general, recipe=recipe, rng_key=key)
+
+
+# Buffer [E, rows, in] . kernels [E, in, out] -> [E, rows, out]: the experts are the batch axis.
+_BATCHED = (((2,), (1,)), ((0,), (0,)))
+
+
+def _reshard(a: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """``a`` resharded to ``spec`` on Explicit axes; elsewhere unchanged."""
+    return a if auto_mesh() is None else jax.sharding.reshard(a, spec)
+
+
+def _like_kernel(a: jax.Array, kernel: jax.Array) -> jax.Array:
+    """A buffer [E, rows, in] sharded as ``kernel`` [E, in, out] on E and ``in`` (on Explicit axes, where
+    dot_general's types need its batch and contracting dimensions sharded alike): with the experts sharded,
+    each shard's tokens move to their experts (expert parallelism)."""
+    if auto_mesh() is None:
+        return a
+    experts, contracted, _ = spec_of(kernel)
+    return jax.sharding.reshard(a, PartitionSpec(experts, None, contracted))
+
+
+def capacity_mlp(
+    x: jax.Array,
+    routing: Routing,
+    up: jax.Array,
+    down: jax.Array,
+    dots: tuple[Callable[..., jax.Array], Callable[..., jax.Array]],
+    activation: Callable[[jax.Array], jax.Array],
+    capacity: int,
+    rows: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Tokens x [T, d] through their experts' MLPs (up [E, d, h], down [E, h, d]) by capacity dispatch.
+
+    Returns the float32 combination [T, d] (dropped pairs add 0) and the number of dropped pairs.
+    ``dots``: the batched GEMMs of the two projections (``lax.dot_general``'s signature, each with its
+    own rounding key); ``capacity``: C; ``rows`` >= C: each expert's rows in the buffer.
+    """
+    tokens, top_k = routing.gates.shape
+    num_experts, d = up.shape[0], x.shape[-1]
+    slots = capacity_slots(routing, capacity, rows)
+    # Scatter each kept pair's token to its slot (dropped pairs' index is out of bounds: no write). The
+    # slots are distinct, so add is set; add's transpose is a plain gather.
+    pairs = jnp.repeat(x, top_k, axis=0)  # [T * k, d]: the token of each (token, choice) pair
+    buffer = jnp.zeros((num_experts * rows, d), x.dtype).at[slots.index].add(pairs, mode="drop")
+    buffer = buffer.reshape(num_experts, rows, d)
+    h = activation(dots[0](_like_kernel(buffer, up), up.astype(x.dtype), _BATCHED))
+    # Empty slots stay zero whatever activation(0) is: they would count in the hidden layer's amax.
+    filled = jnp.arange(rows)[:, None] < slots.filled[:, None, None]  # [E, rows, 1]
+    h = jnp.where(_reshard(filled, PartitionSpec(*spec_of(h)[:2])), h, 0)  # (sharded as h on Explicit axes)
+    out = dots[1](_like_kernel(h, down), down.astype(x.dtype), _BATCHED)
+    out = _reshard(out, PartitionSpec()).reshape(num_experts * rows, d)
+    out = out.at[slots.index].get(mode="fill", fill_value=0)  # [T * k, d]; dropped pairs: 0
+    return combine(out.reshape(tokens, top_k, d), routing.gates), slots.dropped
+
+
+def mixture(
+    x: jax.Array,
+    routing: Routing,
+    up: jax.Array,
+    down: jax.Array,
+    recipe: Recipe | None,
+    keys: tuple[jax.Array | None, jax.Array | None],
+    activation: Callable[[jax.Array], jax.Array],
+    dispatch: Dispatch,
+    capacity_factor: float,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The experts' combined output float32 [T, d] by ``dispatch``, and the dropped pairs (None for ragged).
+
+    ``keys``: the stochastic-rounding keys of the two projections (None: none); ``recipe=None`` runs them
+    in ``x``'s dtype with ``lax.ragged_dot`` / ``lax.dot_general``.
+    """
+    if dispatch == "ragged":
+        ragged = tuple(nvfp4_or_bf16(recipe, key) for key in keys)
+        return experts_mlp(x, routing, up, down, ragged, activation), None
+    tokens, top_k = routing.gates.shape
+    capacity = expert_capacity(tokens, top_k, up.shape[0], capacity_factor)
+    dots = tuple(nvfp4_or_bf16_dot(recipe, key) for key in keys)
+    return capacity_mlp(x, routing, up, down, dots, activation, capacity, buffer_rows(capacity, recipe))
+
+
 class MoEMLP(nn.Module):
     """A top-k mixture of GELU MLP experts on the last axis, in NVFP4 (or bf16 with ``recipe=None``).
 
@@ -100,14 +270,19 @@ class MoEMLP(nn.Module):
       num_experts: E.
       hidden: each expert's hidden width.
       top_k: experts per token.
-      recipe: the NVFP4 recipe of the experts' GEMMs; None runs them with ``lax.ragged_dot`` (the
-        baseline). Stochastic rounding takes its keys from the ``"nvfp4"`` RNG stream.
+      recipe: the NVFP4 recipe of the experts' GEMMs; None runs them with ``lax.ragged_dot`` (or
+        ``lax.dot_general``, capacity dispatch): the baseline. Stochastic rounding takes its keys from the
+        ``"nvfp4"`` RNG stream.
       dtype: the activations' dtype in the GEMMs (parameters stay float32).
       kernel_init: the experts' kernels' initializer (for [E, in, out]).
       activation: the experts' nonlinearity (exact GELU by default).
+      dispatch: ``"ragged"`` (every pair, grouped GEMMs ``ragged_dot``) or ``"capacity"`` (at most C pairs
+        per expert, batched GEMMs ``dot_general``; see the module's docstring).
+      capacity_factor: with capacity dispatch, C = ceil(capacity_factor * T * top_k / E) (at most T).
 
     Parameters: ``router`` (a float32 ``nn.Dense`` without bias, [d, E]), ``up`` [E, d, hidden],
-    ``down`` [E, hidden, d].
+    ``down`` [E, hidden, d]. Sows ``("losses", "load_balance")`` and, with capacity dispatch,
+    ``("intermediates", "dropped")`` and ``("intermediates", "dropped_fraction")``.
     """
 
     num_experts: int
@@ -117,11 +292,14 @@ class MoEMLP(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
     kernel_init: Callable = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2)
     activation: Callable[[jax.Array], jax.Array] = functools.partial(nn.gelu, approximate=False)
+    dispatch: Dispatch = "ragged"
+    capacity_factor: float = 1.25
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        dispatch, capacity_factor = check_dispatch(self.dispatch, self.capacity_factor)
         d = x.shape[-1]
         tokens = tokens_of(x)
         logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, name="router")(tokens)
@@ -129,7 +307,11 @@ class MoEMLP(nn.Module):
         self.sow("losses", "load_balance", routing.load_balance)
         up = self.param("up", self.kernel_init, (self.num_experts, d, self.hidden))
         down = self.param("down", self.kernel_init, (self.num_experts, self.hidden, d))
-        keys = (None, None) if self.recipe is None else (stream_key(self, self.recipe) for _ in range(2))
-        ragged = tuple(nvfp4_or_bf16(self.recipe, key) for key in keys)
-        y = experts_mlp(tokens.astype(self.dtype), routing, up, down, ragged, self.activation)
+        keys = (None, None) if self.recipe is None else tuple(stream_key(self, self.recipe) for _ in range(2))
+        y, dropped = mixture(
+            tokens.astype(self.dtype), routing, up, down, self.recipe, keys, self.activation, dispatch, capacity_factor
+        )
+        if dropped is not None:
+            self.sow("intermediates", "dropped", dropped)
+            self.sow("intermediates", "dropped_fraction", dropped.astype(jnp.float32) / routing.order.size)
         return like(y.astype(self.dtype), x)
