@@ -42,7 +42,6 @@ Stochastic rounding uses ``jax.random.split(rng_key, G + 1)``: key 0 for dy's ro
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -54,7 +53,7 @@ from jax.typing import DTypeLike
 from jax_nvfp4 import _bits as b
 from jax_nvfp4._explicit import explicit_sharding, spec_of
 from jax_nvfp4._frontend import quantize_batch
-from jax_nvfp4._grouped import GroupedCopies, Scaled, quantize_grouped
+from jax_nvfp4._grouped import Scaled, quantize_grouped
 from jax_nvfp4._reference_grouped import bounds, segment_sizes
 from jax_nvfp4.dot import _columnwise_only, _Config, check_operands, check_options, check_result
 from jax_nvfp4.ops import KERNELS
@@ -138,11 +137,6 @@ def _weight_gemm(a: Scaled, c: Scaled, segments: jax.Array, out_dtype) -> jax.Ar
     return _scaled(acc, per_tensor, per_row, out_dtype)
 
 
-def _spec(recipe: Recipe, operand: str, rows: int, columnwise: bool):
-    """The recipe's spec of an operand's copies: the rowwise one, and the columnwise one if asked."""
-    return dataclasses.replace(recipe.spec(operand, columnwise=columnwise, tokens=rows), rowwise=True)
-
-
 def _masked(v: jax.Array, ids: jax.Array, groups: int) -> jax.Array:
     """v [M, L] with the rows past the last group zero."""
     return jnp.where((ids < groups)[:, None], v, jnp.zeros((), v.dtype))
@@ -156,41 +150,40 @@ def _keys(key, groups: int):
     return keys[0], keys[1:]
 
 
-def _fprop(x, qx_rows: Scaled, qw: NVFP4Tensor, sizes, ids, config: _Config) -> jax.Array:
-    del x
-    return _token_gemm(qx_rows, _expert_values(qw, columnwise=False), sizes, ids, config.out_dtype)
+def _fprop(qx: Scaled, qw: NVFP4Tensor, sizes, ids, config: _Config) -> jax.Array:
+    """The forward GEMM of the tokens' rowwise copy and each expert's W."""
+    return _token_gemm(qx, _expert_values(qw, columnwise=False), sizes, ids, config.out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: _Config) -> jax.Array:
-    """x [M, K], W^T [G, N, K], group_sizes [G] -> y [M, N]."""
+    """x [M, K], W^T [G, N, K], group_sizes [G] -> y [M, N]. Without a backward pass: x's rowwise copy alone."""
     del key
     groups, rows = w.shape[0], x.shape[0]
     ids = group_ids(group_sizes, rows)
-    spec = dataclasses.replace(_spec(config.recipe, "x", rows, False), columnwise=False)
+    spec = config.recipe.spec("x", columnwise=False, tokens=rows)
     t = quantize_batch(KERNELS, _masked(x, ids, groups)[None], spec)
     qx = Scaled(block_values(t.data, t.scale, x.shape[1])[0], t.amax[0], spec.row_scaled, spec.e4m3_max)
-    qw = _experts(w, config.recipe, columnwise=False)
-    return _fprop(x, qx, qw, _cut_sizes(group_sizes, rows), ids, config)
+    return _fprop(qx, _experts(w, config.recipe, columnwise=False), _cut_sizes(group_sizes, rows), ids, config)
 
 
 def _ragged_fwd(x, w, group_sizes, key, config: _Config):
     rows = x.shape[0]
     ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
     qw = _experts(w, config.recipe, columnwise=True)
-    qx = quantize_grouped(x, group_sizes, _spec(config.recipe, "x", rows, True))
-    y = _fprop(x, qx.rows(), qw, sizes, ids, config)
+    qx = quantize_grouped(x, group_sizes, config.recipe.spec("x", columnwise=True, tokens=rows))
+    y = _fprop(qx.rows(), qw, sizes, ids, config)
     return y, (qx.columnwise_only(), _columnwise_only(qw), group_sizes, key)
 
 
 def _ragged_bwd(config: _Config, residuals, dy):
-    qx, qw, group_sizes, key = residuals
-    qx: GroupedCopies
+    qx, qw, group_sizes, key = residuals  # x's grouped copy (GroupedCopies), W's columnwise copies
     recipe, groups, rows = config.recipe, qw.shape[0], dy.shape[0]
     recipe.check_rng_key(key)
     row_key, group_keys = _keys(key, groups)
     ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
-    qdy = quantize_grouped(dy, group_sizes, _spec(recipe, "dy", rows, True), row_key=row_key, group_keys=group_keys)
+    spec = recipe.spec("dy", columnwise=True, tokens=rows)
+    qdy = quantize_grouped(dy, group_sizes, spec, row_key=row_key, group_keys=group_keys)
     dx = _token_gemm(qdy.rows(), _expert_values(qw, columnwise=True), sizes, ids, config.x_dtype)
     dw = _weight_gemm(qdy.columns(), qx.columns(), segment_sizes(group_sizes, rows), config.w_dtype)
     return dx, dw, None, None
