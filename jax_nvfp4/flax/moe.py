@@ -23,7 +23,10 @@ On a mesh with Explicit axes (``jax.set_mesh``) the routing sorts all the tokens
 types only for unsharded arrays: the layer takes its tokens unsharded for the routing and the
 experts (moving them, as any MoE dispatch does) and gives its output the sharding of its input. With
 capacity dispatch the buffer takes the experts' kernels' sharding of E (expert parallelism where they are
-sharded) and the experts' outputs come back unsharded.
+sharded) and the experts' outputs come back unsharded. ``expert_axis=`` gives capacity dispatch the GShard /
+MaxText layout instead (``jax_nvfp4.flax.expert_parallel``): tokens and experts sharded over that mesh axis,
+each token shard routed with its own capacity, its slots sent to the experts by an all-to-all of NVFP4 codes
+and scales (uint8), the outputs brought back by a second all-to-all.
 
 The load-balancing loss of Switch Transformer (num_experts * sum_e f_e p_e: f_e the share of
 routed rows expert e gets, p_e its mean router probability; 1 when balanced) is sown as
@@ -126,6 +129,18 @@ def nvfp4_or_bf16(recipe: Recipe | None, key: jax.Array | None) -> Callable[...,
 
 
 # ---- Capacity dispatch: a fixed number of slots per expert, the experts' GEMMs batched.
+
+
+def check_expert_axis(expert_axis: str | None, dispatch: Dispatch) -> None:
+    """ValueError unless ``expert_axis`` is None, or a mesh axis name with capacity dispatch."""
+    if expert_axis is None:
+        return
+    if not isinstance(expert_axis, str):
+        raise TypeError(f"expert_axis must be a mesh axis name (str) or None, got {expert_axis!r}")
+    if dispatch != "capacity":
+        raise ValueError(
+            f"expert_axis={expert_axis!r} (expert parallelism) needs dispatch='capacity', got {dispatch!r}"
+        )
 
 
 def check_dispatch(dispatch: Dispatch, capacity_factor: float) -> tuple[Dispatch, float]:
@@ -279,6 +294,11 @@ class MoEMLP(nn.Module):
       dispatch: ``"ragged"`` (every pair, grouped GEMMs ``ragged_dot``) or ``"capacity"`` (at most C pairs
         per expert, batched GEMMs ``dot_general``; see the module's docstring).
       capacity_factor: with capacity dispatch, C = ceil(capacity_factor * T * top_k / E) (at most T).
+      expert_axis: with capacity dispatch, expert parallelism: the experts sharded over this axis of the
+        current mesh (``jax.set_mesh``), the tokens over ``(*data_axes, expert_axis)``, each token shard
+        routed with its own capacity and its slots moved to the experts by all-to-alls that carry NVFP4
+        codes (``jax_nvfp4.flax.expert_parallel``). None (default): no expert parallelism.
+      data_axes: with ``expert_axis``, the other mesh axes the tokens are sharded on.
 
     Parameters: ``router`` (a float32 ``nn.Dense`` without bias, [d, E]), ``up`` [E, d, hidden],
     ``down`` [E, hidden, d]. Sows ``("losses", "load_balance")`` and, with capacity dispatch,
@@ -294,20 +314,43 @@ class MoEMLP(nn.Module):
     activation: Callable[[jax.Array], jax.Array] = functools.partial(nn.gelu, approximate=False)
     dispatch: Dispatch = "ragged"
     capacity_factor: float = 1.25
+    expert_axis: str | None = None
+    data_axes: tuple[str, ...] = ()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         dispatch, capacity_factor = check_dispatch(self.dispatch, self.capacity_factor)
+        check_expert_axis(self.expert_axis, dispatch)
         d = x.shape[-1]
-        tokens = tokens_of(x)
+        tokens = tokens_of(x) if self.expert_axis is None else x.reshape(-1, d)
         logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, name="router")(tokens)
-        routing = route(logits, self.top_k)
-        self.sow("losses", "load_balance", routing.load_balance)
+        routing = route(logits, self.top_k) if self.expert_axis is None else None
         up = self.param("up", self.kernel_init, (self.num_experts, d, self.hidden))
         down = self.param("down", self.kernel_init, (self.num_experts, self.hidden, d))
         keys = (None, None) if self.recipe is None else tuple(stream_key(self, self.recipe) for _ in range(2))
+        if self.expert_axis is not None:
+            from jax_nvfp4.flax.expert_parallel import expert_parallel_mlp  # (it imports this module)
+
+            y, dropped, balance = expert_parallel_mlp(
+                tokens.astype(self.dtype),
+                logits,
+                up,
+                down,
+                top_k=self.top_k,
+                recipe=self.recipe,
+                keys=keys,
+                activation=self.activation,
+                capacity_factor=capacity_factor,
+                expert_axis=self.expert_axis,
+                data_axes=self.data_axes,
+            )
+            self.sow("losses", "load_balance", balance)
+            self.sow("intermediates", "dropped", dropped)
+            self.sow("intermediates", "dropped_fraction", dropped.astype(jnp.float32) / (tokens.shape[0] * self.top_k))
+            return like(y.astype(self.dtype), x)
+        self.sow("losses", "load_balance", routing.load_balance)
         y, dropped = mixture(
             tokens.astype(self.dtype), routing, up, down, self.recipe, keys, self.activation, dispatch, capacity_factor
         )

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_nvfp4.flax.moe import Dispatch, check_dispatch, like, mixture, route, tokens_of
+from jax_nvfp4.flax.moe import Dispatch, check_dispatch, check_expert_axis, like, mixture, route, tokens_of
 from jax_nvfp4.flax.nnx import _DEFAULT_RECIPE, _NVFP4Op
 from jax_nvfp4.recipe import Recipe
 
@@ -41,6 +41,9 @@ class MoEMLP(nnx.Module):
       dispatch: ``"ragged"`` (every pair, grouped GEMMs ``ragged_dot``) or ``"capacity"`` (at most C pairs
         per expert, batched GEMMs ``dot_general``; see ``jax_nvfp4.flax.moe``).
       capacity_factor: with capacity dispatch, C = ceil(capacity_factor * T * top_k / E) (at most T).
+      expert_axis: with capacity dispatch, expert parallelism over this axis of the current mesh
+        (``jax.set_mesh``): see ``jax_nvfp4.flax.moe.MoEMLP`` and ``jax_nvfp4.flax.expert_parallel``.
+      data_axes: with ``expert_axis``, the other mesh axes the tokens are sharded on.
       rngs: initializes the router and the kernels; with stochastic rounding the layer forks its
         ``"nvfp4"`` stream (else ``default``), as ``NVFP4DotGeneral`` does.
 
@@ -60,11 +63,15 @@ class MoEMLP(nnx.Module):
         activation: Callable[[jax.Array], jax.Array] = _EXACT_GELU,
         dispatch: Dispatch = "ragged",
         capacity_factor: float = 1.25,
+        expert_axis: str | None = None,
+        data_axes: tuple[str, ...] = (),
         rngs: nnx.Rngs,
     ) -> None:
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.dispatch, self.capacity_factor = check_dispatch(dispatch, capacity_factor)
+        check_expert_axis(expert_axis, self.dispatch)
+        self.expert_axis, self.data_axes = expert_axis, (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
         self.top_k, self.recipe, self.dtype, self.activation = top_k, recipe, dtype, activation
         self.router = nnx.Linear(in_features, num_experts, use_bias=False, dtype=jnp.float32, rngs=rngs)
         self.up = nnx.Param(_KERNEL_INIT(rngs.params(), (num_experts, in_features, hidden)))
@@ -77,6 +84,8 @@ class MoEMLP(nnx.Module):
         self.keys = nnx.data(None if recipe is None else _NVFP4Op(recipe, rngs=rngs))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.expert_axis is not None:
+            return self._expert_parallel(x)
         tokens = tokens_of(x)
         routing = route(self.router(tokens), self.top_k)
         self.load_balance[...] = routing.load_balance
@@ -88,4 +97,27 @@ class MoEMLP(nnx.Module):
         if dropped is not None:
             self.dropped[...] = dropped
             self.dropped_fraction[...] = dropped.astype(jnp.float32) / routing.order.size
+        return like(y.astype(self.dtype), x)
+
+    def _expert_parallel(self, x: jax.Array) -> jax.Array:
+        from jax_nvfp4.flax.expert_parallel import expert_parallel_mlp  # (it imports jax_nvfp4.flax.moe)
+
+        tokens = x.reshape(-1, x.shape[-1])
+        keys = (None, None) if self.keys is None else tuple(self.keys.next_key() for _ in range(2))
+        y, dropped, balance = expert_parallel_mlp(
+            tokens.astype(self.dtype),
+            self.router(tokens),
+            self.up[...],
+            self.down[...],
+            top_k=self.top_k,
+            recipe=self.recipe,
+            keys=keys,
+            activation=self.activation,
+            capacity_factor=self.capacity_factor,
+            expert_axis=self.expert_axis,
+            data_axes=self.data_axes,
+        )
+        self.load_balance[...] = balance
+        self.dropped[...] = dropped
+        self.dropped_fraction[...] = dropped.astype(jnp.float32) / (tokens.shape[0] * self.top_k)
         return like(y.astype(self.dtype), x)
