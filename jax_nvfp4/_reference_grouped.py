@@ -1,8 +1,9 @@
 """The pure-JAX reference of the grouped ops (mixture of experts): the executable spec of their kernels.
 
 x [B, M, N] holds M token rows sorted by group (expert); ``group_sizes`` [B, G] how many consecutive
-rows each group takes. Group g's rows are [start_g, end_g), end_g = min(sizes_0 + ... + sizes_g, M),
-start_g = end_(g-1); rows from end_(G-1) on belong to no group and count as zeros everywhere.
+rows each group takes. Group g's rows are [start_g, end_g), end_g = min(sizes_0 + ... + sizes_g, M) (a
+negative size counts as 0), start_g = end_(g-1); rows from end_(G-1) on belong to no group and count as
+zeros everywhere.
 
 **The grouped columnwise copy.** Token blocks lie on the global grid of 16 rows: block j holds rows
 16j..16j+15. Group g owns the blocks it touches, j in [start_g // 16, ceil(end_g / 16)) (none when it
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.extend import random as jex_random
 
 from jax_nvfp4 import _bits as b
@@ -41,8 +43,10 @@ def grouped_blocks(rows: int, groups: int) -> int:
 
 
 def bounds(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
-    """(start, end) int32 [..., G] of each group's rows, cut at ``rows``."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32), axis=-1), rows)
+    """(start, end) int32 [..., G] of each group's rows, cut at ``rows``: a negative size counts as 0, and the
+    running sum saturates at ``rows`` (it never wraps around int32)."""
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, rows)
+    ends = lax.associative_scan(lambda a, c: jnp.minimum(a + c, rows), sizes, axis=sizes.ndim - 1)
     starts = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
     return starts, ends
 

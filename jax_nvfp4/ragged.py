@@ -69,7 +69,7 @@ _WGRAD = lax.RaggedDotDimensionNumbers(
 
 def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
     """The group of each of ``rows`` rows (int32 [rows]); G for rows past the last group."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    ends = bounds(group_sizes, rows)[1]
     return jnp.sum(jnp.arange(rows, dtype=jnp.int32)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
 
@@ -222,8 +222,8 @@ def ragged_dot(
     Args:
       lhs: [M, K] bfloat16, float16 or float32: the tokens, sorted by group (expert).
       rhs: [G, K, N] of the same dtypes: one weight per group.
-      group_sizes: int [G]: the rows of each group, in order; they may be zero. Rows past their
-        sum give zeros; a sum past M cuts the last groups at M.
+      group_sizes: int [G]: the rows of each group, in order; they may be zero (a negative size counts as
+        zero). Rows past their sum give zeros; a sum past M cuts the last groups at M.
       precision: ignored; the GEMMs are NVFP4 with float32 accumulation.
       preferred_element_type: the output dtype (bfloat16, float16 or float32).
       group_offset: not supported (as in ``lax.ragged_dot`` on CPU and GPU).

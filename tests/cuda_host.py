@@ -4,7 +4,8 @@ CUDA FFI handlers over the host execution model (ffi/cuda/host; CMake option NVF
 The handlers are registered for the CPU platform under ``cuda_host_<target>`` and called with the
 operands and attributes the primitives pass the CPU and GPU kernels (each op's abstract evaluation and
 FFI attributes, from its file in ``jax_nvfp4.ops``), so ``quantize``,
-``dequantize`` and ``amax`` here are the public API running the CUDA kernels.
+``dequantize`` and ``amax`` here are the public API running the CUDA kernels; ``grouped_amax`` and
+``grouped_quantize`` call the grouped kernels as ``jax_nvfp4.ops.grouped``'s do.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jax_nvfp4 import _frontend
 from jax_nvfp4._backend import Backend, amax_on_rows, quantize_on_rows
 from jax_nvfp4.ops import amax as amax_op
 from jax_nvfp4.ops import dequantize as dequantize_op
+from jax_nvfp4.ops import grouped as grouped_op
 from jax_nvfp4.ops import quantize as quantize_op
 
 try:
@@ -73,6 +75,22 @@ def _quantize(x, amax, amax_t, seed, *, spec) -> tuple:
 def _dequantize(data, scale, amax, **params):
     results = dequantize_op._abstract(data, scale, amax, **params)
     return _call("nvfp4_dequantize", results, data, scale, amax, **dequantize_op.dequantize_p.ffi_attrs(**params))[0]
+
+
+def grouped_amax(x, group_sizes, *, rht_amax: bool = False, per_row: bool = False) -> tuple:
+    """The CUDA kernel of ``ops.grouped.grouped_amax``: (amax, amax_t) of x [B, M, N] in groups [B, G]."""
+    params = dict(rht_amax=rht_amax, per_row=per_row)
+    results = grouped_op._amax_abstract(x, group_sizes, **params)
+    return tuple(_call("nvfp4_grouped_amax", results, x, group_sizes, **grouped_op.grouped_amax_p.ffi_attrs(**params)))
+
+
+def grouped_quantize(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec) -> tuple:
+    """The CUDA kernel of ``ops.grouped.grouped_quantize``: the rowwise copy (if ``spec.rowwise``), the grouped one."""
+    operands = (x, group_sizes, amax, amax_t, seed, group_seeds)
+    results = grouped_op._quantize_abstract(*operands, spec=spec)
+    return tuple(
+        _call("nvfp4_grouped_quantize", results, *operands, **grouped_op.grouped_quantize_p.ffi_attrs(spec=spec))
+    )
 
 
 BACKEND = Backend(amax=_amax, quantize=_quantize, dequantize=_dequantize)

@@ -140,6 +140,14 @@ def test_kernels_are_the_reference(problem):
     _assert_same(*_both(jnp.asarray(x), jnp.asarray(sizes), spec, _seeds(sizes.shape[1])[1]))
 
 
+def test_negative_and_huge_sizes_are_clamped():
+    """A negative size counts as 0, and the running sum saturates at M (no int32 wrap): the kernels agree."""
+    sizes = jnp.array([[-3, 10, -20, 40, 5], [2**31 - 1, 5, -(2**31) + 10, 8, 0]], jnp.int32)
+    x = jax.random.normal(jax.random.key(2), (2, 48, 24), jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(ref.bounds(sizes, 48)[1], [[0, 10, 10, 48, 48], [48, 48, 48, 48, 48]])
+    _assert_same(*_both(x, sizes, QuantizeSpec(columnwise=True, rht=True), _seeds(5)[1]))
+
+
 def test_kernels_run_as_custom_calls():
     x, sizes = jnp.ones((1, 32, 16), jnp.bfloat16), jnp.array([[10, 22]], jnp.int32)
     spec = QuantizeSpec(columnwise=True)

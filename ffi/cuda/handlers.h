@@ -9,6 +9,8 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4AmaxCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4QuantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4DequantizeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4GroupedAmaxCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4GroupedQuantizeCuda);
 
 namespace nvfp4::cuda {
 
@@ -18,7 +20,9 @@ using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
 inline std::vector<std::pair<const char*, Handler*>> handlers() {
   return {{"nvfp4_amax", Nvfp4AmaxCuda},
           {"nvfp4_quantize", Nvfp4QuantizeCuda},
-          {"nvfp4_dequantize", Nvfp4DequantizeCuda}};
+          {"nvfp4_dequantize", Nvfp4DequantizeCuda},
+          {"nvfp4_grouped_amax", Nvfp4GroupedAmaxCuda},
+          {"nvfp4_grouped_quantize", Nvfp4GroupedQuantizeCuda}};
 }
 
 }  // namespace nvfp4::cuda

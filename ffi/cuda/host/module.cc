@@ -50,6 +50,9 @@ nb::dict registrations() {
   d["nvfp4_amax"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4AmaxCuda>));
   d["nvfp4_quantize"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4QuantizeCuda>));
   d["nvfp4_dequantize"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4DequantizeCuda>));
+  d["nvfp4_grouped_amax"] = nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4GroupedAmaxCuda>));
+  d["nvfp4_grouped_quantize"] =
+      nb::capsule(reinterpret_cast<void*>(poisoned<Nvfp4GroupedQuantizeCuda>));
   if (d.size() != nvfp4::cuda::handlers().size())
     throw std::logic_error("a CUDA handler is not wrapped");
   return d;

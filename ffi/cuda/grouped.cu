@@ -1,0 +1,522 @@
+// The grouped ops of a mixture of experts on the GPU (jax_nvfp4/_reference_grouped.py is the
+// spec), bit-identical to it: x [B, M, N] holds token rows sorted by group, group_sizes [B, G] how
+// many each group takes. Global block j (rows 16j..16j+15) of group g (its rows only, the others
+// zero) is block p = j + g of the grouped columnwise copy, which has P = ceil(M/16) + G - 1
+// blocks; the blocks no group owns are zero codes with zero scales.
+//
+// Layout: a CUDA block of 128 threads takes one block p of one batch entry, a thread one column
+// of it (the columnwise 1x16 block: 16 rows in registers), and loops over column tiles. Warp 0
+// finds p's owner first, walking the groups' prefix sums 32 at a time, so that no host pass over
+// group_sizes is needed. The grouped amax takes the same grid and folds its maxima atomically;
+// the rowwise copy of grouped_quantize is a second kernel, a thread a 1x16 block of a row.
+//
+// Group bounds follow the reference for any int32 sizes: int32 prefix sums (wrapping) cut at M,
+// floor and ceiling block indices, the first owner, global rows clipped to the input; where some
+// group ends before it starts (negative sizes), a token row may be in no group or in two, so the
+// amax kernel then takes the rows of global block p for the per-token amax separately.
+#include "cuda/common.cuh"
+#include "cuda/four_over_six.cuh"
+#include "cuda/handlers.h"
+
+namespace nvfp4::cuda {
+namespace {
+
+constexpr int kThreads = 128;  // columns of a tile (one per thread), or 1x16 rowwise blocks
+constexpr int kWarps = kThreads / 32;
+
+// ---- the groups of a batch entry ----
+
+// floor(a / 16) and ceil(a / 16) of either sign (the reference's // on int32 bounds).
+NVFP4_HD int64_t floor16(int64_t a) { return a >= 0 ? a / kBlock : -((-a + kBlock - 1) / kBlock); }
+NVFP4_HD int64_t ceil16(int64_t a) { return floor16(a + kBlock - 1); }
+
+// The lowest lane of a nonzero lane mask.
+__device__ __forceinline__ int lowest_lane(unsigned mask) {
+#if defined(__CUDACC__)
+  return __ffs(int(mask)) - 1;
+#else
+  return __builtin_ctz(mask);
+#endif
+}
+
+// Walks the G groups of `sizes` 32 at a time as the reference bounds them: group g's rows are
+// [start_g, end_g), end_g = min(sizes_0 + ... + sizes_g, M) with each size clamped to [0, M] and
+// the running sum saturating at M, start_g = end_(g-1), start_0 = 0. Lane l calls visit(base,
+// real, start, end) for group base + l (not `real` past the last one). Returns end_(G-1): the
+// rows before it are the rows in groups. Every lane of the warp calls.
+template <typename Visit>
+__device__ __forceinline__ int32_t scan_groups(const int32_t* sizes, int32_t groups, int32_t rows,
+                                               Visit visit) {
+  const int lane = int(threadIdx.x % 32);
+  int32_t last = 0;  // the end of the previous chunk's last group
+  for (int32_t base = 0; base < groups; base += 32) {
+    const bool real = base + lane < groups;
+    // Sums of values in [0, M] saturated at M stay below 2M: no int32 overflow.
+    int32_t end = real ? min(max(sizes[base + lane], 0), rows) : 0;
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t t = __shfl_up_sync(~0u, end, d);
+      if (lane >= d) end = min(end + t, rows);
+    }
+    end = min(end + last, rows);
+    const int32_t before = __shfl_up_sync(~0u, end, 1);
+    visit(base, real, lane == 0 ? last : before, end);
+    last = __shfl_sync(~0u, end, 31);  // lanes past the last group add nothing
+  }
+  return last;
+}
+
+// The owner of block p of the grouped layout (an aggregate: it lives in shared memory).
+struct Owner {
+  int32_t g;          // the first group that owns p (G where none does)
+  int32_t lo, hi;     // its rows [start_g, end_g)
+  int32_t in_groups;  // end_(G-1): rows from it on count as zeros
+};
+
+// Group g owns global blocks [start_g // 16, ceil(end_g / 16)) where it has rows; block p of the
+// layout is its global block p - g. Every lane of the warp calls.
+__device__ __forceinline__ Owner find_owner(const int32_t* sizes, int32_t groups, int32_t rows,
+                                            int64_t p) {
+  Owner o{groups, 0, 0, 0};
+  const int lane = int(threadIdx.x % 32);
+  o.in_groups =
+      scan_groups(sizes, groups, rows, [&](int32_t base, bool real, int32_t start, int32_t end) {
+        const int64_t j = p - (base + lane);
+        const bool owns = real && end > start && j >= floor16(start) && j < ceil16(end);
+        const unsigned owners = __ballot_sync(~0u, owns);
+        if (o.g == groups && owners != 0) {  // the same in every lane
+          const int w = lowest_lane(owners);
+          o.g = base + w;
+          o.lo = __shfl_sync(~0u, start, w);
+          o.hi = __shfl_sync(~0u, end, w);
+        }
+      });
+  return o;
+}
+
+// The owner of block p of batch entry `sizes`, found by warp 0 for the CUDA block (every thread
+// of the block calls).
+__device__ __forceinline__ Owner block_owner(const int32_t* sizes, int32_t groups, int32_t rows,
+                                             int64_t p) {
+  __shared__ Owner shared;
+  if (threadIdx.x < 32) {
+    const Owner o = find_owner(sizes, groups, rows, p);
+    if (threadIdx.x == 0) shared = o;
+  }
+  __syncthreads();
+  return shared;
+}
+
+// The values of column n, rows m0..m0+15 of a batch entry xb [M, N] as the grouped copy holds
+// them: those in [lo, hi) whose row, clipped to the input as the reference gathers it, is before
+// in_groups; the others (and every value of a column past N) 0.
+template <typename L>
+__device__ __forceinline__ void load_column(const typename L::T* xb, int64_t rows, int64_t cols,
+                                            int64_t n, int64_t m0, int64_t lo, int64_t hi,
+                                            int64_t in_groups, float (&v)[kBlock]) {
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) {
+    const int64_t m = m0 + r, row = min(max(m, int64_t(0)), rows - 1);
+    const bool in = n < cols && m >= lo && m < hi && row >= 0 && row < in_groups;
+    v[r] = in ? L::load(xb[row * cols + n]) : 0.0f;
+  }
+}
+
+// The largest magnitude of 16 values, as bits.
+__device__ __forceinline__ uint32_t max_bits(const float (&v)[kBlock]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) m = max(m, magnitude_bits(v[r]));
+  return m;
+}
+
+// ---- grouped amax ----
+
+struct AmaxParams {
+  const int32_t* sizes;  // [B, G]
+  int64_t rows, cols, groups, blocks;
+  bool rht_amax, per_row;
+  uint32_t* row_bits;    // amax [B] (per row: [B, M]) as magnitude bits
+  uint32_t* group_bits;  // amax_t [B, G] (per row: [B, G, N])
+};
+
+// Block max of m over the CUDA block's threads, atomically folded into *out (every thread calls).
+__device__ __forceinline__ void block_max_into(uint32_t m, uint32_t* out) {
+  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(~0u, m, offset));
+  __shared__ uint32_t warp_max[kWarps];
+  __syncthreads();  // warp_max may be read by a previous call
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) m = max(m, warp_max[w]);
+    atomicMax(out, m);
+  }
+}
+
+// Folds the warp's maxima of rows m0..m0+15 (a value a lane) into row_bits [M], the rows in
+// [lo, hi) before in_groups only (every lane of the warp calls).
+__device__ __forceinline__ void rows_into(const float (&v)[kBlock], int64_t m0, int64_t lo,
+                                          int64_t hi, int64_t in_groups, uint32_t* row_bits) {
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) {
+    uint32_t m = magnitude_bits(v[r]);
+    for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(~0u, m, offset));
+    const int64_t row = m0 + r;
+    if (threadIdx.x % 32 == 0 && row >= lo && row < hi && row >= 0 && row < in_groups)
+      atomicMax(row_bits + row, m);
+  }
+}
+
+// CUDA block (b, p) x (column chunk): block p of entry b's grouped layout, over the column tiles
+// of its chunk. Its owner's maxima go to amax_t (of the RHT with rht_amax), and the token rows'
+// to amax from the same values (each row in groups lies in exactly one owned block).
+template <typename L>
+__global__ void __launch_bounds__(kThreads)
+    grouped_amax_kernel(const typename L::T* x, AmaxParams a) {
+  const int64_t b = blockIdx.x / a.blocks, p = blockIdx.x % a.blocks;
+  const Owner o = block_owner(a.sizes + b * a.groups, int32_t(a.groups), int32_t(a.rows), p);
+  const typename L::T* xb = x + b * a.rows * a.cols;
+  uint32_t* row_bits = a.per_row ? a.row_bits + b * a.rows : nullptr;
+  const bool owned = o.g < a.groups;
+  uint32_t row_max = 0, group_max = 0;  // the thread's (not per row)
+  for (int64_t tile = blockIdx.y; tile * kThreads < a.cols; tile += gridDim.y) {
+    const int64_t n = tile * kThreads + threadIdx.x;
+    float v[kBlock];
+    if (owned) {
+      const int64_t m0 = (p - o.g) * kBlock;
+      load_column<L>(xb, a.rows, a.cols, n, m0, o.lo, o.hi, o.in_groups, v);
+      uint32_t col = max_bits(v);
+      if (a.per_row)
+        rows_into(v, m0, o.lo, o.hi, o.in_groups, row_bits);
+      else
+        row_max = max(row_max, col);
+      if (a.rht_amax) {
+        rht16_narrow<L>(v);
+        col = max_bits(v);
+      }
+      if (!a.per_row)
+        group_max = max(group_max, col);
+      else if (n < a.cols)
+        atomicMax(a.group_bits + (b * a.groups + o.g) * a.cols + n, col);
+    }
+  }
+  if (!a.per_row) {
+    block_max_into(row_max, a.row_bits + b);
+    if (owned) block_max_into(group_max, a.group_bits + b * a.groups + o.g);
+  }
+}
+
+// Turns magnitude bits into the amax float in place, NaN canonical (a grid-stride loop).
+__global__ void amax_finish(uint32_t* bits, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
+}
+
+ffi::Error finish(cudaStream_t stream, uint32_t* bits, int64_t n) {
+  if (n <= 0) return ffi::Error::Success();
+  return launch<amax_finish>("grouped amax", grid_stride_blocks(n, kThreads), kThreads, 0, stream,
+                             bits, n);
+}
+
+// The column chunks of a grid over `blocks` layout blocks of `tiles` column tiles each: enough
+// CUDA blocks to fill the GPU, a chunk at least a tile.
+template <typename Kernel>
+unsigned column_chunks(Kernel* kernel, int64_t blocks, int64_t tiles) {
+  const int64_t want = (resident_blocks(kernel, kThreads, 0) + blocks - 1) / blocks;
+  return unsigned(std::clamp<int64_t>(want, 1, std::min<int64_t>(tiles, 65535)));
+}
+
+// Checks group_sizes int32 [B, G], G >= 1, and the sizes the kernels index with 32-bit grids.
+ffi::Error check_groups(const ffi::Buffer<ffi::S32>& sizes, int64_t batch, int64_t rows,
+                        int64_t cols, int64_t& groups, int64_t& blocks) {
+  const auto d = sizes.dimensions();
+  if (d.size() != 2 || d[0] != batch || d[1] < 1)
+    return invalid("group_sizes must be int32 [B, G] with G >= 1");
+  groups = d[1];
+  blocks = num_blocks(rows) + groups - 1;
+  if (rows > INT32_MAX - kBlock || cols > INT32_MAX || groups > INT32_MAX / 2 ||
+      batch * blocks > INT32_MAX)
+    return invalid("grouped input is too large for one launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error grouped_amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
+                             ffi::RemainingRets outs, bool rht_amax, bool per_row) {
+  int64_t batch = 0, rows = 0, cols = 0, groups = 0, blocks = 0;
+  if (!dims3(x, batch, rows, cols)) return invalid("grouped amax expects a [B, M, N] input");
+  if (auto e = check_groups(sizes, batch, rows, cols, groups, blocks); e.failure()) return e;
+  // As the quantize's transform and the CPU kernel (the reference's grouped layout would allow any
+  // M).
+  if (rht_amax && rows % kBlock != 0)
+    return invalid("grouped amax with rht_amax needs M a multiple of 16");
+  if (outs.size() != 2) return invalid("grouped amax has 2 results");
+  const int64_t counts[2] = {per_row ? batch * rows : batch,
+                             per_row ? batch * groups * cols : batch * groups};
+  uint32_t* bits[2] = {nullptr, nullptr};
+  for (size_t i = 0; i < 2; ++i) {
+    auto buf = outs.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value() || (*buf)->element_type() != ffi::DataType::F32 ||
+        int64_t((*buf)->element_count()) != counts[i])
+      return invalid(
+          "grouped amax results must be float32 [B] and [B, G] ([B, M] and [B, G, N] per row)");
+    bits[i] = static_cast<uint32_t*>((*buf)->untyped_data());
+  }
+  for (int i = 0; i < 2; ++i)
+    if (auto e = zero(bits[i], counts[i] * int64_t(sizeof(uint32_t)), stream); e.failure())
+      return e;
+  const AmaxParams a{sizes.typed_data(), rows,    cols,    groups, blocks,
+                     rht_amax,           per_row, bits[0], bits[1]};
+  const int64_t tiles = (cols + kThreads - 1) / kThreads;
+  ffi::Error launched = ffi::Error::Success();
+  const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
+    using L = decltype(loader);
+    if (batch * blocks * tiles == 0) return;
+    constexpr auto kernel = grouped_amax_kernel<L>;
+    const dim3 grid(unsigned(batch * blocks), column_chunks(kernel, batch * blocks, tiles));
+    launched = launch<kernel>("grouped amax", grid, kThreads, 0, stream,
+                              static_cast<const typename L::T*>(x.untyped_data()), a);
+  });
+  if (!ok) return invalid("grouped amax input must be bfloat16, float16 or float32");
+  if (launched.failure()) return launched;
+  if (auto e = finish(stream, bits[0], counts[0]); e.failure()) return e;
+  return finish(stream, bits[1], counts[1]);
+}
+
+// ---- grouped quantize ----
+
+// How the codes round (a kernel each, so that each keeps its registers).
+enum class Mode { kNearest, kStochastic, kFourOverSix };
+
+struct Params {
+  const int32_t* sizes;         // [B, G]
+  const float* amax;            // [B] (row-scaled: [B, M]): the rowwise copy
+  const float* amax_t;          // [B, G] (row-scaled: [B, G, N]): the grouped copy
+  const uint32_t* seed;         // [2]: the rowwise copy's Threefry key
+  const uint32_t* group_seeds;  // [G, 2]: each group's key for its blocks
+  int64_t rows, cols, groups, blocks;
+  QuantizeSpec spec;
+  QuantizeOutputs o;  // data, scale as quantize's; data_t [B, N, 8P], scale_t [B, N, P]
+};
+
+// The scale code and codes of one 1x16 block v with global scales g, drawing stochastic words
+// from index `base` on (consecutive) of `stream` under `key`; code r in nibble r % 8 of word
+// r / 8 (a column's bytes: element 2i in the low nibble of byte i).
+template <Mode kMode>
+__device__ __forceinline__ uint8_t encode_block(const QuantizeSpec& spec, const float (&v)[kBlock],
+                                                const GlobalScales& g, Seed key, uint32_t base,
+                                                uint32_t stream, uint32_t (&words)[2]) {
+  const float bamax = amax_from_bits(max_bits(v));
+  uint8_t scale;
+  float enc;
+  if constexpr (kMode == Mode::kFourOverSix) {
+    const Candidate chosen = column_chunk(v, bamax, g, spec.four_over_six());
+    scale = chosen.scale;
+    enc = chosen.enc;
+  } else {
+    scale = block_scale(bamax, g);
+    enc = block_encode_scale(scale, g);
+  }
+  uint32_t w[kBlock];
+  if constexpr (kMode == Mode::kStochastic) random_words(key, base, stream, w);
+  words[0] = words[1] = 0;
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) {
+    const uint32_t code = kMode == Mode::kStochastic ? quantize_value_stochastic(v[r], enc, w[r])
+                                                     : quantize_value(v[r], enc);
+    words[r / 8] |= code << (4 * (r % 8));
+  }
+  return scale;
+}
+
+// Column n of block p (owner o) of entry b's grouped copy: 8 code bytes and a scale byte.
+template <typename L, Mode kMode>
+__device__ __forceinline__ void quantize_column(const typename L::T* x, const Params& p,
+                                                const Owner& o, int64_t b, int64_t blk, int64_t n) {
+  const QuantizeSpec& spec = p.spec;
+  const int64_t line = b * p.cols + n;  // the row of x^T
+  uint2* data = reinterpret_cast<uint2*>(p.o.data_t + (line * p.blocks + blk) * (kBlock / 2));
+  uint8_t* scale = p.o.scale_t + line * p.blocks + blk;
+  if (o.g >= p.groups) {  // no group's block
+    *data = uint2{0, 0};
+    *scale = 0;
+    return;
+  }
+  const int64_t m0 = (blk - o.g) * kBlock;  // global rows, as the random words count them
+  float v[kBlock];
+  load_column<L>(x + b * p.rows * p.cols, p.rows, p.cols, n, m0, o.lo, o.hi, o.in_groups, v);
+  if (spec.columnwise_rht()) rht16_narrow<L>(v);
+  const float amax_t =
+      spec.row_scaled ? p.amax_t[(b * p.groups + o.g) * p.cols + n] : p.amax_t[b * p.groups + o.g];
+  // Element (b, n, m) of the [B, N, M] copy draws word (b N + n) M + m of stream 1 (uint32).
+  const uint32_t base = uint32_t(line) * uint32_t(p.rows) + uint32_t(m0);
+  Seed key{0, 0};
+  if constexpr (kMode == Mode::kStochastic)
+    key = Seed{p.group_seeds[2 * o.g], p.group_seeds[2 * o.g + 1]};
+  uint32_t words[2];
+  *scale = encode_block<kMode>(spec, v, spec.global_scales(amax_t), key, base, 1, words);
+  *data = uint2{words[0], words[1]};
+}
+
+// CUDA block (b, p) x (column chunk): the columns of block p of entry b's grouped copy.
+template <typename L, Mode kMode>
+__global__ void __launch_bounds__(kThreads)
+    grouped_columns_kernel(const typename L::T* x, Params p) {
+  const int64_t b = blockIdx.x / p.blocks, blk = blockIdx.x % p.blocks;
+  const Owner o = block_owner(p.sizes + b * p.groups, int32_t(p.groups), int32_t(p.rows), blk);
+  for (int64_t tile = blockIdx.y; tile * kThreads < p.cols; tile += gridDim.y) {
+    const int64_t n = tile * kThreads + threadIdx.x;
+    if (n < p.cols) quantize_column<L, kMode>(x, p, o, b, blk, n);
+  }
+}
+
+// 1x16 block k of row m of entry b of the rowwise copy: quantize's, of the row's values where
+// it is before in_groups, else of zeros.
+template <typename L, Mode kMode>
+__device__ __forceinline__ void quantize_row_block(const typename L::T* x, const Params& p,
+                                                   int64_t b, int64_t m, int64_t k,
+                                                   int64_t in_groups) {
+  const QuantizeSpec& spec = p.spec;
+  const int64_t row = b * p.rows + m, n0 = k * kBlock;
+  const typename L::T* src = x + row * p.cols + n0;
+  float v[kBlock];
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) v[i] = m < in_groups && n0 + i < p.cols ? L::load(src[i]) : 0.0f;
+  const float amax = spec.row_scaled ? p.amax[row] : p.amax[b];
+  // Element (b, m, n) draws word (b M + m) N + n of stream 0 (uint32).
+  const uint32_t base = uint32_t(row) * uint32_t(p.cols) + uint32_t(n0);
+  Seed key{0, 0};
+  if constexpr (kMode == Mode::kStochastic) key = Seed{p.seed[0], p.seed[1]};
+  uint32_t words[2];
+  p.o.scale[row * num_blocks(p.cols) + k] =
+      encode_block<kMode>(spec, v, spec.global_scales(amax), key, base, 0, words);
+  const int64_t data_cols = packed_size(p.cols);
+  uint8_t* dst = p.o.data + row * data_cols + n0 / 2;
+  if (data_cols % 8 == 0) {  // whole, aligned 8-byte blocks
+    *reinterpret_cast<uint2*>(dst) = uint2{words[0], words[1]};
+  } else {
+    const uint64_t bytes = words[0] | uint64_t(words[1]) << 32;
+    for (int64_t i = 0; i < kBlock / 2 && n0 / 2 + i < data_cols; ++i)
+      dst[i] = uint8_t(bytes >> (8 * i));
+  }
+}
+
+// CUDA block (b, chunk): a strided share of entry b's rowwise 1x16 blocks.
+template <typename L, Mode kMode>
+__global__ void __launch_bounds__(kThreads)
+    grouped_rows_kernel(const typename L::T* x, Params p, int64_t chunks) {
+  const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+  __shared__ int32_t in_groups;
+  if (threadIdx.x < 32) {
+    const int32_t end = scan_groups(p.sizes + b * p.groups, int32_t(p.groups), int32_t(p.rows),
+                                    [](int32_t, bool, int32_t, int32_t) {});
+    if (threadIdx.x == 0) in_groups = end;
+  }
+  __syncthreads();
+  const int64_t per_row = num_blocks(p.cols), items = p.rows * per_row;
+  for (int64_t i = chunk * kThreads + threadIdx.x; i < items; i += chunks * kThreads)
+    quantize_row_block<L, kMode>(x, p, b, i / per_row, i % per_row, in_groups);
+}
+
+template <typename L, Mode kMode>
+ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, const Params& p,
+                           int64_t batch) {
+  const int64_t items = p.rows * num_blocks(p.cols);  // rowwise blocks of an entry
+  if (p.o.data && batch * items > 0) {
+    constexpr auto kernel = grouped_rows_kernel<L, kMode>;
+    const int64_t fill = (resident_blocks(kernel, kThreads, 0) + batch - 1) / batch;
+    const int64_t chunks =
+        std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1,
+                            std::max<int64_t>(1, std::min(fill, INT32_MAX / batch)));
+    if (auto e = launch<kernel>("grouped quantize", unsigned(batch * chunks), kThreads, 0, stream,
+                                x, p, chunks);
+        e.failure())
+      return e;
+  }
+  const int64_t tiles = (p.cols + kThreads - 1) / kThreads;
+  if (batch * p.blocks * tiles == 0) return ffi::Error::Success();
+  constexpr auto kernel = grouped_columns_kernel<L, kMode>;
+  const dim3 grid(unsigned(batch * p.blocks), column_chunks(kernel, batch * p.blocks, tiles));
+  return launch<kernel>("grouped quantize", grid, kThreads, 0, stream, x, p);
+}
+
+ffi::Error grouped_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
+                                 ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
+                                 ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::U32> group_seeds,
+                                 ffi::RemainingRets outs, QuantizeSpec spec) {
+  int64_t batch = 0, rows = 0, cols = 0, groups = 0, blocks = 0;
+  if (!dims3(x, batch, rows, cols)) return invalid("grouped quantize expects a [B, M, N] input");
+  if (auto e = spec.validate(); e.failure()) return e;
+  if (!spec.columnwise || spec.block_2d)
+    return invalid("grouped quantize makes a columnwise copy in 1x16 blocks");
+  if (auto e = check_groups(sizes, batch, rows, cols, groups, blocks); e.failure()) return e;
+  const int64_t per_row = spec.row_scaled ? rows : 1, per_col = spec.row_scaled ? cols : 1;
+  if ((spec.rowwise && int64_t(amax.element_count()) != batch * per_row) ||
+      int64_t(amax_t.element_count()) != batch * groups * per_col)
+    return invalid(
+        "grouped quantize amax / amax_t must be [B] / [B, G] ([B, M] / [B, G, N] row-scaled)");
+  if (seed.element_count() != 2 || int64_t(group_seeds.element_count()) != 2 * groups)
+    return invalid("grouped quantize seeds must be uint32 [2] and [G, 2]");
+  if (auto e = spec.check_rows(rows); e.failure()) return e;
+  QuantizeOutputs o{nullptr, nullptr, nullptr, nullptr};
+  uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
+  const int64_t counts[4] = {rows * packed_size(cols), rows * num_blocks(cols),
+                             cols * blocks * (kBlock / 2), cols * blocks};
+  size_t next = 0;
+  for (int i = spec.rowwise ? 0 : 2; i < 4; ++i) {
+    auto buf = outs.get<ffi::AnyBuffer>(next++);
+    const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
+    if (!buf.has_value() || (*buf)->element_type() != dtype ||
+        int64_t((*buf)->element_count()) != batch * counts[i])
+      return invalid("grouped quantize output is missing or has the wrong dtype or size");
+    *ptrs[i] = static_cast<uint8_t*>((*buf)->untyped_data());
+  }
+  if (outs.size() != next) return invalid("grouped quantize has more outputs than copies");
+  const Params p{sizes.typed_data(),
+                 amax.typed_data(),
+                 amax_t.typed_data(),
+                 seed.typed_data(),
+                 group_seeds.typed_data(),
+                 rows,
+                 cols,
+                 groups,
+                 blocks,
+                 spec,
+                 o};
+  ffi::Error launched = ffi::Error::Success();
+  const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
+    using L = decltype(loader);
+    const auto* data = static_cast<const typename L::T*>(x.untyped_data());
+    if (spec.stochastic_rounding)
+      launched = launch_quantize<L, Mode::kStochastic>(stream, data, p, batch);
+    else if (spec.four_over_six().on())
+      launched = launch_quantize<L, Mode::kFourOverSix>(stream, data, p, batch);
+    else
+      launched = launch_quantize<L, Mode::kNearest>(stream, data, p, batch);
+  });
+  if (!ok) return invalid("grouped quantize input must be bfloat16, float16 or float32");
+  return launched;
+}
+
+}  // namespace
+}  // namespace nvfp4::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4GroupedAmaxCuda, nvfp4::cuda::grouped_amax_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<nvfp4::cuda::StreamContext>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .RemainingRets()
+                                  .Attr<bool>("rht_amax")
+                                  .Attr<bool>("per_row"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4GroupedQuantizeCuda, nvfp4::cuda::grouped_quantize_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<nvfp4::cuda::StreamContext>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .RemainingRets()
+                                  .Attrs<nvfp4::QuantizeSpec>());
