@@ -10,10 +10,8 @@
 // group_sizes is needed. The grouped amax takes the same grid and folds its maxima atomically;
 // the rowwise copy of grouped_quantize is a second kernel, a thread a 1x16 block of a row.
 //
-// Group bounds follow the reference for any int32 sizes: int32 prefix sums (wrapping) cut at M,
-// floor and ceiling block indices, the first owner, global rows clipped to the input; where some
-// group ends before it starts (negative sizes), a token row may be in no group or in two, so the
-// amax kernel then takes the rows of global block p for the per-token amax separately.
+// Group bounds follow the reference for any int32 sizes: each clamped to [0, M], their running
+// sum saturating at M, so that every token row before the last group's end is in exactly one group.
 #include "cuda/common.cuh"
 #include "cuda/four_over_six.cuh"
 #include "cuda/handlers.h"
@@ -26,9 +24,9 @@ constexpr int kWarps = kThreads / 32;
 
 // ---- the groups of a batch entry ----
 
-// floor(a / 16) and ceil(a / 16) of either sign (the reference's // on int32 bounds).
-NVFP4_HD int64_t floor16(int64_t a) { return a >= 0 ? a / kBlock : -((-a + kBlock - 1) / kBlock); }
-NVFP4_HD int64_t ceil16(int64_t a) { return floor16(a + kBlock - 1); }
+// floor(a / 16) and ceil(a / 16) of the (non-negative) row bounds.
+NVFP4_HD int64_t floor16(int64_t a) { return a / kBlock; }
+NVFP4_HD int64_t ceil16(int64_t a) { return (a + kBlock - 1) / kBlock; }
 
 // The lowest lane of a nonzero lane mask.
 __device__ __forceinline__ int lowest_lane(unsigned mask) {
@@ -67,29 +65,27 @@ __device__ __forceinline__ int32_t scan_groups(const int32_t* sizes, int32_t gro
 
 // The owner of block p of the grouped layout (an aggregate: it lives in shared memory).
 struct Owner {
-  int32_t g;          // the first group that owns p (G where none does)
-  int32_t lo, hi;     // its rows [start_g, end_g)
-  int32_t in_groups;  // end_(G-1): rows from it on count as zeros
+  int32_t g;       // the group that owns p (G where none does)
+  int32_t lo, hi;  // its rows [start_g, end_g)
 };
 
 // Group g owns global blocks [start_g // 16, ceil(end_g / 16)) where it has rows; block p of the
 // layout is its global block p - g. Every lane of the warp calls.
 __device__ __forceinline__ Owner find_owner(const int32_t* sizes, int32_t groups, int32_t rows,
                                             int64_t p) {
-  Owner o{groups, 0, 0, 0};
+  Owner o{groups, 0, 0};
   const int lane = int(threadIdx.x % 32);
-  o.in_groups =
-      scan_groups(sizes, groups, rows, [&](int32_t base, bool real, int32_t start, int32_t end) {
-        const int64_t j = p - (base + lane);
-        const bool owns = real && end > start && j >= floor16(start) && j < ceil16(end);
-        const unsigned owners = __ballot_sync(~0u, owns);
-        if (o.g == groups && owners != 0) {  // the same in every lane
-          const int w = lowest_lane(owners);
-          o.g = base + w;
-          o.lo = __shfl_sync(~0u, start, w);
-          o.hi = __shfl_sync(~0u, end, w);
-        }
-      });
+  scan_groups(sizes, groups, rows, [&](int32_t base, bool real, int32_t start, int32_t end) {
+    const int64_t j = p - (base + lane);
+    const bool owns = real && end > start && j >= floor16(start) && j < ceil16(end);
+    const unsigned owners = __ballot_sync(~0u, owns);
+    if (o.g == groups && owners != 0) {  // the same in every lane
+      const int w = lowest_lane(owners);
+      o.g = base + w;
+      o.lo = __shfl_sync(~0u, start, w);
+      o.hi = __shfl_sync(~0u, end, w);
+    }
+  });
   return o;
 }
 
@@ -107,17 +103,16 @@ __device__ __forceinline__ Owner block_owner(const int32_t* sizes, int32_t group
 }
 
 // The values of column n, rows m0..m0+15 of a batch entry xb [M, N] as the grouped copy holds
-// them: those in [lo, hi) whose row, clipped to the input as the reference gathers it, is before
-// in_groups; the others (and every value of a column past N) 0.
+// them: those of the owner's rows [lo, hi) (within [0, M)); the others (and every value of a
+// column past N) 0.
 template <typename L>
-__device__ __forceinline__ void load_column(const typename L::T* xb, int64_t rows, int64_t cols,
-                                            int64_t n, int64_t m0, int64_t lo, int64_t hi,
-                                            int64_t in_groups, float (&v)[kBlock]) {
+__device__ __forceinline__ void load_column(const typename L::T* xb, int64_t cols, int64_t n,
+                                            int64_t m0, int64_t lo, int64_t hi,
+                                            float (&v)[kBlock]) {
 #pragma unroll
   for (int r = 0; r < kBlock; ++r) {
-    const int64_t m = m0 + r, row = min(max(m, int64_t(0)), rows - 1);
-    const bool in = n < cols && m >= lo && m < hi && row >= 0 && row < in_groups;
-    v[r] = in ? L::load(xb[row * cols + n]) : 0.0f;
+    const int64_t m = m0 + r;
+    v[r] = n < cols && m >= lo && m < hi ? L::load(xb[m * cols + n]) : 0.0f;
   }
 }
 
@@ -152,17 +147,16 @@ __device__ __forceinline__ void block_max_into(uint32_t m, uint32_t* out) {
   }
 }
 
-// Folds the warp's maxima of rows m0..m0+15 (a value a lane) into row_bits [M], the rows in
-// [lo, hi) before in_groups only (every lane of the warp calls).
+// Folds the warp's maxima of rows m0..m0+15 (a value a lane) into row_bits [M], the owner's rows
+// [lo, hi) only (every lane of the warp calls).
 __device__ __forceinline__ void rows_into(const float (&v)[kBlock], int64_t m0, int64_t lo,
-                                          int64_t hi, int64_t in_groups, uint32_t* row_bits) {
+                                          int64_t hi, uint32_t* row_bits) {
 #pragma unroll
   for (int r = 0; r < kBlock; ++r) {
     uint32_t m = magnitude_bits(v[r]);
     for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(~0u, m, offset));
     const int64_t row = m0 + r;
-    if (threadIdx.x % 32 == 0 && row >= lo && row < hi && row >= 0 && row < in_groups)
-      atomicMax(row_bits + row, m);
+    if (threadIdx.x % 32 == 0 && row >= lo && row < hi) atomicMax(row_bits + row, m);
   }
 }
 
@@ -183,10 +177,10 @@ __global__ void __launch_bounds__(kThreads)
     float v[kBlock];
     if (owned) {
       const int64_t m0 = (p - o.g) * kBlock;
-      load_column<L>(xb, a.rows, a.cols, n, m0, o.lo, o.hi, o.in_groups, v);
+      load_column<L>(xb, a.cols, n, m0, o.lo, o.hi, v);
       uint32_t col = max_bits(v);
       if (a.per_row)
-        rows_into(v, m0, o.lo, o.hi, o.in_groups, row_bits);
+        rows_into(v, m0, o.lo, o.hi, row_bits);
       else
         row_max = max(row_max, col);
       if (a.rht_amax) {
@@ -343,7 +337,7 @@ __device__ __forceinline__ void quantize_column(const typename L::T* x, const Pa
   }
   const int64_t m0 = (blk - o.g) * kBlock;  // global rows, as the random words count them
   float v[kBlock];
-  load_column<L>(x + b * p.rows * p.cols, p.rows, p.cols, n, m0, o.lo, o.hi, o.in_groups, v);
+  load_column<L>(x + b * p.rows * p.cols, p.cols, n, m0, o.lo, o.hi, v);
   if (spec.columnwise_rht()) rht16_narrow<L>(v);
   const float amax_t =
       spec.row_scaled ? p.amax_t[(b * p.groups + o.g) * p.cols + n] : p.amax_t[b * p.groups + o.g];
