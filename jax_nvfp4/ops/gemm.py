@@ -103,8 +103,11 @@ def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) 
 def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl):
     sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum}[impl]
     acc = sums(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
-    # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit.
-    y = (acc * global_decode_scale(a_amax, c_amax)[:, None, None]).astype(out_dtype)
+    # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit. The barrier
+    # keeps the scales' integer emulation out of the fusion with the output's multiply and cast, where XLA's CPU
+    # compiler can loop for minutes (seen with 19 batch entries of one row: its algebraic simplifier cycles).
+    scale = lax.optimization_barrier(global_decode_scale(a_amax, c_amax))
+    y = (acc * scale[:, None, None]).astype(out_dtype)
     a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
     return (y.reshape(a_data.shape[0], *a_rows, *c_rows),)
 
