@@ -9,8 +9,11 @@ import pytest
 from jax_nvfp4 import _ffi
 
 
+TARGETS = {"nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_grouped_amax", "nvfp4_grouped_quantize"}
+
+
 def test_cpu_kernels_are_registered():
-    for target in ("nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize"):
+    for target in TARGETS:
         assert "cpu" in _ffi.platforms_with(target)
 
 
@@ -25,7 +28,7 @@ def test_cuda_host_model_was_built():
     # The CUDA kernels on the CPU (NVFP4_CUDA_HOST=ON): without it their tests would only skip.
     from jax_nvfp4 import _nvfp4_cuda_host
 
-    assert set(_nvfp4_cuda_host.registrations()) == {"nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize"}
+    assert set(_nvfp4_cuda_host.registrations()) == TARGETS
 
 
 def test_platforms_without_a_kernel_lower_to_the_reference():
