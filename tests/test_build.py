@@ -8,7 +8,6 @@ import pytest
 
 from jax_nvfp4 import _ffi
 
-
 TARGETS = {"nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_grouped_amax", "nvfp4_grouped_quantize"}
 
 
