@@ -58,11 +58,8 @@ def _run(impl_amax, impl_quantize, x, sizes, spec: QuantizeSpec, seeds):
 
 def _both(x, sizes, spec, seeds):
     """(kernel outputs, reference outputs), each (amaxes, quantize outputs), under jit."""
-    kernels = jax.jit(functools.partial(_run, ops.grouped_amax, ops.grouped_quantize, spec=spec))(x, sizes, seeds=seeds)
-    reference = jax.jit(
-        functools.partial(_run, ref.grouped_amax_core, ref.grouped_quantize_core, spec=spec), static_argnames=()
-    )(x, sizes, seeds=seeds)
-    return kernels, reference
+    impls = ((ops.grouped_amax, ops.grouped_quantize), (ref.grouped_amax_core, ref.grouped_quantize_core))
+    return tuple(jax.jit(functools.partial(_run, *impl, spec=spec))(x, sizes, seeds=seeds) for impl in impls)
 
 
 def _assert_same(got, want):
