@@ -1,6 +1,7 @@
 """The grouped CUDA kernels give the reference's bytes: ``nvfp4_grouped_amax`` and ``nvfp4_grouped_quantize``
 run on the CPU by the CUDA host execution model (tests/cuda_host.py), on Hopper's code paths and on sm_100a's,
-against ``jax_nvfp4._reference_grouped`` under jit.
+against ``jax_nvfp4._reference_grouped`` under jit. The CPU kernels run beside them on the same operands, so
+that the sanitizer step (.ci/sanitize), which runs this file, reaches both kernels' code paths.
 
 Compiling the reference takes seconds a spec, shape and dtype (the kernels run in milliseconds here), so every
 test draws from the few cases of ``CASES``: the fixed tests run them on the groups of ``SIZES``, the random
@@ -9,6 +10,7 @@ ones on random sizes and values of the same shapes, which reuse the compiled ref
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -25,6 +27,7 @@ from hypothesis import strategies as st
 from test_kernels import assert_same_bytes
 
 from jax_nvfp4 import _reference_grouped as ref
+from jax_nvfp4.ops import grouped as cpu_ops
 from jax_nvfp4.spec import QuantizeSpec
 
 pytestmark = needs_module
@@ -89,6 +92,13 @@ def cuda(kernel):
     return jax.jit(functools.partial(cuda_host.grouped_amax, **kernel._asdict()))
 
 
+@functools.cache
+def cpu(kernel):
+    if isinstance(kernel, QuantizeSpec):
+        return jax.jit(functools.partial(cpu_ops.grouped_quantize, spec=kernel))
+    return jax.jit(functools.partial(cpu_ops.grouped_amax, **kernel._asdict()))
+
+
 def values(shape, dtype, rng: np.random.Generator, sizes: np.ndarray) -> np.ndarray:
     """Wide values and zeros; NaN and inf in groups, and NaN past the last one (where values count as zeros)."""
     x = random_tensor(rng, shape, np.float32, spread=3, specials=("zero",), frac=0.05)
@@ -102,9 +112,9 @@ def values(shape, dtype, rng: np.random.Generator, sizes: np.ndarray) -> np.ndar
 
 
 def check(name: str, sizes: np.ndarray, x: np.ndarray, sms=SMS, amaxes=lambda amax, amax_t: (amax, amax_t)):
-    """The CUDA kernel of case ``name`` on x in groups ``sizes`` gives the reference's bytes on each sm. The
-    quantize takes ``amaxes`` of the grouped amaxes of x's finite values (from the CUDA kernel, tested on its
-    own), so that NaN and inf reach only their blocks."""
+    """The CUDA kernel of case ``name`` on x in groups ``sizes`` gives the reference's bytes on each sm, and so
+    does the CPU kernel. The quantize takes ``amaxes`` of the grouped amaxes of x's finite values (from the CUDA
+    kernel, tested on its own), so that NaN and inf reach only their blocks."""
     kernel = CASES[name][0]
     operands = (x, sizes)
     if isinstance(kernel, QuantizeSpec):
@@ -112,9 +122,9 @@ def check(name: str, sizes: np.ndarray, x: np.ndarray, sms=SMS, amaxes=lambda am
         amax, amax_t = cuda(AmaxFlags(kernel.rht, kernel.row_scaled))(finite, sizes)
         operands += (*amaxes(np.asarray(amax), np.asarray(amax_t)), SEED, GROUP_SEEDS[: sizes.shape[1]])
     want = reference(kernel)(*operands)
-    for sm in sms:
-        with cuda_host.emulating(sm):
-            got = cuda(kernel)(*operands)
+    for sm, fn in [(sm, cuda(kernel)) for sm in sms] + [(None, cpu(kernel))]:
+        with cuda_host.emulating(sm) if sm else contextlib.nullcontext():
+            got = fn(*operands)
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
             assert_same_bytes(g, w)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from golden_files import GOLDEN_DIR, cases, load, option_cases
@@ -67,19 +64,6 @@ def test_golden(name, impl):
     g, x, options = load(name)
     t = jax.jit(lambda x: IMPLEMENTATIONS[impl].quantize(x, **options))(x)
     _assert_golden(g, options["columnwise"], t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)
-
-
-@pytest.mark.parametrize("name", option_cases())
-def test_golden_row_scaled_and_4over6_reference(name):
-    """Row-scaled and 4over6 files, byte for byte, through the reference's core ops on [1, M, N]."""
-    g, x, options = load(name)
-    row_scaled = options.get("row_scaled", False)
-    amax_core = jax.jit(reference.amax_core, static_argnames=("rht_amax", "per_row"))
-    amaxes = amax_core(x[None], per_row=row_scaled)  # ([1, M], [1, N]) or ([1],)
-    amax, amax_t = amaxes if row_scaled else (amaxes[0], amaxes[0])
-    core = jax.jit(functools.partial(reference.quantize_core, spec=jax_nvfp4.QuantizeSpec(**options)))
-    data, scale, *columnwise = (o[0] for o in core(x[None], amax, amax_t, jnp.zeros(2, jnp.uint32)))
-    _assert_golden(g, options["columnwise"], data, scale, amax[0], *(columnwise or (None, None)), amax_t[0])
 
 
 def test_rht_signs_are_the_golden_ones():
