@@ -49,7 +49,7 @@ from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public API
 from timing import Report, device_name
 
 import jax_nvfp4
-from jax_nvfp4.flax.moe import Routing, buffer_rows, capacity_slots, expert_capacity
+from jax_nvfp4.flax.moe_dispatch import Routing, buffer_rows, capacity_slots, expert_capacity
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DENSE = (((1,), (0,)), ((), ()))
@@ -76,7 +76,7 @@ def group_sizes_for(tokens: int, experts: int, seed: int) -> np.ndarray:
 
 def token_routing(sizes: np.ndarray, seed: int) -> Routing:
     """Top-1 routing of the tokens in token order with those group sizes (each token's expert a random
-    permutation of the sorted assignment), in ``moe.route``'s form."""
+    permutation of the sorted assignment), in ``moe_dispatch.route``'s form."""
     experts = np.random.default_rng(seed + 1).permutation(np.repeat(np.arange(sizes.size), sizes))
     order = np.argsort(experts, kind="stable").astype(np.int32)
     tokens = experts.size

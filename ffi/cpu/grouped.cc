@@ -93,62 +93,30 @@ void grouped_stripe(const typename L::T* x, const GroupedCall& c, const Groups& 
   }
 }
 
-ffi::Error check_groups(const ffi::Buffer<ffi::S32>& sizes, int64_t batch, int64_t& groups) {
-  const auto d = sizes.dimensions();
-  if (d.size() != 2 || d[0] != batch || d[1] < 1)
-    return invalid("group_sizes must be int32 [B, G] with G >= 1");
-  groups = d[1];
-  return ffi::Error::Success();
-}
-
 ffi::Error grouped_quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
                                  ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
                                  ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::U32> group_seeds,
                                  ffi::RemainingRets outs, QuantizeSpec spec) {
-  GroupedCall c{spec,
-                0,
-                0,
-                0,
-                0,
-                0,
-                sizes.typed_data(),
-                amax.typed_data(),
-                amax_t.typed_data(),
-                Seed{},
-                group_seeds.typed_data(),
-                QuantizeOutputs{}};
-  if (!dims3(x, c.batch, c.rows, c.cols))
-    return invalid("grouped quantize expects a [B, M, N] input");
-  if (auto e = spec.validate(); e.failure()) return e;
-  if (!spec.columnwise || spec.block_2d)
-    return invalid("grouped quantize makes a columnwise copy in 1x16 blocks");
-  if (auto e = check_groups(sizes, c.batch, c.groups); e.failure()) return e;
-  c.blocks = num_blocks(c.rows) + c.groups - 1;
-  const int64_t per_row = spec.row_scaled ? c.rows : 1, per_col = spec.row_scaled ? c.cols : 1;
-  if ((spec.rowwise && int64_t(amax.element_count()) != c.batch * per_row) ||
-      int64_t(amax_t.element_count()) != c.batch * c.groups * per_col)
-    return invalid(
-        "grouped quantize amax / amax_t must be [B] / [B, G] ([B, M] / [B, G, N] row-scaled)");
-  if (seed.element_count() != 2 || int64_t(group_seeds.element_count()) != 2 * c.groups)
-    return invalid("grouped quantize seeds must be uint32 [2] and [G, 2]");
-  if (auto e = spec.check_rows(c.rows); e.failure()) return e;
-  c.seed = Seed{seed.typed_data()[0], seed.typed_data()[1]};
-  uint8_t** ptrs[4] = {&c.o.data, &c.o.scale, &c.o.data_t, &c.o.scale_t};
-  const int64_t sizes_of[4] = {c.rows * packed_size(c.cols), c.rows * num_blocks(c.cols),
-                               c.cols * c.blocks * kBlock / 2, c.cols * c.blocks};
-  size_t next = 0;
-  for (int i = spec.rowwise ? 0 : 2; i < 4; ++i) {
-    auto buf = outs.get<ffi::AnyBuffer>(next++);
-    const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
-    if (!buf.has_value() || (*buf)->element_type() != dtype ||
-        int64_t((*buf)->element_count()) != c.batch * sizes_of[i])
-      return invalid("grouped quantize output is missing or has the wrong dtype or size");
-    *ptrs[i] = static_cast<uint8_t*>((*buf)->untyped_data());
-  }
-  if (outs.size() != next) return invalid("grouped quantize has more outputs than copies");
+  GroupedShape s;
+  QuantizeOutputs o;
+  if (auto e = check_grouped_quantize(x, sizes, amax, amax_t, seed, group_seeds, outs, spec, s, o);
+      e.failure())
+    return e;
+  const GroupedCall c{spec,
+                      s.batch,
+                      s.rows,
+                      s.cols,
+                      s.groups,
+                      s.blocks,
+                      sizes.typed_data(),
+                      amax.typed_data(),
+                      amax_t.typed_data(),
+                      Seed{seed.typed_data()[0], seed.typed_data()[1]},
+                      group_seeds.typed_data(),
+                      o};
   // Blocks that no group owns stay zero codes with zero scales.
-  std::memset(c.o.data_t, 0, size_t(c.batch * sizes_of[2]));
-  std::memset(c.o.scale_t, 0, size_t(c.batch * sizes_of[3]));
+  std::memset(c.o.data_t, 0, size_t(c.batch * c.cols * c.blocks * kBlock / 2));
+  std::memset(c.o.scale_t, 0, size_t(c.batch * c.cols * c.blocks));
   std::vector<Groups> groups;
   for (int64_t b = 0; b < c.batch; ++b)
     groups.emplace_back(c.sizes + b * c.groups, c.groups, c.rows);
@@ -211,23 +179,11 @@ void group_column_maxima(const typename L::T* x, int64_t rows, int64_t cols, con
 
 ffi::Error grouped_amax_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes, ffi::RemainingRets outs,
                              bool rht_amax, bool per_row) {
-  int64_t batch = 0, rows = 0, cols = 0, groups = 0;
-  if (!dims3(x, batch, rows, cols)) return invalid("grouped amax expects a [B, M, N] input");
-  if (auto e = check_groups(sizes, batch, groups); e.failure()) return e;
-  if (rht_amax && rows % kBlock != 0)
-    return invalid("grouped amax with rht_amax needs M a multiple of 16");
-  const int64_t counts[2] = {per_row ? batch * rows : batch,
-                             per_row ? batch * groups * cols : batch * groups};
+  GroupedShape s;
   float* ptrs[2] = {nullptr, nullptr};
-  for (size_t i = 0; i < 2; ++i) {
-    auto buf = outs.get<ffi::AnyBuffer>(i);
-    if (!buf.has_value() || (*buf)->element_type() != ffi::DataType::F32 ||
-        int64_t((*buf)->element_count()) != counts[i])
-      return invalid(
-          "grouped amax results must be float32 [B] and [B, G] ([B, M], [B, G, N] per row)");
-    ptrs[i] = static_cast<float*>((*buf)->untyped_data());
-  }
-  if (outs.size() != 2) return invalid("grouped amax has 2 results");
+  if (auto e = check_grouped_amax(x, sizes, outs, rht_amax, per_row, s, ptrs); e.failure())
+    return e;
+  const int64_t batch = s.batch, rows = s.rows, cols = s.cols, groups = s.groups;
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());

@@ -137,18 +137,6 @@ __global__ void __launch_bounds__(kThreads)
   atomicMax(col_bits + b * cols + c, m);
 }
 
-// Turns the max magnitude bits into the amax float in place (a grid-stride loop).
-__global__ void amax_finish(uint32_t* bits, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
-}
-
-ffi::Error finish(cudaStream_t stream, uint32_t* bits, int64_t n) {
-  if (n <= 0) return ffi::Error::Success();
-  return launch<amax_finish>("amax", grid_stride_blocks(n, kThreads), kThreads, 0, stream, bits, n);
-}
-
 ffi::Error per_row_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rht_amax, int64_t batch,
                         int64_t rows, int64_t cols, float* amax, float* amax_t) {
   auto* row_bits = reinterpret_cast<uint32_t*>(amax);
@@ -171,8 +159,8 @@ ffi::Error per_row_amax(cudaStream_t stream, const ffi::AnyBuffer& x, bool rht_a
   });
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
   if (launched.failure()) return launched;
-  if (auto e = finish(stream, row_bits, batch * rows); e.failure()) return e;
-  return finish(stream, col_bits, batch * cols);
+  if (auto e = finish_amax("amax", stream, row_bits, batch * rows); e.failure()) return e;
+  return finish_amax("amax", stream, col_bits, batch * cols);
 }
 
 ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax,
@@ -220,8 +208,8 @@ ffi::Error amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets o
   });
   if (!ok) return invalid("amax input must be bfloat16, float16 or float32");
   if (launched.failure()) return launched;
-  if (auto e = finish(stream, bits, batch); e.failure()) return e;
-  return rht_amax ? finish(stream, bits_rht, batch) : ffi::Error::Success();
+  if (auto e = finish_amax("amax", stream, bits, batch); e.failure()) return e;
+  return rht_amax ? finish_amax("amax", stream, bits_rht, batch) : ffi::Error::Success();
 }
 
 }  // namespace

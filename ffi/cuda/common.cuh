@@ -123,4 +123,22 @@ __device__ __forceinline__ float magnitude_value(uint32_t m) {
     return fabsf(bits_float(m));
 }
 
+// ---- amaxes accumulated as magnitude bits (atomicMax on the float's bits) ----
+
+// Turns the magnitude bits into the amax floats in place, NaN canonical (a grid-stride loop). A
+// template, so that each file that launches it has its own instance.
+template <int = 0>
+__global__ void amax_from_bits_kernel(uint32_t* bits, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
+}
+
+inline ffi::Error finish_amax(const char* op, cudaStream_t stream, uint32_t* bits, int64_t n) {
+  constexpr int kFinishThreads = 256;
+  if (n <= 0) return ffi::Error::Success();
+  return launch<amax_from_bits_kernel<>>(op, grid_stride_blocks(n, kFinishThreads), kFinishThreads,
+                                         0, stream, bits, n);
+}
+
 }  // namespace nvfp4::cuda

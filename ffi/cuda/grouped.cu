@@ -199,19 +199,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Turns magnitude bits into the amax float in place, NaN canonical (a grid-stride loop).
-__global__ void amax_finish(uint32_t* bits, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    reinterpret_cast<float*>(bits)[i] = amax_from_bits(bits[i]);
-}
-
-ffi::Error finish(cudaStream_t stream, uint32_t* bits, int64_t n) {
-  if (n <= 0) return ffi::Error::Success();
-  return launch<amax_finish>("grouped amax", grid_stride_blocks(n, kThreads), kThreads, 0, stream,
-                             bits, n);
-}
-
 // The column chunks of a grid over `blocks` layout blocks of `tiles` column tiles each: enough
 // CUDA blocks to fill the GPU, a chunk at least a tile.
 template <typename Kernel>
@@ -220,41 +207,26 @@ unsigned column_chunks(Kernel* kernel, int64_t blocks, int64_t tiles) {
   return unsigned(std::clamp<int64_t>(want, 1, std::min<int64_t>(tiles, 65535)));
 }
 
-// Checks group_sizes int32 [B, G], G >= 1, and the sizes the kernels index with 32-bit grids.
-ffi::Error check_groups(const ffi::Buffer<ffi::S32>& sizes, int64_t batch, int64_t rows,
-                        int64_t cols, int64_t& groups, int64_t& blocks) {
-  const auto d = sizes.dimensions();
-  if (d.size() != 2 || d[0] != batch || d[1] < 1)
-    return invalid("group_sizes must be int32 [B, G] with G >= 1");
-  groups = d[1];
-  blocks = num_blocks(rows) + groups - 1;
-  if (rows > INT32_MAX - kBlock || cols > INT32_MAX || groups > INT32_MAX / 2 ||
-      batch * blocks > INT32_MAX)
+// The sizes the kernels index with 32-bit grids.
+ffi::Error check_launch_size(const GroupedShape& s) {
+  if (s.rows > INT32_MAX - kBlock || s.cols > INT32_MAX || s.groups > INT32_MAX / 2 ||
+      s.batch * s.blocks > INT32_MAX)
     return invalid("grouped input is too large for one launch");
   return ffi::Error::Success();
 }
 
 ffi::Error grouped_amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
                              ffi::RemainingRets outs, bool rht_amax, bool per_row) {
-  int64_t batch = 0, rows = 0, cols = 0, groups = 0, blocks = 0;
-  if (!dims3(x, batch, rows, cols)) return invalid("grouped amax expects a [B, M, N] input");
-  if (auto e = check_groups(sizes, batch, rows, cols, groups, blocks); e.failure()) return e;
-  // As the quantize's transform and the CPU kernel (the reference's grouped layout would allow any
-  // M).
-  if (rht_amax && rows % kBlock != 0)
-    return invalid("grouped amax with rht_amax needs M a multiple of 16");
-  if (outs.size() != 2) return invalid("grouped amax has 2 results");
+  GroupedShape s;
+  float* results[2] = {nullptr, nullptr};
+  if (auto e = check_grouped_amax(x, sizes, outs, rht_amax, per_row, s, results); e.failure())
+    return e;
+  if (auto e = check_launch_size(s); e.failure()) return e;
+  const int64_t batch = s.batch, rows = s.rows, cols = s.cols, groups = s.groups, blocks = s.blocks;
   const int64_t counts[2] = {per_row ? batch * rows : batch,
                              per_row ? batch * groups * cols : batch * groups};
-  uint32_t* bits[2] = {nullptr, nullptr};
-  for (size_t i = 0; i < 2; ++i) {
-    auto buf = outs.get<ffi::AnyBuffer>(i);
-    if (!buf.has_value() || (*buf)->element_type() != ffi::DataType::F32 ||
-        int64_t((*buf)->element_count()) != counts[i])
-      return invalid(
-          "grouped amax results must be float32 [B] and [B, G] ([B, M] and [B, G, N] per row)");
-    bits[i] = static_cast<uint32_t*>((*buf)->untyped_data());
-  }
+  uint32_t* bits[2] = {reinterpret_cast<uint32_t*>(results[0]),
+                       reinterpret_cast<uint32_t*>(results[1])};
   for (int i = 0; i < 2; ++i)
     if (auto e = zero(bits[i], counts[i] * int64_t(sizeof(uint32_t)), stream); e.failure())
       return e;
@@ -272,8 +244,8 @@ ffi::Error grouped_amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   });
   if (!ok) return invalid("grouped amax input must be bfloat16, float16 or float32");
   if (launched.failure()) return launched;
-  if (auto e = finish(stream, bits[0], counts[0]); e.failure()) return e;
-  return finish(stream, bits[1], counts[1]);
+  if (auto e = finish_amax("grouped amax", stream, bits[0], counts[0]); e.failure()) return e;
+  return finish_amax("grouped amax", stream, bits[1], counts[1]);
 }
 
 // ---- grouped quantize ----
@@ -437,34 +409,13 @@ ffi::Error grouped_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buf
                                  ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
                                  ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::U32> group_seeds,
                                  ffi::RemainingRets outs, QuantizeSpec spec) {
-  int64_t batch = 0, rows = 0, cols = 0, groups = 0, blocks = 0;
-  if (!dims3(x, batch, rows, cols)) return invalid("grouped quantize expects a [B, M, N] input");
-  if (auto e = spec.validate(); e.failure()) return e;
-  if (!spec.columnwise || spec.block_2d)
-    return invalid("grouped quantize makes a columnwise copy in 1x16 blocks");
-  if (auto e = check_groups(sizes, batch, rows, cols, groups, blocks); e.failure()) return e;
-  const int64_t per_row = spec.row_scaled ? rows : 1, per_col = spec.row_scaled ? cols : 1;
-  if ((spec.rowwise && int64_t(amax.element_count()) != batch * per_row) ||
-      int64_t(amax_t.element_count()) != batch * groups * per_col)
-    return invalid(
-        "grouped quantize amax / amax_t must be [B] / [B, G] ([B, M] / [B, G, N] row-scaled)");
-  if (seed.element_count() != 2 || int64_t(group_seeds.element_count()) != 2 * groups)
-    return invalid("grouped quantize seeds must be uint32 [2] and [G, 2]");
-  if (auto e = spec.check_rows(rows); e.failure()) return e;
-  QuantizeOutputs o{nullptr, nullptr, nullptr, nullptr};
-  uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
-  const int64_t counts[4] = {rows * packed_size(cols), rows * num_blocks(cols),
-                             cols * blocks * (kBlock / 2), cols * blocks};
-  size_t next = 0;
-  for (int i = spec.rowwise ? 0 : 2; i < 4; ++i) {
-    auto buf = outs.get<ffi::AnyBuffer>(next++);
-    const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
-    if (!buf.has_value() || (*buf)->element_type() != dtype ||
-        int64_t((*buf)->element_count()) != batch * counts[i])
-      return invalid("grouped quantize output is missing or has the wrong dtype or size");
-    *ptrs[i] = static_cast<uint8_t*>((*buf)->untyped_data());
-  }
-  if (outs.size() != next) return invalid("grouped quantize has more outputs than copies");
+  GroupedShape s;
+  QuantizeOutputs o;
+  if (auto e = check_grouped_quantize(x, sizes, amax, amax_t, seed, group_seeds, outs, spec, s, o);
+      e.failure())
+    return e;
+  if (auto e = check_launch_size(s); e.failure()) return e;
+  const int64_t batch = s.batch, rows = s.rows, cols = s.cols, groups = s.groups, blocks = s.blocks;
   const Params p{sizes.typed_data(),
                  amax.typed_data(),
                  amax_t.typed_data(),

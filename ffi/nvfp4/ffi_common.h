@@ -191,6 +191,86 @@ inline ffi::Error check_amax(const ffi::AnyBuffer& x, ffi::RemainingRets& outs, 
   return ffi::Error::Success();
 }
 
+// The shape of a grouped op: x [B, M, N] in G groups of token rows, whose columnwise copy has
+// P = ceil(M/16) + G - 1 blocks of 16 rows (jax_nvfp4/_reference_grouped.py).
+struct GroupedShape {
+  int64_t batch = 0, rows = 0, cols = 0, groups = 0, blocks = 0;
+};
+
+// Checks a grouped op's [B, M, N] input and group_sizes int32 [B, G], G >= 1; fills `s`.
+inline ffi::Error check_grouped_input(const char* op, const ffi::AnyBuffer& x,
+                                      const ffi::Buffer<ffi::S32>& sizes, GroupedShape& s) {
+  if (!dims3(x, s.batch, s.rows, s.cols))
+    return invalid(std::string(op) + " expects a [B, M, N] input");
+  const auto d = sizes.dimensions();
+  if (d.size() != 2 || d[0] != s.batch || d[1] < 1)
+    return invalid("group_sizes must be int32 [B, G] with G >= 1");
+  s.groups = d[1];
+  s.blocks = num_blocks(s.rows) + s.groups - 1;
+  return ffi::Error::Success();
+}
+
+// Checks the grouped amax's operands and its 2 results, float32 [B] and [B, G] ([B, M] and
+// [B, G, N] per row); fills `s` and the result pointers.
+inline ffi::Error check_grouped_amax(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& sizes,
+                                     ffi::RemainingRets& outs, bool rht_amax, bool per_row,
+                                     GroupedShape& s, float* (&results)[2]) {
+  if (auto e = check_grouped_input("grouped amax", x, sizes, s); e.failure()) return e;
+  // As the quantize's transform (the reference's grouped layout would allow any M).
+  if (rht_amax && s.rows % kBlock != 0)
+    return invalid("grouped amax with rht_amax needs M a multiple of 16");
+  if (outs.size() != 2) return invalid("grouped amax has 2 results");
+  const int64_t counts[2] = {per_row ? s.batch * s.rows : s.batch,
+                             per_row ? s.batch * s.groups * s.cols : s.batch * s.groups};
+  for (size_t i = 0; i < 2; ++i) {
+    auto buf = outs.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value() || (*buf)->element_type() != ffi::DataType::F32 ||
+        int64_t((*buf)->element_count()) != counts[i])
+      return invalid(
+          "grouped amax results must be float32 [B] and [B, G] ([B, M] and [B, G, N] per row)");
+    results[i] = static_cast<float*>((*buf)->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+// Checks the grouped quantize's operands: the spec (a columnwise 1x16 copy), amax [B] and amax_t
+// [B, G] ([B, M] and [B, G, N] row-scaled), the seeds uint32 [2] and [G, 2], and each output (the
+// rowwise data and scale if requested, then the grouped copy's, [B, N, 8P] and [B, N, P]); fills
+// `s` and `o`.
+inline ffi::Error check_grouped_quantize(
+    const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& sizes, const ffi::Buffer<ffi::F32>& amax,
+    const ffi::Buffer<ffi::F32>& amax_t, const ffi::Buffer<ffi::U32>& seed,
+    const ffi::Buffer<ffi::U32>& group_seeds, ffi::RemainingRets& outs, const QuantizeSpec& spec,
+    GroupedShape& s, QuantizeOutputs& o) {
+  if (auto e = check_grouped_input("grouped quantize", x, sizes, s); e.failure()) return e;
+  if (auto e = spec.validate(); e.failure()) return e;
+  if (!spec.columnwise || spec.block_2d)
+    return invalid("grouped quantize makes a columnwise copy in 1x16 blocks");
+  const int64_t per_row = spec.row_scaled ? s.rows : 1, per_col = spec.row_scaled ? s.cols : 1;
+  if ((spec.rowwise && int64_t(amax.element_count()) != s.batch * per_row) ||
+      int64_t(amax_t.element_count()) != s.batch * s.groups * per_col)
+    return invalid(
+        "grouped quantize amax / amax_t must be [B] / [B, G] ([B, M] / [B, G, N] row-scaled)");
+  if (seed.element_count() != 2 || int64_t(group_seeds.element_count()) != 2 * s.groups)
+    return invalid("grouped quantize seeds must be uint32 [2] and [G, 2]");
+  if (auto e = spec.check_rows(s.rows); e.failure()) return e;
+  o = QuantizeOutputs{nullptr, nullptr, nullptr, nullptr};
+  uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
+  const int64_t counts[4] = {s.rows * packed_size(s.cols), s.rows * num_blocks(s.cols),
+                             s.cols * s.blocks * (kBlock / 2), s.cols * s.blocks};
+  size_t next = 0;
+  for (int i = spec.rowwise ? 0 : 2; i < 4; ++i) {
+    auto buf = outs.get<ffi::AnyBuffer>(next++);
+    const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
+    if (!buf.has_value() || (*buf)->element_type() != dtype ||
+        int64_t((*buf)->element_count()) != s.batch * counts[i])
+      return invalid("grouped quantize output is missing or has the wrong dtype or size");
+    *ptrs[i] = static_cast<uint8_t*>((*buf)->untyped_data());
+  }
+  if (outs.size() != next) return invalid("grouped quantize has more outputs than copies");
+  return ffi::Error::Success();
+}
+
 // Checks dequantize's operands against its [B, M, N] output and the spec, and
 // unpacks the dims; `per_row` is set when amax is [B, M] (one per row), not [B].
 inline ffi::Error check_dequantize(const ffi::Buffer<ffi::U8>& data, const ffi::AnyBuffer& scale,

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_nvfp4.flax.moe import Dispatch, check_dispatch, check_expert_axis, like, mixture, route, tokens_of
+from jax_nvfp4.flax.expert_parallel import expert_parallel_mlp
+from jax_nvfp4.flax.moe_dispatch import Dispatch, check_dispatch, check_expert_axis, like, mixture, route, tokens_of
 from jax_nvfp4.flax.nnx import _DEFAULT_RECIPE, _NVFP4Op
 from jax_nvfp4.recipe import Recipe
 
@@ -100,8 +101,6 @@ class MoEMLP(nnx.Module):
         return like(y.astype(self.dtype), x)
 
     def _expert_parallel(self, x: jax.Array) -> jax.Array:
-        from jax_nvfp4.flax.expert_parallel import expert_parallel_mlp  # (it imports jax_nvfp4.flax.moe)
-
         tokens = x.reshape(-1, x.shape[-1])
         keys = (None, None) if self.keys is None else tuple(self.keys.next_key() for _ in range(2))
         y, dropped, balance = expert_parallel_mlp(
