@@ -25,7 +25,7 @@ def _gpu_plugin_installed() -> bool:
 _add_xla_flag("xla_force_host_platform_device_count", 8)
 # On the CPU, compiling is most of the suite's time (the reference is bit-level integer emulation, thousands
 # of ops a quantize), and LLVM's optimization of the compiled code is a large share of it: the suite turns it
-# off, about a third less time in all. The results checked do not depend on it (the reference computes in
+# off, about a quarter less time in all. The results checked do not depend on it (the reference computes in
 # integers, the kernels are our C++, the GEMMs library calls), and the suite passes at XLA's default too:
 # XLA_FLAGS=--xla_backend_optimization_level=3 pytest. GPU runs keep the default.
 if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and not _gpu_plugin_installed():
