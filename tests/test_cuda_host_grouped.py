@@ -86,17 +86,12 @@ def reference(kernel):
 
 
 @functools.cache
-def cuda(kernel):
+def jitted(api, kernel):
+    """``kernel`` of ``api``: ``cuda_host`` (the CUDA kernels) or ``cpu_ops`` (the CPU kernels), which take the
+    same operands."""
     if isinstance(kernel, QuantizeSpec):
-        return jax.jit(functools.partial(cuda_host.grouped_quantize, spec=kernel))
-    return jax.jit(functools.partial(cuda_host.grouped_amax, **kernel._asdict()))
-
-
-@functools.cache
-def cpu(kernel):
-    if isinstance(kernel, QuantizeSpec):
-        return jax.jit(functools.partial(cpu_ops.grouped_quantize, spec=kernel))
-    return jax.jit(functools.partial(cpu_ops.grouped_amax, **kernel._asdict()))
+        return jax.jit(functools.partial(api.grouped_quantize, spec=kernel))
+    return jax.jit(functools.partial(api.grouped_amax, **kernel._asdict()))
 
 
 def values(shape, dtype, rng: np.random.Generator, sizes: np.ndarray) -> np.ndarray:
@@ -119,10 +114,10 @@ def check(name: str, sizes: np.ndarray, x: np.ndarray, sms=SMS, amaxes=lambda am
     operands = (x, sizes)
     if isinstance(kernel, QuantizeSpec):
         finite = np.where(np.isfinite(x), x, 0).astype(x.dtype)
-        amax, amax_t = cuda(AmaxFlags(kernel.rht, kernel.row_scaled))(finite, sizes)
+        amax, amax_t = jitted(cuda_host, AmaxFlags(kernel.rht, kernel.row_scaled))(finite, sizes)
         operands += (*amaxes(np.asarray(amax), np.asarray(amax_t)), SEED, GROUP_SEEDS[: sizes.shape[1]])
     want = reference(kernel)(*operands)
-    for sm, fn in [(sm, cuda(kernel)) for sm in sms] + [(None, cpu(kernel))]:
+    for sm, fn in [(sm, jitted(cuda_host, kernel)) for sm in sms] + [(None, jitted(cpu_ops, kernel))]:
         with cuda_host.emulating(sm) if sm else contextlib.nullcontext():
             got = fn(*operands)
         assert len(got) == len(want)

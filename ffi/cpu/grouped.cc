@@ -115,8 +115,8 @@ ffi::Error grouped_quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
                       group_seeds.typed_data(),
                       o};
   // Blocks that no group owns stay zero codes with zero scales.
-  std::memset(c.o.data_t, 0, size_t(c.batch * c.cols * c.blocks * kBlock / 2));
-  std::memset(c.o.scale_t, 0, size_t(c.batch * c.cols * c.blocks));
+  std::memset(c.o.data_t, 0, size_t(s.grouped_data_count()));
+  std::memset(c.o.scale_t, 0, size_t(s.grouped_scale_count()));
   std::vector<Groups> groups;
   for (int64_t b = 0; b < c.batch; ++b)
     groups.emplace_back(c.sizes + b * c.groups, c.groups, c.rows);

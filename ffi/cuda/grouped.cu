@@ -223,8 +223,7 @@ ffi::Error grouped_amax_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
     return e;
   if (auto e = check_launch_size(s); e.failure()) return e;
   const int64_t batch = s.batch, rows = s.rows, cols = s.cols, groups = s.groups, blocks = s.blocks;
-  const int64_t counts[2] = {per_row ? batch * rows : batch,
-                             per_row ? batch * groups * cols : batch * groups};
+  const int64_t counts[2] = {s.amax_count(per_row), s.group_amax_count(per_row)};
   uint32_t* bits[2] = {reinterpret_cast<uint32_t*>(results[0]),
                        reinterpret_cast<uint32_t*>(results[1])};
   for (int i = 0; i < 2; ++i)

@@ -195,6 +195,15 @@ inline ffi::Error check_amax(const ffi::AnyBuffer& x, ffi::RemainingRets& outs, 
 // P = ceil(M/16) + G - 1 blocks of 16 rows (jax_nvfp4/_reference_grouped.py).
 struct GroupedShape {
   int64_t batch = 0, rows = 0, cols = 0, groups = 0, blocks = 0;
+
+  // Element counts, whole batch: the grouped amax's two results, and the grouped copy's scales
+  // [B, N, P] and data [B, N, 8P].
+  int64_t amax_count(bool per_row) const { return per_row ? batch * rows : batch; }
+  int64_t group_amax_count(bool per_row) const {
+    return per_row ? batch * groups * cols : batch * groups;
+  }
+  int64_t grouped_scale_count() const { return batch * cols * blocks; }
+  int64_t grouped_data_count() const { return grouped_scale_count() * (kBlock / 2); }
 };
 
 // Checks a grouped op's [B, M, N] input and group_sizes int32 [B, G], G >= 1; fills `s`.
@@ -220,8 +229,7 @@ inline ffi::Error check_grouped_amax(const ffi::AnyBuffer& x, const ffi::Buffer<
   if (rht_amax && s.rows % kBlock != 0)
     return invalid("grouped amax with rht_amax needs M a multiple of 16");
   if (outs.size() != 2) return invalid("grouped amax has 2 results");
-  const int64_t counts[2] = {per_row ? s.batch * s.rows : s.batch,
-                             per_row ? s.batch * s.groups * s.cols : s.batch * s.groups};
+  const int64_t counts[2] = {s.amax_count(per_row), s.group_amax_count(per_row)};
   for (size_t i = 0; i < 2; ++i) {
     auto buf = outs.get<ffi::AnyBuffer>(i);
     if (!buf.has_value() || (*buf)->element_type() != ffi::DataType::F32 ||
@@ -256,14 +264,15 @@ inline ffi::Error check_grouped_quantize(
   if (auto e = spec.check_rows(s.rows); e.failure()) return e;
   o = QuantizeOutputs{nullptr, nullptr, nullptr, nullptr};
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
-  const int64_t counts[4] = {s.rows * packed_size(s.cols), s.rows * num_blocks(s.cols),
-                             s.cols * s.blocks * (kBlock / 2), s.cols * s.blocks};
+  const int64_t counts[4] = {s.batch * s.rows * packed_size(s.cols),
+                             s.batch * s.rows * num_blocks(s.cols), s.grouped_data_count(),
+                             s.grouped_scale_count()};
   size_t next = 0;
   for (int i = spec.rowwise ? 0 : 2; i < 4; ++i) {
     auto buf = outs.get<ffi::AnyBuffer>(next++);
     const auto dtype = i % 2 ? ffi::DataType::F8E4M3FN : ffi::DataType::U8;
     if (!buf.has_value() || (*buf)->element_type() != dtype ||
-        int64_t((*buf)->element_count()) != s.batch * counts[i])
+        int64_t((*buf)->element_count()) != counts[i])
       return invalid("grouped quantize output is missing or has the wrong dtype or size");
     *ptrs[i] = static_cast<uint8_t*>((*buf)->untyped_data());
   }
