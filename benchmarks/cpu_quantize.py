@@ -40,7 +40,7 @@ def main() -> None:
     cases = {
         "quantize 1x16, rowwise+columnwise": (lambda m, x: m.quantize(x, columnwise=True), x),
         "... + RHT": (lambda m, x: m.quantize(x, columnwise=True, rht=True), x),
-        "... + RHT, amax estimated": (lambda m, x: m.quantize(x, columnwise=True, rht=True, rht_amax_estimate=2.0), x),
+        "... + RHT, amax estimated": (lambda m, x: m.quantize(x, columnwise=True, rht=True, rht_amax_factor=2.0), x),
         "... + stochastic rounding": (lambda m, x: m.quantize(x, columnwise=True, rng_key=key), x),
         "... + RHT + stochastic rounding": (
             lambda m, x: m.quantize(x, columnwise=True, rht=True, rng_key=key),

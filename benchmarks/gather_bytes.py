@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from timing import Report, device_name  # noqa: E402
 
-from jax_nvfp4.testing import collectives  # noqa: E402
+from jax_nvfp4.sharding.hlo import collectives  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import train_lm  # noqa: E402

@@ -35,7 +35,7 @@ from timing import Report, device_name, median_seconds
 
 import jax_nvfp4
 from jax_nvfp4 import reference
-from jax_nvfp4.formats import num_blocks, packed_size
+from jax_nvfp4.core.formats import num_blocks, packed_size
 
 
 def output_bytes(m: int, n: int, rowwise: bool, columnwise: bool) -> int:
@@ -108,7 +108,7 @@ def main() -> None:
     q = functools.partial(jax_nvfp4.quantize, columnwise=True)
     variants = (  # (x, key) -> quantized; the key is an argument, not a constant folded into the program
         lambda x, k: q(x, rht=True),
-        lambda x, k: q(x, rht=True, rht_amax_estimate=2.0),
+        lambda x, k: q(x, rht=True, rht_amax_factor=2.0),
         lambda x, k: q(x, rng_key=k),
         lambda x, k: q(x, rht=True, rng_key=k),
     )

@@ -49,7 +49,7 @@ from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public API
 from timing import Report, device_name
 
 import jax_nvfp4
-from jax_nvfp4.flax.moe_dispatch import Routing, buffer_rows, capacity_slots, expert_capacity
+from jax_nvfp4.moe.dispatch import Routing, buffer_rows, capacity_slots, expert_capacity
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DENSE = (((1,), (0,)), ((), ()))

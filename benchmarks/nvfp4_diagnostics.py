@@ -1,7 +1,7 @@
 """Which tensors NVFP4 holds worst while the example trains: the diagnostics of every layer's x, W and dy.
 
 Trains the example's model (``examples/train_lm.py``, a recipe of its ``--runs``; default the full recipe)
-and at each evaluation collects ``jax_nvfp4.flax.diagnostics.collect_stats`` on that step's batch: per layer
+and at each evaluation collects ``jax_nvfp4.flax.linen.diagnostics.collect_stats`` on that step's batch: per layer
 and operand the relative quantization error, the share of blocks whose E4M3 scale underflows or saturates,
 the amax, and the share of nonzero values that quantize to zero. Writes a markdown report (the evolution of
 each operand's statistics over training, the last evaluation's worst layers, the full last table) and a plot.
@@ -25,7 +25,7 @@ import optax
 from timing import Report, device_name
 
 import jax_nvfp4
-from jax_nvfp4.flax import diagnostics
+from jax_nvfp4.flax.linen import diagnostics
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import train_lm
@@ -103,7 +103,7 @@ def main() -> None:
             f"{datetime.date.today()}, jax {jax.__version__}, `{cmd}`: the example's model (d_model {args.d_model}, "
             f"{args.layers} blocks) trained with `{args.run}` ({train_lm.describe(args.run, args)}; final val loss "
             f"{result['final_val_loss']:.4f}, seed {args.seed}). At each evaluation, on that step's batch "
-            f"({args.batch}x{args.seq_len} tokens), `jax_nvfp4.flax.diagnostics.collect_stats` quantizes every "
+            f"({args.batch}x{args.seq_len} tokens), `jax_nvfp4.flax.linen.diagnostics.collect_stats` quantizes every "
             "NVFP4 layer's x (1x16 blocks), W (16x16) and dy (1x16, stochastic rounding with a fixed key), each "
             "as the forward or dgrad GEMM sees it. rel. error: ||q(t) - t|| / ||t||; zero: share of nonzero "
             "values that quantize to 0; underflow: share of blocks whose E4M3 scale rounds to 0; saturated: "

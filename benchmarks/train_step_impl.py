@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from timing import Report, device_name, median_seconds
 
-from jax_nvfp4.gemm_impl import resolve_impl
+from jax_nvfp4.linear.block_sum import resolve_impl
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import train_lm

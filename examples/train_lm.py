@@ -67,8 +67,8 @@ from jax.sharding import PartitionSpec as P
 import jax_nvfp4
 from jax_nvfp4 import checkpoint
 from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, keep_ends, quantize_model
-from jax_nvfp4.flax.linen import quantize_params
-from jax_nvfp4.flax.moe import MoEMLP
+from jax_nvfp4.flax.linen.layers import quantize_params
+from jax_nvfp4.flax.linen.moe import MoEMLP
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -102,7 +102,7 @@ RECIPES = {
     "full": jax_nvfp4.Recipe(),
     "full-est": jax_nvfp4.Recipe(rht_amax_estimate=True),
     # 4over6 on every operand (MSE, block scales aimed at E4M3 256); round to nearest, as 4over6 of dy needs.
-    "4o6": jax_nvfp4.Recipe(rht=False, stochastic_rounding=False, four_over_six="all"),
+    "4o6": jax_nvfp4.Recipe(rht=False, stochastic_rounding=False, four_over_six=jax_nvfp4.FourOverSix("all")),
     # Per-token global scales for the activations and the gradients (one float32 amax per row of x and of dy).
     "per-token": jax_nvfp4.Recipe(
         rht=False, stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True
@@ -562,11 +562,11 @@ def describe(run: str, args: argparse.Namespace) -> str:
         parts.append("RHT" + (" (amax estimated)" if recipe.rht_amax_estimate else ""))
     if recipe.stochastic_rounding:
         parts.append("SR")
-    if recipe.four_over_six != "none":
-        operands = {"weights": "W", "activations": "x", "all": "x, W, dy"}[recipe.four_over_six]
+    if (fos := recipe.four_over_six) is not None:
+        operands = {"weights": "W", "activations": "x", "all": "x, W, dy"}[fos.operands]
         parts.append(
-            f"4over6 ({operands}; {recipe.four_over_six_error.upper()}, E4M3 max {recipe.e4m3_max}"
-            + (", fast math" if recipe.four_over_six_fast_math else "")
+            f"4over6 ({operands}; {fos.error.upper()}, E4M3 max {fos.e4m3_max}"
+            + (", fast math" if fos.fast_math else "")
             + ")"
         )
     rows = [name for name, on in (("x", recipe.row_scaled_activations), ("dy", recipe.row_scaled_gradients)) if on]

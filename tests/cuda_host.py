@@ -17,8 +17,8 @@ import os
 import jax
 import pytest
 
-from jax_nvfp4 import _frontend
-from jax_nvfp4._backend import Backend, amax_on_rows, quantize_on_rows
+from jax_nvfp4.core import pipeline
+from jax_nvfp4.core.backend import Backend, amax_on_rows, quantize_on_rows
 from jax_nvfp4.ops import amax as amax_op
 from jax_nvfp4.ops import dequantize as dequantize_op
 from jax_nvfp4.ops import grouped as grouped_op
@@ -58,7 +58,7 @@ def _call(target: str, results, *operands, **attrs):
 
 def _amax(x, **params) -> tuple:
     def bind(x3, **params):
-        results = amax_op._abstract(x3, **params)
+        results = amax_op.abstract(x3, **params)
         return _call("nvfp4_amax", results, x3, **amax_op.amax_p.ffi_attrs(**params))
 
     return amax_on_rows(bind)(x, **params)
@@ -66,37 +66,37 @@ def _amax(x, **params) -> tuple:
 
 def _quantize(x, amax, amax_t, seed, *, spec) -> tuple:
     def bind(x3, amax, amax_t, seed, *, spec):
-        results = quantize_op._abstract(x3, amax, amax_t, seed, spec=spec)
+        results = quantize_op.abstract(x3, amax, amax_t, seed, spec=spec)
         return _call("nvfp4_quantize", results, x3, amax, amax_t, seed, **spec.kernel_attrs())
 
     return quantize_on_rows(bind)(x, amax, amax_t, seed, spec=spec)
 
 
 def _dequantize(data, scale, amax, **params):
-    results = dequantize_op._abstract(data, scale, amax, **params)
+    results = dequantize_op.abstract(data, scale, amax, **params)
     return _call("nvfp4_dequantize", results, data, scale, amax, **dequantize_op.dequantize_p.ffi_attrs(**params))[0]
 
 
 def grouped_amax(x, group_sizes, *, rht_amax: bool = False, per_row: bool = False) -> tuple:
     """The CUDA kernel of ``ops.grouped.grouped_amax``: (amax, amax_t) of x [B, M, N] in groups [B, G]."""
     params = dict(rht_amax=rht_amax, per_row=per_row)
-    results = grouped_op._amax_abstract(x, group_sizes, **params)
+    results = grouped_op.amax_abstract(x, group_sizes, **params)
     return tuple(_call("nvfp4_grouped_amax", results, x, group_sizes, **grouped_op.grouped_amax_p.ffi_attrs(**params)))
 
 
 def grouped_quantize(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec) -> tuple:
     """The CUDA kernel of ``ops.grouped.grouped_quantize``: the rowwise copy (if ``spec.rowwise``), the grouped one."""
     operands = (x, group_sizes, amax, amax_t, seed, group_seeds)
-    results = grouped_op._quantize_abstract(*operands, spec=spec)
+    results = grouped_op.quantize_abstract(*operands, spec=spec)
     return tuple(
         _call("nvfp4_grouped_quantize", results, *operands, **grouped_op.grouped_quantize_p.ffi_attrs(spec=spec))
     )
 
 
 BACKEND = Backend(amax=_amax, quantize=_quantize, dequantize=_dequantize)
-amax = _frontend.amax_fn(BACKEND)
-quantize = _frontend.quantize_fn(BACKEND)
-dequantize = _frontend.dequantize_fn(BACKEND)
+amax = pipeline.amax_fn(BACKEND)
+quantize = pipeline.quantize_fn(BACKEND)
+dequantize = pipeline.dequantize_fn(BACKEND)
 
 
 @contextlib.contextmanager

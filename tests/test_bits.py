@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_nvfp4 import _bits
 from jax_nvfp4 import reference as ref
+from jax_nvfp4.core import bits
 
 EDGE_BITS = np.array(
     [0, 0x80000000, 1, 0x80000001, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
@@ -46,7 +46,7 @@ def test_mul_matches_ieee(seed_a, seed_b):
     a, b = _random_bits(seed_a), _random_bits(seed_b)
     with np.errstate(all="ignore"):
         want = (a.view(np.float32) * b.view(np.float32)).view(np.uint32)
-    _same_float_bits(np.asarray(jax.jit(_bits.mul)(a, b)), want)
+    _same_float_bits(np.asarray(jax.jit(bits.mul)(a, b)), want)
 
 
 @given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
@@ -54,7 +54,7 @@ def test_div_matches_ieee(seed_a, seed_b):
     a, b = _random_bits(seed_a), _random_bits(seed_b)
     with np.errstate(all="ignore"):
         want = (a.view(np.float32) / b.view(np.float32)).view(np.uint32)
-    _same_float_bits(np.asarray(jax.jit(_bits.div)(a, b)), want)
+    _same_float_bits(np.asarray(jax.jit(bits.div)(a, b)), want)
 
 
 @given(st.integers(0, 2**32 - 1))
@@ -64,8 +64,8 @@ def test_output_conversions_match_numpy(seed):
     with np.errstate(all="ignore"):
         want_bf16 = f.astype(ml_dtypes.bfloat16).view(np.uint16)
         want_f16 = f.astype(np.float16).view(np.uint16)
-    got_bf16 = np.asarray(jax.jit(_bits.f32_to_bf16)(u)).view(np.uint16)
-    got_f16 = np.asarray(jax.jit(_bits.f32_to_f16)(u)).view(np.uint16)
+    got_bf16 = np.asarray(jax.jit(bits.f32_to_bf16)(u)).view(np.uint16)
+    got_f16 = np.asarray(jax.jit(bits.f32_to_f16)(u)).view(np.uint16)
     nan = np.isnan(f)
     np.testing.assert_array_equal(got_bf16[~nan], want_bf16[~nan])
     np.testing.assert_array_equal(got_f16[~nan], want_f16[~nan])
@@ -76,7 +76,7 @@ def test_input_bits_keep_subnormals():
     x = np.array([1e-39, -1e-40, 3e-45, 1.0], np.float32)
     for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
         xs = x.astype(dtype)
-        got = np.asarray(jax.jit(_bits.to_bits)(xs))
+        got = np.asarray(jax.jit(bits.to_bits)(xs))
         np.testing.assert_array_equal(got, xs.astype(np.float32).view(np.uint32))
 
 

@@ -6,20 +6,20 @@ import os
 
 import pytest
 
-from jax_nvfp4 import _ffi
+from jax_nvfp4.ops import ffi
 
 TARGETS = {"nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_grouped_amax", "nvfp4_grouped_quantize"}
 
 
 def test_cpu_kernels_are_registered():
     for target in TARGETS:
-        assert "cpu" in _ffi.platforms_with(target)
+        assert "cpu" in ffi.platforms_with(target)
 
 
 @pytest.mark.skipif(os.environ.get("NVFP4_EXPECT_CUDA_MODULE") != "1", reason="set where nvcc is on PATH (.ci/run)")
 def test_cuda_module_was_built():
     # CI sets NVFP4_CUDA=ON wherever nvcc exists: the CUDA sources must compile.
-    assert _ffi.cuda_module_built()
+    assert ffi.cuda_module_built()
 
 
 @pytest.mark.skipif(os.environ.get("NVFP4_EXPECT_CUDA_HOST_MODULE") != "1", reason="set by .ci/run and .ci/sanitize")
@@ -51,7 +51,7 @@ def test_platforms_without_a_kernel_lower_to_the_reference():
     cpu, cuda = exported("cpu"), exported("cuda")
     for target in targets:
         assert f"custom_call @{target}(" in cpu
-        assert (f"custom_call @{target}(" in cuda) == ("cuda" in _ffi.platforms_with(target)), target
+        assert (f"custom_call @{target}(" in cuda) == ("cuda" in ffi.platforms_with(target)), target
 
 
 def test_a_training_step_exports_for_cuda():
@@ -70,5 +70,5 @@ def test_a_training_step_exports_for_cuda():
     checks = [jax.export.DisabledSafetyCheck.custom_call(f"nvfp4_{op}") for op in ("amax", "quantize", "dequantize")]
     exp = jax.export.export(jax.jit(jax.grad(loss, (0, 1))), platforms=["cuda"], disabled_checks=checks)(*args)
     assert [a.shape for a in exp.out_avals] == [(64, 32), (32, 48)]
-    has_kernel = "cuda" in _ffi.platforms_with("nvfp4_quantize")
+    has_kernel = "cuda" in ffi.platforms_with("nvfp4_quantize")
     assert ("custom_call @nvfp4_quantize(" in exp.mlir_module()) == has_kernel

@@ -21,8 +21,7 @@ from test_kernels_4over6 import COMBINATIONS, SEED, quantize_cases
 from test_kernels_4over6 import options as fos_options
 
 import jax_nvfp4
-from jax_nvfp4 import _ffi
-from jax_nvfp4.ops import KERNELS
+from jax_nvfp4.ops import KERNELS, ffi
 
 
 def _devices(platform: str) -> list:
@@ -45,7 +44,7 @@ def on(device, fn, *args):
 
 def test_the_cuda_kernels_are_registered():
     for op in ("amax", "quantize", "dequantize"):
-        assert "cuda" in _ffi.platforms_with(f"nvfp4_{op}")
+        assert "cuda" in ffi.platforms_with(f"nvfp4_{op}")
 
 
 @given(x=tensors(), opts=options)

@@ -1,6 +1,6 @@
 """The grouped CUDA kernels give the reference's bytes: ``nvfp4_grouped_amax`` and ``nvfp4_grouped_quantize``
 run on the CPU by the CUDA host execution model (tests/cuda_host.py), on Hopper's code paths and on sm_100a's,
-against ``jax_nvfp4._reference_grouped`` under jit. The CPU kernels run beside them on the same operands, so
+against ``jax_nvfp4.reference.grouped`` under jit. The CPU kernels run beside them on the same operands, so
 that the sanitizer step (.ci/sanitize), which runs this file, reaches both kernels' code paths.
 
 Compiling the reference takes seconds a spec, shape and dtype (the kernels run in milliseconds here), so every
@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernels import assert_same_bytes
 
-from jax_nvfp4 import _reference_grouped as ref
+from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.ops import grouped as cpu_ops
-from jax_nvfp4.spec import QuantizeSpec
+from jax_nvfp4.reference import grouped as ref
 
 pytestmark = needs_module
 SMS = (90, 100)

@@ -24,22 +24,18 @@ def _dot(recipe: Recipe, key=None):
 
 def _fos(recipe: Recipe, operand: str) -> dict:
     """quantize()'s keyword arguments for the 4over6 format ``recipe`` gives ``operand``."""
-    mode = recipe.four_over_six_for(operand)
-    if mode is None:
+    fos = recipe.four_over_six_for(operand)
+    if fos is None:
         return {}
-    return {
-        "four_over_six_error": mode,
-        "four_over_six_fast_math": recipe.four_over_six_fast_math,
-        "e4m3_max": recipe.e4m3_max,
-    }
+    return {"four_over_six_error": fos.error, "four_over_six_fast_math": fos.fast_math, "e4m3_max": fos.e4m3_max}
 
 
 @pytest.mark.parametrize("operands", ["weights", "activations", "all"])
 @pytest.mark.parametrize(
-    "error", [{}, {"four_over_six_error": "mae", "four_over_six_fast_math": True, "e4m3_max": 448}]
+    "error", [{}, {"error": "mae", "fast_math": True, "e4m3_max": 448}], ids=["mse-e256", "mae-fast-e448"]
 )
 def test_four_over_six_gemms_are_those_of_quantize(operands, error):
-    recipe = Recipe(four_over_six=operands, **error, **PLAIN)
+    recipe = Recipe(four_over_six=jax_nvfp4.FourOverSix(operands, **error), **PLAIN)
     x, w, dy = _problem(m=64, k=80, n=48)
     y, dx, dw = jax.jit(functools.partial(_grads, _dot(recipe)))(x, w, dy)
     fx, fw, fdy = (_fos(recipe, op) for op in ("x", "w", "dy"))
@@ -56,7 +52,7 @@ def test_four_over_six_gemms_are_those_of_quantize(operands, error):
 def test_four_over_six_activations_with_the_full_recipe():
     """4over6 on x under NVIDIA's recipe: x's wgrad copy is the 4over6 quantization of its transform; dy keeps
     stochastic rounding."""
-    recipe = Recipe(four_over_six="activations")
+    recipe = Recipe(four_over_six=jax_nvfp4.FourOverSix("activations"))
     x, w, dy = _problem()
     key = jax.random.key(6)
     y, dx, dw = jax.jit(functools.partial(_grads, _dot(recipe, key)))(x, w, dy)
@@ -69,7 +65,7 @@ def test_four_over_six_activations_with_the_full_recipe():
 
 
 def test_four_over_six_with_1d_weight_blocks():
-    recipe = Recipe(four_over_six="weights", weight_block_2d=False, **PLAIN)
+    recipe = Recipe(four_over_six=jax_nvfp4.FourOverSix("weights"), weight_block_2d=False, **PLAIN)
     x, w, dy = _problem()
     y, dx, _ = _grads(_dot(recipe), x, w, dy)
     fw = _fos(recipe, "w")
@@ -131,7 +127,7 @@ def test_four_over_six_lowers_the_gemm_error_on_gaussian_operands():
     x, w, dy = _problem(m=256, k=256, n=128, dtype=jnp.float32)
     exact = _grads(lambda a, b, d: jax.lax.dot_general(a, b, d, preferred_element_type=jnp.float32), x, w, dy)
     plain = _grads(_dot(Recipe(**PLAIN)), x, w, dy)
-    fos = _grads(_dot(Recipe(four_over_six="all", **PLAIN)), x, w, dy)
+    fos = _grads(_dot(Recipe(four_over_six=jax_nvfp4.FourOverSix("all"), **PLAIN)), x, w, dy)
     for p, f, e in zip(plain, fos, exact, strict=True):
         assert _rel_err(f, e) < 0.99 * _rel_err(p, e)
 
@@ -149,24 +145,27 @@ def test_gemm_bias_is_added_before_the_cast():
 
 
 def test_recipe_option_errors():
-    with pytest.raises(ValueError, match="four_over_six must be one of"):
-        Recipe(four_over_six="x")
+    with pytest.raises(ValueError, match=r"FourOverSix\.operands must be one of"):
+        jax_nvfp4.FourOverSix("x")
     with pytest.raises(ValueError, match="stochastic_rounding=False"):
-        Recipe(four_over_six="all")
-    with pytest.raises(ValueError, match="four_over_six_error"):
-        Recipe(four_over_six="weights", four_over_six_error="l1")
+        Recipe(four_over_six=jax_nvfp4.FourOverSix("all"))
+    with pytest.raises(ValueError, match=r"FourOverSix\.error"):
+        jax_nvfp4.FourOverSix("weights", error="l1")
     with pytest.raises(ValueError, match="448 or 256"):
-        Recipe(e4m3_max=300)
+        jax_nvfp4.FourOverSix(e4m3_max=300)
     with pytest.raises(TypeError, match="row_scaled_activations must be a bool"):
         Recipe(row_scaled_activations=1)
-    assert Recipe(four_over_six="activations").four_over_six_for("dy") is None
-    assert Recipe(four_over_six="all", stochastic_rounding=False).four_over_six_for("dy") == "mse"
+    assert Recipe(four_over_six=jax_nvfp4.FourOverSix("activations")).four_over_six_for("dy") is None
+    all_operands = jax_nvfp4.FourOverSix("all")
+    assert Recipe(four_over_six=all_operands, stochastic_rounding=False).four_over_six_for("dy") == all_operands
 
 
 def test_flax_layers_take_the_options():
     from jax_nvfp4.flax import NVFP4Dense
 
-    recipe = Recipe(four_over_six="activations", row_scaled_activations=True, stochastic_rounding=False)
+    recipe = Recipe(
+        four_over_six=jax_nvfp4.FourOverSix("activations"), row_scaled_activations=True, stochastic_rounding=False
+    )
     x = jax.random.normal(jax.random.key(0), (4, 16, 64), jnp.float32)
     layer = NVFP4Dense(32, recipe=recipe)
     params = layer.init(jax.random.key(1), x)

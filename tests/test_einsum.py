@@ -13,7 +13,7 @@ from test_kernels import assert_same_bytes
 
 import jax_nvfp4
 from jax_nvfp4 import Recipe
-from jax_nvfp4.einsum import einsum
+from jax_nvfp4.linear.einsum import einsum
 
 
 def _normal(shape, seed, dtype=jnp.float32):

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
-from jax_nvfp4.testing import collectives
+from jax_nvfp4.sharding.hlo import collectives
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import train_lm
@@ -85,9 +85,11 @@ def test_data_and_fsdp_sharding_give_the_unsharded_step(mesh, monkeypatch):
 
 def test_the_four_over_six_and_per_token_runs_are_their_recipes():
     recipes = train_lm.RECIPES
-    assert recipes["4o6"] == dataclasses.replace(recipes["plain"], four_over_six="all")
-    assert recipes["4o6"] == jax_nvfp4.Recipe(rht=False, stochastic_rounding=False, four_over_six="all")
-    assert (recipes["4o6"].four_over_six_error, recipes["4o6"].e4m3_max) == ("mse", 256)
+    assert recipes["4o6"] == dataclasses.replace(recipes["plain"], four_over_six=jax_nvfp4.FourOverSix("all"))
+    assert recipes["4o6"] == jax_nvfp4.Recipe(
+        rht=False, stochastic_rounding=False, four_over_six=jax_nvfp4.FourOverSix("all")
+    )
+    assert (recipes["4o6"].four_over_six.error, recipes["4o6"].four_over_six.e4m3_max) == ("mse", 256)
     assert recipes["per-token"] == dataclasses.replace(
         recipes["plain"], row_scaled_activations=True, row_scaled_gradients=True
     )

@@ -1,4 +1,4 @@
-"""Expert parallelism for the capacity-dispatch MoE (``jax_nvfp4.flax.expert_parallel``) on 8 CPU devices.
+"""Expert parallelism for the capacity-dispatch MoE (``jax_nvfp4.moe.expert_parallel``) on 8 CPU devices.
 
 The sharded layer is compared with ``reference_mlp``: the unsharded capacity layer's batched
 ``jax_nvfp4.dot_general``s on the global buffer with the same per-shard routing and capacity (shard s's
@@ -19,9 +19,10 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import jax_nvfp4
-from jax_nvfp4.flax import expert_parallel as ep
-from jax_nvfp4.flax import moe, nnx_moe
-from jax_nvfp4.testing import collectives
+from jax_nvfp4.flax.linen import moe
+from jax_nvfp4.flax.nnx import moe as nnx_moe
+from jax_nvfp4.moe import expert_parallel as ep
+from jax_nvfp4.sharding.hlo import collectives
 
 CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS, set in conftest.py)")

@@ -194,7 +194,7 @@ def test_flax_linen_and_nnx_layers_on_explicit_axes_equal_auto():
     from flax import nnx
 
     from jax_nvfp4.flax import NVFP4Dense
-    from jax_nvfp4.flax.nnx import NVFP4Linear
+    from jax_nvfp4.flax.nnx.layers import NVFP4Linear
 
     x, _ = _mlp_problem()
 
@@ -266,7 +266,7 @@ def test_moe_layer_on_explicit_axes_equals_auto():
     """The linen MoE MLP (experts over "model", the batch over "data"): a training step on Explicit axes gives the
     Auto mesh's outputs and expert gradients byte for byte, the router's up to float32 summation order, and types
     each gradient as its parameter. (ReLU: XLA's erf, in the exact GELU, can round differently in another fusion.)"""
-    from jax_nvfp4.flax.moe import MoEMLP
+    from jax_nvfp4.flax.linen.moe import MoEMLP
 
     layer = MoEMLP(4, 64, recipe=RECIPE, activation=jax.nn.relu)
     x = _random((4, 16, 128), seed=8)

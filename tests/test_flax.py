@@ -15,7 +15,7 @@ from test_kernels import assert_same_bytes
 import jax_nvfp4
 from jax_nvfp4 import Recipe
 from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, NVFP4DotGeneral
-from jax_nvfp4.flax.nnx import NVFP4DotGeneral as NNXDotGeneral
+from jax_nvfp4.flax.nnx.layers import NVFP4DotGeneral as NNXDotGeneral
 
 X = jax.random.normal(jax.random.key(0), (2, 24, 64), jnp.bfloat16)
 
@@ -180,7 +180,9 @@ def _nnx_linear(rngs: nnx.Rngs, recipe: Recipe | None = None) -> nnx.Linear:
 
 def test_nnx_dot_general_is_jax_nvfp4_dot_general():
     x = X.astype(jnp.float32)
-    options = Recipe(four_over_six="weights", row_scaled_activations=True, row_scaled_gradients=True)
+    options = Recipe(
+        four_over_six=jax_nvfp4.FourOverSix("weights"), row_scaled_activations=True, row_scaled_gradients=True
+    )
     for recipe in (Recipe(), Recipe(weight_block_2d=False, stochastic_rounding=False), options):
         layer = _nnx_linear(nnx.Rngs(0), recipe)
         want = jax_nvfp4.dot_general(x, layer.kernel[...], DIMS, recipe=recipe) + layer.bias[...]

@@ -20,7 +20,7 @@ from test_kernels import assert_same_bytes
 
 import jax_nvfp4
 from jax_nvfp4 import QuantizeSpec, Recipe
-from jax_nvfp4.gemm_impl import has_fp4_tensor_cores, native_scaled_dot, resolve_impl
+from jax_nvfp4.linear.block_sum import has_fp4_tensor_cores, native_scaled_dot, resolve_impl
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 

@@ -16,7 +16,7 @@ pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("flax")
 pytest.importorskip("matplotlib")
 import jax_nvfp4
-from jax_nvfp4.flax.linen import quantize_params
+from jax_nvfp4.flax.linen.layers import quantize_params
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import generate

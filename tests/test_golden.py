@@ -21,14 +21,14 @@ def test_every_plain_and_rht_case_is_present():
 
 def test_rht_transform_is_the_golden_one():
     """The reference's transform of x^T is the golden ``x_t_rht``, value for value."""
-    from jax_nvfp4 import _bits
+    from jax_nvfp4.core import bits
 
     # Jitted: op by op, the bit-level float emulation dispatches thousands of small ops.
     rht_columns = jax.jit(reference.rht_columns, static_argnums=1)
     for name in ("rht_128x256_bf16.npz", "rht_256x512_bf16.npz"):
         g, x, _ = load(name)
-        got = rht_columns(_bits.to_bits(x[None]), x.dtype)[0]
-        np.testing.assert_array_equal(np.asarray(_bits.from_bits(got)), g["x_t_rht"])
+        got = rht_columns(bits.to_bits(x[None]), x.dtype)[0]
+        np.testing.assert_array_equal(np.asarray(bits.from_bits(got)), g["x_t_rht"])
 
 
 def test_every_row_scaled_and_4over6_case_is_present():
@@ -67,7 +67,7 @@ def test_golden(name, impl):
 
 
 def test_rht_signs_are_the_golden_ones():
-    from jax_nvfp4.formats import RHT_SIGNS
+    from jax_nvfp4.core.formats import RHT_SIGNS
 
     h = np.load(GOLDEN_DIR / "hadamard16.npz")
     np.testing.assert_array_equal(h["sign"], np.array(RHT_SIGNS, np.float32))

@@ -18,10 +18,10 @@ from jax.sharding import PartitionSpec as P
 from test_kernels import DTYPES, assert_same_bytes
 
 from jax_nvfp4 import QuantizeSpec, quantize
-from jax_nvfp4 import _reference_grouped as ref
-from jax_nvfp4._grouped import quantize_grouped
+from jax_nvfp4.moe.grouped import quantize_grouped
 from jax_nvfp4.ops import grouped as ops
-from jax_nvfp4.testing import collectives
+from jax_nvfp4.reference import grouped as ref
+from jax_nvfp4.sharding.hlo import collectives
 
 BLOCK = 16
 

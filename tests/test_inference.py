@@ -17,7 +17,7 @@ flax_nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 from jax_nvfp4.flax import NVFP4Dense, NVFP4DenseGeneral  # noqa: E402
 from jax_nvfp4.flax import nnx as nvfp4_nnx  # noqa: E402
-from jax_nvfp4.flax.linen import quantize_params  # noqa: E402
+from jax_nvfp4.flax.linen.layers import quantize_params  # noqa: E402
 
 
 def _normal(shape, seed, dtype=jnp.bfloat16):
@@ -29,7 +29,7 @@ def _normal(shape, seed, dtype=jnp.bfloat16):
     [
         Recipe(),
         Recipe(weight_block_2d=False, row_scaled_activations=True),
-        Recipe(four_over_six="all", stochastic_rounding=False),
+        Recipe(four_over_six=jax_nvfp4.FourOverSix("all"), stochastic_rounding=False),
         Recipe(impl="scaled_dot"),
     ],
     ids=["default", "1x16-per-token", "4over6", "scaled_dot"],
@@ -89,7 +89,7 @@ class _LinenModel(flax_nn.Module):
         x = flax_nn.Dense(32, name="embed")(x)  # stays in bf16
         h = NVFP4DenseGeneral((2, 16), name="qkv")(x)
         y = NVFP4DenseGeneral(32, axis=(-2, -1), name="out")(h)
-        y = NVFP4Dense(48, recipe=Recipe(four_over_six="weights"), name="mlp")(jax.nn.gelu(y))
+        y = NVFP4Dense(48, recipe=Recipe(four_over_six=jax_nvfp4.FourOverSix("weights")), name="mlp")(jax.nn.gelu(y))
         return flax_nn.Dense(8, name="head")(y)
 
 

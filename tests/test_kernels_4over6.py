@@ -26,7 +26,7 @@ from test_golden import _assert_golden
 
 from jax_nvfp4 import QuantizeSpec, reference
 from jax_nvfp4.ops import KERNELS
-from jax_nvfp4.testing import collectives
+from jax_nvfp4.sharding.hlo import collectives
 
 DTYPES = [ml_dtypes.bfloat16, np.float16, np.float32]
 SEED = jnp.zeros(2, jnp.uint32)

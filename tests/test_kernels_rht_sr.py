@@ -17,14 +17,15 @@ from conftest import SPECIAL_VALUES, examples, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_nvfp4 import QuantizeSpec, _ffi, reference
+from jax_nvfp4 import QuantizeSpec, reference
+from jax_nvfp4.ops import ffi
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
 
 
 @functools.cache
 def _platform() -> str:
-    platforms = _ffi.platforms_with("nvfp4_quantize")  # registers the targets
+    platforms = ffi.platforms_with("nvfp4_quantize")  # registers the targets
     assert platforms, "no compiled nvfp4 kernels"
     return jax.default_backend()
 

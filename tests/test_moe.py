@@ -18,9 +18,9 @@ from test_gemm_impl import _functions
 from test_kernels import assert_same_bytes
 
 from jax_nvfp4 import Recipe
-from jax_nvfp4.flax.moe import MoEMLP
-from jax_nvfp4.flax.moe_dispatch import expert_capacity, mixture, route
-from jax_nvfp4.flax.nnx_moe import MoEMLP as NNXMoEMLP
+from jax_nvfp4.flax.linen.moe import MoEMLP
+from jax_nvfp4.flax.nnx.moe import MoEMLP as NNXMoEMLP
+from jax_nvfp4.moe.dispatch import expert_capacity, mixture, route
 
 D, HIDDEN, EXPERTS, TOP_K = 32, 48, 4, 2
 

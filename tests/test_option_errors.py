@@ -150,7 +150,6 @@ RECIPE_BAD = [
             "rht",
             "rht_amax_estimate",
             "stochastic_rounding",
-            "four_over_six_fast_math",
             "row_scaled_activations",
             "row_scaled_gradients",
         )
@@ -162,11 +161,7 @@ RECIPE_BAD = [
     ("rht_amax_factor_dy", float("inf"), ValueError),
     ("amax_mesh_axes", (1, 2), TypeError),
     ("amax_mesh_axes", 3, TypeError),
-    ("four_over_six", "both", ValueError),
-    ("four_over_six", None, ValueError),
-    ("four_over_six_error", "l1", ValueError),
-    ("e4m3_max", 256.0, ValueError),
-    ("e4m3_max", 300, ValueError),
+    ("four_over_six", "weights", TypeError),
     ("impl", "cublas", ValueError),
     ("impl", None, ValueError),
 ]
@@ -178,10 +173,27 @@ def test_recipe_names_the_bad_field(field, bad, exc):
         jax_nvfp4.Recipe(**{field: bad})
 
 
+FOUR_OVER_SIX_BAD = [
+    ("operands", "both", ValueError),
+    ("operands", None, ValueError),
+    ("error", "l1", ValueError),
+    ("fast_math", 1, TypeError),
+    ("e4m3_max", 256.0, ValueError),
+    ("e4m3_max", 300, ValueError),
+]
+
+
+@pytest.mark.parametrize(("field", "bad", "exc"), FOUR_OVER_SIX_BAD, ids=lambda v: repr(v)[:24])
+def test_four_over_six_names_the_bad_field(field, bad, exc):
+    with _raises(exc, f"FourOverSix.{field}"):
+        jax_nvfp4.FourOverSix(**{field: bad})
+
+
 def test_recipe_normalises_numpy_values_to_python_ones():
-    r = jax_nvfp4.Recipe(rht=np.bool_(False), e4m3_max=np.int32(448), four_over_six=np.str_("weights"))
-    assert r == jax_nvfp4.Recipe(rht=False, e4m3_max=448, four_over_six="weights")
-    assert hash(r) == hash(jax_nvfp4.Recipe(rht=False, e4m3_max=448, four_over_six="weights"))
+    fos = jax_nvfp4.FourOverSix(np.str_("weights"), e4m3_max=np.int32(448), fast_math=np.bool_(True))
+    r = jax_nvfp4.Recipe(rht=np.bool_(False), four_over_six=fos)
+    want = jax_nvfp4.Recipe(rht=False, four_over_six=jax_nvfp4.FourOverSix("weights", e4m3_max=448, fast_math=True))
+    assert r == want and hash(r) == hash(want)
 
 
 def test_gemm_names_a_bad_impl():

@@ -20,7 +20,7 @@ from test_kernels import assert_same_bytes
 
 import jax_nvfp4
 from jax_nvfp4 import NVFP4Tensor, QuantizeSpec, Recipe, dequantize, gemm, quantize
-from jax_nvfp4.testing import collectives
+from jax_nvfp4.sharding.hlo import collectives
 
 BLOCK = 16
 
@@ -195,7 +195,10 @@ def test_stochastic_rounding_uses_the_documented_keys():
 def test_recipe_options_per_group():
     """Per-token scales (x, dy; their wgrad copies per feature of each group) and 4over6 for all operands."""
     recipe = Recipe(
-        stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True, four_over_six="all"
+        stochastic_rounding=False,
+        row_scaled_activations=True,
+        row_scaled_gradients=True,
+        four_over_six=jax_nvfp4.FourOverSix("all"),
     )
     _check(48, 32, 32, [9, 30, 9], recipe)
 

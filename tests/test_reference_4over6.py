@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from golden_files import load
 
-from jax_nvfp4 import QuantizeSpec, _bits, reference
-from jax_nvfp4 import _reference_4over6 as fos
+from jax_nvfp4 import QuantizeSpec, reference
+from jax_nvfp4.core import bits
+from jax_nvfp4.reference import four_over_six as fos
 
 SEED = jnp.zeros(2, jnp.uint32)
 
@@ -54,11 +55,11 @@ def test_ties_keep_map6_and_a_smaller_map4_error_wins(mode, fast_math, e4m3_max)
     assert codes[16:18].tolist() == [6, 5]  # map-4: 4, 3
 
     # The tie is a true one: both candidates' errors are +0.
-    g = reference.GlobalScales(_bits.to_bits(amax).reshape(1, 1, 1), e4m3_max)
-    blocks = _bits.to_bits(jnp.asarray(x)).reshape(1, 1, 2, 1, 16)[:, :, :1]
+    g = reference.GlobalScales(bits.to_bits(amax).reshape(1, 1, 1), e4m3_max)
+    blocks = bits.to_bits(jnp.asarray(x)).reshape(1, 1, 2, 1, 16)[:, :, :1]
     scales = jnp.asarray([[[[E4M3[2.0]]]], [[[E4M3[3.0]]]]], jnp.uint8)
     enc = jnp.stack([reference.block_encode_scale(s, g.decode) for s in scales])
-    codes = reference.e2m1_encode(_bits.mul(blocks, enc[..., None, None]))
+    codes = reference.e2m1_encode(bits.mul(blocks, enc[..., None, None]))
     err = np.asarray(fos.chunk_errors(blocks, codes, scales, g, mode, fast_math))
     assert err.ravel().tolist() == [0, 0]
 
@@ -75,9 +76,9 @@ def test_2d_tree_sum_is_not_the_sequential_sum():
     while tree.size > 1:
         tree = tree[: tree.size // 2] + tree[tree.size // 2 :]  # r_i + r_{i+8}, then +4, +2, +1
     assert sequential == np.float32(1) and tree[0] == np.float32(1 + 7 * 2.0**-23)
-    bits = jnp.asarray(r.view(np.uint32))
-    assert _f32(fos.tree_sum(bits)) == tree[0]
-    assert _f32(fos.sequential_sum(bits)) == sequential
+    r_bits = jnp.asarray(r.view(np.uint32))
+    assert _f32(fos.tree_sum(r_bits)) == tree[0]
+    assert _f32(fos.sequential_sum(r_bits)) == sequential
 
 
 def _at_most(a, c, less=fos.less):

@@ -222,9 +222,9 @@ def test_pytree_jit_and_vmap_keep_the_new_fields():
 def test_row_scaled_rht_copy_has_per_column_amaxes_of_the_transform():
     x = _x((64, 32), seed=6, dtype=jnp.bfloat16)
     t = reference.quantize(x, columnwise=True, rht=True, row_scaled=True)
-    from jax_nvfp4 import _bits
+    from jax_nvfp4.core import bits
 
-    transformed = _bits.from_bits(reference.rht_columns(_bits.to_bits(x[None]), x.dtype))[0]  # [N, M]
+    transformed = bits.from_bits(reference.rht_columns(bits.to_bits(x[None]), x.dtype))[0]  # [N, M]
     np.testing.assert_array_equal(np.asarray(t.amax_t), np.abs(np.asarray(transformed, np.float32)).max(1))
     est = reference.quantize(x, columnwise=True, rht=True, rht_amax_factor=2.0, row_scaled=True)
     want = np.abs(np.asarray(x, np.float32)).max(0) * np.float32(2.0)
@@ -327,7 +327,7 @@ def test_nan_in_a_row_scaled_operand_poisons_only_its_row():
 
 
 def test_gemm_checks_a_row_scaled_operands_amax_shape():
-    from jax_nvfp4.gemm import batched_gemm
+    from jax_nvfp4.linear.gemm import batched_gemm
 
     t = reference.quantize(_x((16, 32)), row_scaled=True)
     # A batch of one [1, 16, 32] whose amax is [16], not [1, 16].

@@ -22,7 +22,7 @@ nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 from jax_nvfp4.flax import Rule, keep_ends, quantize_model  # noqa: E402
 from jax_nvfp4.flax import nnx as nvfp4_nnx  # noqa: E402
-from jax_nvfp4.flax.intercept import module_path  # noqa: E402
+from jax_nvfp4.flax.linen.convert import module_path  # noqa: E402
 from jax_nvfp4.flax.rules import recipe_for  # noqa: E402
 
 D, HEADS, LAYERS = 32, 2, 3

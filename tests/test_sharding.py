@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
-from jax_nvfp4.testing import collectives
+from jax_nvfp4.sharding.hlo import collectives
 
 CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS, set in conftest.py)")
@@ -263,7 +263,10 @@ STEP_RECIPES = {
     "rht": jax_nvfp4.Recipe(stochastic_rounding=False),
     "scaled_dot": jax_nvfp4.Recipe(stochastic_rounding=False, impl="scaled_dot"),
     "options": jax_nvfp4.Recipe(
-        stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True, four_over_six="all"
+        stochastic_rounding=False,
+        row_scaled_activations=True,
+        row_scaled_gradients=True,
+        four_over_six=jax_nvfp4.FourOverSix("all"),
     ),
 }
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -93,39 +92,28 @@ def test_the_key_goes_with_stochastic_rounding():
 
 
 @pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ({"four_over_six": "mse"}, {"four_over_six_error": "mse"}),
-        ({"columnwise": True, "rht": True, "rht_amax_estimate": 2.0}, {"columnwise": True, "rht": True, **FACTOR}),
-        ({"stochastic_rounding_key": jax.random.key(3)}, {"rng_key": jax.random.key(3)}),
-    ],
+    "old",
+    [{"four_over_six": "mse"}, {"rht_amax_estimate": 2.0}, {"stochastic_rounding_key": jax.random.key(3)}],
+    ids=lambda old: next(iter(old)),
 )
-def test_old_quantize_keywords_still_work_with_a_warning(old, new):
-    with pytest.warns(DeprecationWarning, match="is deprecated"):
-        t = jax_nvfp4.quantize(X, **old)
-    assert_same_tensor(t, jax_nvfp4.quantize(X, **new))
+def test_quantize_refuses_keywords_it_does_not_have(old):
+    # One spelling per option: the pre-0.1 aliases are gone, and an unknown keyword is an error, not ignored.
+    with pytest.raises(TypeError, match=next(iter(old))):
+        jax_nvfp4.quantize(X, **old)
 
 
-def test_old_amax_and_recipe_keywords_still_work_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="mesh_axes= is deprecated"):
-        a = jax_nvfp4.amax(X, mesh_axes=("x",))
-    assert np.asarray(a) == np.asarray(jax_nvfp4.amax(X))
-    with pytest.warns(DeprecationWarning, match="four_over_six_e4m3_max= is deprecated"):
-        r = Recipe(four_over_six_e4m3_max=448)
-    assert r == Recipe(e4m3_max=448)
-    with pytest.raises(TypeError, match="both"):
-        jax_nvfp4.quantize(X, four_over_six="mse", four_over_six_error="mse")
-    with pytest.raises(TypeError, match="both"):
-        jax_nvfp4.quantize(X, rng_key=jax.random.key(0), stochastic_rounding_key=jax.random.key(0))
-    with pytest.raises(TypeError, match="both"):
-        jax_nvfp4.amax(X, amax_mesh_axes=("x",), mesh_axes=("x",))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        Recipe(e4m3_max=448)  # the new spelling warns of nothing
+def test_amax_and_recipe_refuse_keywords_they_do_not_have():
+    with pytest.raises(TypeError, match="mesh_axes"):
+        jax_nvfp4.amax(X, mesh_axes=("x",))
+    for old in ({"four_over_six_e4m3_max": 448}, {"e4m3_max": 256}, {"four_over_six_error": "mse"}):
+        with pytest.raises(TypeError, match=next(iter(old))):
+            Recipe(**old)
+    with pytest.raises(TypeError, match="FourOverSix"):
+        Recipe(four_over_six="weights")
 
 
 def test_recipe_hands_each_operand_its_spec():
-    recipe = Recipe(four_over_six="weights", stochastic_rounding=True, row_scaled_gradients=True)
+    recipe = Recipe(four_over_six=jax_nvfp4.FourOverSix("weights"), stochastic_rounding=True, row_scaled_gradients=True)
     w = recipe.spec("w", columnwise=True, tokens=64)
     assert w == QuantizeSpec(columnwise=True, block_2d=True, four_over_six_error="mse", e4m3_max=256)
     dy = recipe.spec("dy", columnwise=True, tokens=64)

@@ -192,7 +192,7 @@ inline ffi::Error check_amax(const ffi::AnyBuffer& x, ffi::RemainingRets& outs, 
 }
 
 // The shape of a grouped op: x [B, M, N] in G groups of token rows, whose columnwise copy has
-// P = ceil(M/16) + G - 1 blocks of 16 rows (jax_nvfp4/_reference_grouped.py).
+// P = ceil(M/16) + G - 1 blocks of 16 rows (src/jax_nvfp4/reference/grouped.py).
 struct GroupedShape {
   int64_t batch = 0, rows = 0, cols = 0, groups = 0, blocks = 0;
 

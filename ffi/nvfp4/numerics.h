@@ -2,7 +2,7 @@
 //
 // Every function is the exact IEEE float32 computation written in
 // tests/golden/README.md (TransformerEngine's reference quantizer). The pure-JAX
-// spec in jax_nvfp4/reference.py computes the same bits. Callers must run with
+// spec in src/jax_nvfp4/reference/ computes the same bits. Callers must run with
 // subnormals preserved (no flush-to-zero, no fast-math, no FMA contraction).
 #pragma once
 

@@ -1,0 +1,58 @@
+"""jax_nvfp4: NVFP4 (4-bit E2M1 + E4M3 block scales) quantization for JAX.
+
+Public API:
+  QuantizeSpec: every option of one quantization (copies, blocks, RHT, stochastic rounding, row scaling,
+    4over6, E4M3 range, amax mesh axes); frozen and hashable.
+  quantize(x, spec=None, *, amax=None, rng_key=None, **spec_fields) -> NVFP4Tensor
+  dequantize(t, dtype=jnp.float32, columnwise=False) -> jax.Array
+  amax(x, *, amax_mesh_axes=None) -> float32 scalar (per-row option: one per row, x.shape[:-1])
+  NVFP4Tensor, and ``reference``: the pure-JAX spec with the same signatures.
+  gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
+  dot_general(lhs, rhs, dimension_numbers, ..., recipe=None, rng_key=None): lax.dot_general in NVFP4
+  einsum(subscripts, lhs, rhs, ..., recipe=None, rng_key=None): a two-operand jnp.einsum in NVFP4
+  ragged_dot(lhs, rhs, group_sizes, ..., recipe=None, rng_key=None): lax.ragged_dot (mixture of experts) in NVFP4
+  Recipe: the training recipe's options, and the QuantizeSpec of each GEMM operand;
+    FourOverSix: its 4over6 options (which operands, error, fast math, block-scale range).
+  quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
+    (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
+  all_gather(t, axis_name, *, axis=0, tiled=True): gather a quantized tensor in shard_map
+Under jit on a mesh the primitives shard themselves (amax reduced over the mesh,
+GEMM operands gathered quantized). Flax layers live in ``jax_nvfp4.flax`` (needs
+flax); ``jax_nvfp4.sharding.hlo`` reads the collectives of a compiled program.
+"""
+
+from jax_nvfp4 import reference
+from jax_nvfp4.core import pipeline
+from jax_nvfp4.core.spec import QuantizeSpec
+from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
+from jax_nvfp4.linear.dot_general import dequantize_weight, dot_general, quantize_weight
+from jax_nvfp4.linear.einsum import einsum
+from jax_nvfp4.linear.gemm import gemm
+from jax_nvfp4.linear.recipe import FourOverSix, Recipe
+from jax_nvfp4.moe.ragged_dot import ragged_dot
+from jax_nvfp4.ops import KERNELS
+from jax_nvfp4.sharding.all_gather import all_gather
+
+quantize = pipeline.quantize_fn(KERNELS)
+dequantize = pipeline.dequantize_fn(KERNELS)
+amax = pipeline.amax_fn(KERNELS)
+
+__all__ = [
+    "FourOverSix",
+    "NVFP4Tensor",
+    "QuantizeSpec",
+    "QuantizedWeight",
+    "Recipe",
+    "all_gather",
+    "amax",
+    "dequantize",
+    "dequantize_weight",
+    "dot_general",
+    "einsum",
+    "gemm",
+    "quantize",
+    "quantize_weight",
+    "ragged_dot",
+    "reference",
+]
+__version__ = "0.1.0"

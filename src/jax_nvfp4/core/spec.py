@@ -1,0 +1,182 @@
+"""``QuantizeSpec``: every option of one NVFP4 quantization, in one place.
+
+The public ``quantize`` builds one from its keywords, ``Recipe`` hands one to
+each operand of the three GEMMs, the quantize primitive carries it as its one
+static parameter, and the kernels receive ``kernel_attrs()``, which C++ decodes
+into the struct of the same name (ffi/nvfp4/spec.h). ``validate`` is the only
+place where combinations of options are checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import numpy as np
+
+from jax_nvfp4.core import bits
+from jax_nvfp4.core.checks import check_choice, check_flag, check_mesh_axes, check_positive_factor
+from jax_nvfp4.core.formats import BLOCK
+
+FourOverSixError = Literal["mae", "mse"]
+FOUR_OVER_SIX_ERRORS: tuple[FourOverSixError, ...] = ("mae", "mse")
+"""4over6 error measures: the block's candidate with the smaller mean absolute / squared error wins."""
+
+E4M3Max = Literal[448, 256]
+E4M3_MAX_CHOICES: tuple[E4M3Max, ...] = (448, 256)
+"""Block-scale ranges the global scale may aim at; 256 only with 4over6."""
+
+_FLAGS = ("rowwise", "columnwise", "block_2d", "rht", "stochastic_rounding", "row_scaled", "four_over_six_fast_math")
+# Options that change the Python side only (the amax pass, its mesh reduction): not kernel attributes.
+_NOT_KERNEL_ATTRS = ("rht_amax_factor", "amax_mesh_axes")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSpec:
+    """How to quantize one tensor (frozen and hashable: a static argument).
+
+    Attributes:
+      rowwise: produce ``data``/``scale`` (blocks along the last axis).
+      columnwise: produce ``data_t``/``scale_t``, the quantization of the
+        [N, M] transpose (blocks along the rows), stored transposed.
+      block_2d: 16x16 blocks (for weights) instead of 1x16.
+      rht: the columnwise copy is the quantization of the 16-point Random
+        Hadamard Transform of x^T (each chunk of 16 rows of a column, see
+        ``formats.RHT_SIGNS``), scaled by the amax of the transformed values,
+        which a fused pass computes with max|x|. The transform is orthogonal,
+        so a GEMM of two such copies contracting over M (the weight gradient)
+        is unchanged by it. Needs ``columnwise``, 1x16 blocks and M a multiple
+        of 16.
+      rht_amax_factor: with ``rht``, skip the pass over the transform: its
+        amax is fp32(amax * factor). The transform of a chunk is at most 4x
+        its max; a factor that undershoots saturates the largest values to
+        +-6 (and their block scale to 448). None: measure it.
+      stochastic_rounding: round the E2M1 codes of every copy stochastically
+        (unbiased), drawing from a counter-based generator keyed by the
+        ``rng_key`` of the call, so that the CPU and CUDA kernels give the same
+        bytes for a key. Block scales stay round-to-nearest. Under ``jit`` on
+        a mesh each shard draws from its own key (the shard index folded in).
+      row_scaled: per-token NVFP4: each row of x gets its own global amax and
+        each row of x^T (column of x) its own for the columnwise copy (of the
+        transform with ``rht``). 1x16 blocks only.
+      four_over_six_error: "mae" or "mse": 4over6 adaptive block scaling. Each
+        block is quantized with its max on E2M1 6 and, with a 1.5x larger
+        scale, on 4; the candidate with the smaller absolute / squared error
+        is kept. Round-to-nearest only. None: off.
+      four_over_six_fast_math: 4over6 measures the errors in the scaled domain
+        (the CUDA kernel's fast path) instead of on the dequantized values; a
+        few near ties pick the other candidate.
+      e4m3_max: E, 448, or 256 with 4over6: the global scale aims the block
+        scales at E4M3 values up to E (6 E / amax), leaving map-4's 1.5x
+        headroom below 448; a tensor decodes with amax / (6 E).
+      amax_mesh_axes: under ``jit`` on a mesh, where the amax is computed
+        from the tensor, the mesh axes it is reduced over (None: every axis
+        the tensor is sharded on, so sharded and unsharded quantization
+        agree). Along the other axes each shard keeps its own amax.
+    """
+
+    rowwise: bool = True
+    columnwise: bool = False
+    block_2d: bool = False
+    rht: bool = False
+    rht_amax_factor: float | None = None
+    stochastic_rounding: bool = False
+    row_scaled: bool = False
+    four_over_six_error: FourOverSixError | None = None
+    four_over_six_fast_math: bool = False
+    e4m3_max: E4M3Max = 448
+    amax_mesh_axes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check each option and every combination, raising an error that names the option.
+
+        Values are normalised to their Python types (numpy scalars accepted),
+        so equal specs hash alike.
+        """
+        normal = {name: check_flag(name, getattr(self, name)) for name in _FLAGS}
+        if self.four_over_six_error is not None:
+            normal["four_over_six_error"] = check_choice(
+                "four_over_six_error",
+                self.four_over_six_error,
+                FOUR_OVER_SIX_ERRORS,
+                f"None or one of {FOUR_OVER_SIX_ERRORS}",
+            )
+        normal["e4m3_max"] = check_choice("e4m3_max", self.e4m3_max, E4M3_MAX_CHOICES, "448 or 256")
+        if self.rht_amax_factor is not None:
+            normal["rht_amax_factor"] = check_positive_factor("rht_amax_factor", self.rht_amax_factor)
+        normal["amax_mesh_axes"] = check_mesh_axes("amax_mesh_axes", self.amax_mesh_axes)
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
+
+        if not (self.rowwise or self.columnwise):
+            raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+        if self.rht_amax_factor is not None and not self.rht:
+            raise ValueError("rht_amax_factor applies only with rht=True")
+        if self.rht and (not self.columnwise or self.block_2d):
+            raise ValueError("rht applies to the columnwise copy in 1x16 blocks: pass columnwise=True, block_2d=False")
+        if self.row_scaled and self.block_2d:
+            raise ValueError("row-scaled NVFP4 has 1x16 blocks only (block_2d=False)")
+        four_over_six = self.four_over_six_error is not None
+        if four_over_six and self.stochastic_rounding:
+            raise ValueError("4over6 picks between round-to-nearest candidates: no stochastic rounding with it")
+        if self.four_over_six_fast_math and not four_over_six:
+            raise ValueError("four_over_six_fast_math applies only with 4over6 (four_over_six_error='mae' or 'mse')")
+        if self.e4m3_max != 448 and not four_over_six:
+            # TransformerEngine's reference silently uses 448 here; an explicit error instead.
+            raise ValueError("e4m3_max=256 applies only with 4over6 (four_over_six_error='mae' or 'mse')")
+
+    @property
+    def blocked_rows(self) -> bool:
+        """Whether blocks run along the rows (the columnwise copy, or 16x16 blocks)."""
+        return self.columnwise or self.block_2d
+
+    @property
+    def measures_rht_amax(self) -> bool:
+        """Whether the amax pass also measures the transform's amax (``rht`` without a factor)."""
+        return self.rht and self.rht_amax_factor is None
+
+    def check_rows(self, rows: int) -> None:
+        """Raise ValueError unless M = ``rows`` suits the spec (the transform takes chunks of 16 rows)."""
+        if self.rht and rows % BLOCK:
+            raise ValueError(
+                f"rht transforms chunks of {BLOCK} rows: the rows (product of the leading axes, {rows}) "
+                f"must be a multiple of {BLOCK}"
+            )
+
+    def check_amaxes(
+        self, x_shape: tuple[int, ...], amax_shape: tuple[int, ...], amax_t_shape: tuple[int, ...]
+    ) -> None:
+        """Raise ValueError unless quantize's amax and amax_t suit x [B, *R, N]: [B] each, or per row [B, *R] and
+        [B, N] (row-scaled); each checked where its copy is requested."""
+        b, *rows, n = x_shape
+        want = ((b, *rows), (b, n)) if self.row_scaled else ((b,), (b,))
+        if (self.rowwise and amax_shape != want[0]) or (self.columnwise and amax_t_shape != want[1]):
+            raise ValueError(
+                f"amax / amax_t must be {want[0]} / {want[1]} (one per row when row-scaled), "
+                f"got {amax_shape} / {amax_t_shape}"
+            )
+
+    def columnwise_amax(self, amax_t: jax.Array) -> jax.Array:
+        """The columnwise copy's amax from the measured one: times ``rht_amax_factor`` where the spec estimates
+        the transform's amax, fp32(amax * factor) exactly on every backend (subnormals kept)."""
+        if not self.rht or self.rht_amax_factor is None:
+            return amax_t
+        product = bits.mul(bits.to_bits(amax_t), np.float32(self.rht_amax_factor).view(np.uint32))
+        return bits.from_bits(product)
+
+    def kernel_attrs(self) -> dict[str, bool | np.int32]:
+        """The FFI attributes of the quantize kernels: the fields C++ decodes into its QuantizeSpec
+        (ffi/nvfp4/spec.h), choices as int32 codes (4over6 error: 0 off, 1 MAE, 2 MSE)."""
+        attrs = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in _NOT_KERNEL_ATTRS:
+                continue
+            if field.name == "four_over_six_error":
+                value = (None, *FOUR_OVER_SIX_ERRORS).index(value)
+            attrs[field.name] = np.int32(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        return attrs

@@ -1,0 +1,32 @@
+"""Flax layers with NVFP4 GEMMs (linen), and rules that convert a model you did not write.
+
+Needs ``pip install "jax_nvfp4[flax]"``. The linen modules live in ``jax_nvfp4.flax.linen`` (re-exported
+here); NNX lives in ``jax_nvfp4.flax.nnx``.
+"""
+
+from jax_nvfp4.flax.linen import (
+    RNG_STREAM,
+    MoEMLP,
+    NVFP4Dense,
+    NVFP4DenseGeneral,
+    NVFP4DotGeneral,
+    NVFP4Model,
+    nvfp4_rules,
+    quantize_model,
+    quantize_params,
+)
+from jax_nvfp4.flax.rules import Rule, keep_ends
+
+__all__ = [
+    "RNG_STREAM",
+    "MoEMLP",
+    "NVFP4Dense",
+    "NVFP4DenseGeneral",
+    "NVFP4DotGeneral",
+    "NVFP4Model",
+    "Rule",
+    "keep_ends",
+    "nvfp4_rules",
+    "quantize_model",
+    "quantize_params",
+]

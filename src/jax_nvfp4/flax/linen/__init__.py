@@ -1,0 +1,24 @@
+"""Flax linen: the NVFP4 layers (``layers``), conversion of a model by rules (``convert``), diagnostics and
+the mixture-of-experts MLP (``moe``). ``jax_nvfp4.flax`` re-exports the names most users need."""
+
+from jax_nvfp4.flax.linen.convert import NVFP4Model, nvfp4_rules, quantize_model
+from jax_nvfp4.flax.linen.layers import (
+    RNG_STREAM,
+    NVFP4Dense,
+    NVFP4DenseGeneral,
+    NVFP4DotGeneral,
+    quantize_params,
+)
+from jax_nvfp4.flax.linen.moe import MoEMLP
+
+__all__ = [
+    "RNG_STREAM",
+    "MoEMLP",
+    "NVFP4Dense",
+    "NVFP4DenseGeneral",
+    "NVFP4DotGeneral",
+    "NVFP4Model",
+    "nvfp4_rules",
+    "quantize_model",
+    "quantize_params",
+]

@@ -1,0 +1,146 @@
+"""NVFP4 for a linen model you did not write: its layers' GEMMs rerouted by rules, without editing it.
+
+``quantize_model(model, rules)`` wraps an unmodified linen model; inside it (or inside the
+``nvfp4_rules(rules)`` context) every ``nn.Dense``, ``nn.DenseGeneral`` (also the projections of
+``nn.MultiHeadDotProductAttention``, which are ``DenseGeneral``) and ``nn.Einsum`` whose path a rule
+matches runs its GEMM through ``jax_nvfp4.dot_general`` (``nn.Einsum``: ``jax_nvfp4.einsum``) with that
+rule's recipe. The parameters are the original model's (same tree, names, shapes, initializers), so a
+checkpoint of it applies unchanged. Stochastic rounding draws its keys from the ``"nvfp4"`` RNG stream,
+as the NVFP4 layers do. Built on ``nn.intercept_methods``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jax_nvfp4.flax.linen import diagnostics
+from jax_nvfp4.flax.linen.layers import NVFP4Layer, stream_key
+from jax_nvfp4.flax.rules import Rule, check_rules, recipe_for
+from jax_nvfp4.linear.dot_general import dot_general
+from jax_nvfp4.linear.einsum import einsum
+from jax_nvfp4.linear.recipe import Recipe
+
+_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+
+
+def module_path(module: nn.Module) -> str:
+    """A linen module's path as the rules match it: its names from the root joined by ``/``."""
+    return "/".join(str(name) for name in module.path)
+
+
+@contextlib.contextmanager
+def _fields(module: nn.Module, **values: Any) -> Iterator[None]:
+    """Set fields of the (frozen) bound module for the length of one call."""
+    old = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        object.__setattr__(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            object.__setattr__(module, name, value)
+
+
+def _dense_call(module: nn.Dense | nn.DenseGeneral, recipe: Recipe, next_fun, args, kwargs):
+    """Flax's own ``__call__`` with ``dot_general`` set to NVFP4's."""
+    if module.dot_general is not None or module.dot_general_cls is not None:
+        raise ValueError(
+            f"{type(module).__name__} at {module_path(module)!r} has its own dot_general; a rule cannot replace it "
+            f"(exclude it with Rule({module_path(module)!r}, None))"
+        )
+
+    def nvfp4_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+        key = stream_key(module, recipe)
+        y = dot_general(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, rng_key=key, **kw
+        )
+        return diagnostics.observe(module, lhs, rhs, dimension_numbers, recipe, y)
+
+    with _fields(module, dot_general=nvfp4_dot_general):
+        return next_fun(*args, **kwargs)
+
+
+def _einsum_call(module: nn.Einsum, recipe: Recipe, inputs, einsum_str: str | None = None):
+    """``nn.Einsum.__call__`` with ``jax_nvfp4.einsum`` where Flax calls ``jnp.einsum`` (same parameters, bias
+    and dtype promotion)."""
+    einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
+    if "->" not in einsum_str or einsum_str.count(",") != 1:
+        raise ValueError(f"nn.Einsum's einsum_str must be explicit ('->') with two operands, got {einsum_str!r}")
+    kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+    bias = None
+    if module.use_bias:
+        bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
+        bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+    inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+    y = einsum(
+        einsum_str,
+        inputs,
+        kernel,
+        precision=module.precision,
+        preferred_element_type=getattr(module, "preferred_element_type", None),
+        recipe=recipe,
+        rng_key=stream_key(module, recipe),
+    )
+    return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
+
+
+def interceptor(rules: Iterable[Rule]):
+    """The ``nn.intercept_methods`` interceptor that applies ``rules`` (see ``nvfp4_rules``)."""
+    rules = check_rules(rules)
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name != "__call__" or not isinstance(module, _LAYERS) or isinstance(module, NVFP4Layer):
+            return next_fun(*args, **kwargs)
+        recipe = recipe_for(rules, module_path(module))
+        if recipe is None:
+            return next_fun(*args, **kwargs)
+        if isinstance(module, nn.Einsum):
+            return _einsum_call(module, recipe, *args, **kwargs)
+        return _dense_call(module, recipe, next_fun, args, kwargs)
+
+    return intercept
+
+
+@contextlib.contextmanager
+def nvfp4_rules(rules: Iterable[Rule]) -> Iterator[None]:
+    """Inside, the linen ``Dense`` / ``DenseGeneral`` / ``Einsum`` layers that ``rules`` match run in NVFP4::
+
+    with nvfp4_rules([Rule(".*mlp.*", Recipe())]):
+        y = model.apply(variables, x, rngs={"nvfp4": key})
+    """
+    with nn.intercept_methods(interceptor(rules)):
+        yield
+
+
+class NVFP4Model(nn.Module):
+    """``module`` with ``rules`` applied to its layers (``quantize_model``); the same parameters as ``module``."""
+
+    module: nn.Module
+    rules: tuple[Rule, ...]
+
+    def setup(self) -> None:
+        nn.share_scope(self, self.module)  # the wrapped model's parameter tree, not nested under "module"
+
+    def __call__(self, *args, **kwargs):
+        with nvfp4_rules(self.rules):
+            return self.module(*args, **kwargs)
+
+
+def quantize_model(module: nn.Module, rules: Iterable[Rule]) -> NVFP4Model:
+    """An unmodified linen model whose layers ``rules`` match run in NVFP4 (see the module docstring).
+
+    ``quantize_model(model, rules).init`` / ``.apply`` take and give ``model``'s own variables; pass the
+    ``"nvfp4"`` RNG stream (``rngs={"nvfp4": key}``) for stochastic rounding when training.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"quantize_model takes a flax.linen Module, got {type(module).__name__}")
+    return NVFP4Model(module, check_rules(rules))
+
+
+__all__ = ["NVFP4Model", "interceptor", "module_path", "nvfp4_rules", "quantize_model"]

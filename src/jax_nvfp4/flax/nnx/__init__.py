@@ -1,0 +1,25 @@
+"""Flax NNX: ``NVFP4DotGeneral`` (an NVFP4 ``dot_general`` that keeps its own RNG stream), the NNX layers,
+conversion of a model by rules, diagnostics and the mixture-of-experts MLP.
+
+Importable apart from the linen layers (``jax_nvfp4.flax`` does not import NNX).
+"""
+
+from jax_nvfp4.flax.nnx.layers import (
+    NVFP4DotGeneral,
+    NVFP4Einsum,
+    NVFP4Linear,
+    NVFP4LinearGeneral,
+    quantize_model,
+    quantize_params,
+)
+from jax_nvfp4.flax.nnx.moe import MoEMLP
+
+__all__ = [
+    "MoEMLP",
+    "NVFP4DotGeneral",
+    "NVFP4Einsum",
+    "NVFP4Linear",
+    "NVFP4LinearGeneral",
+    "quantize_model",
+    "quantize_params",
+]

@@ -1,0 +1,259 @@
+"""Flax NNX: ``NVFP4DotGeneral``, an NVFP4 ``dot_general`` that keeps its own RNG stream.
+
+Pass it as ``dot_general=`` to ``nnx.Linear`` (or any NNX layer that calls a
+``dot_general`` attribute)::
+
+    from jax_nvfp4.flax.nnx.layers import NVFP4DotGeneral
+
+    rngs = nnx.Rngs(0)
+    layer = nnx.Linear(64, 32, dot_general=NVFP4DotGeneral(rngs=rngs), rngs=rngs)
+
+``nnx.Linear`` stores ``dot_general`` as an attribute, so the module, and its
+stream's key and counter, are part of the layer's graph: under ``nnx.jit`` /
+``nnx.value_and_grad`` the counter advances and each step rounds with a new
+key, and the same seed reproduces the steps. The module is importable apart
+from the linen layers (``jax_nvfp4.flax`` does not import NNX).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import types
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_nvfp4.core.tensor import QuantizedWeight
+from jax_nvfp4.flax.linen.layers import RNG_STREAM
+from jax_nvfp4.flax.linen.layers import promote_dtype as _promote_each
+from jax_nvfp4.flax.rules import check_rules, recipe_for
+from jax_nvfp4.linear.dot_general import dot_general, quantize_weight
+from jax_nvfp4.linear.einsum import einsum
+from jax_nvfp4.linear.recipe import Recipe
+
+DEFAULT_RECIPE = Recipe()
+
+# The NVFP4DotGeneral modules observed in the current context (``observing``), by id, each with the callable
+# that runs its GEMM meanwhile. Empty outside ``observing``: a plain call traces nothing more.
+_OBSERVERS: contextvars.ContextVar[Mapping[int, Callable[..., jax.Array]]] = contextvars.ContextVar(
+    "nvfp4_nnx_observers", default=types.MappingProxyType({})
+)
+
+
+@contextlib.contextmanager
+def observing(observers: Mapping[NVFP4DotGeneral, Callable[..., jax.Array]]) -> Iterator[None]:
+    """Within the block (this thread or task only), each ``NVFP4DotGeneral`` in ``observers`` runs its GEMM by
+    calling ``observer(module, lhs, rhs, dims, precision, preferred_element_type, kwargs)`` instead
+    (``jax_nvfp4.flax.nnx.diagnostics.collect_stats`` records operands this way)."""
+    token = _OBSERVERS.set(types.MappingProxyType({**_OBSERVERS.get(), **{id(m): o for m, o in observers.items()}}))
+    try:
+        yield
+    finally:
+        _OBSERVERS.reset(token)
+
+
+def observer_of(module: NVFP4DotGeneral) -> Callable[..., jax.Array] | None:
+    """The callable that runs ``module``'s GEMM in the current ``observing`` block, or None."""
+    return _OBSERVERS.get().get(id(module))
+
+
+class NVFP4Op(nnx.Module):
+    """An NVFP4 operation as an NNX module: its recipe and, with stochastic rounding, its own RNG stream."""
+
+    def __init__(self, recipe: Recipe = DEFAULT_RECIPE, *, rngs: nnx.Rngs | nnx.RngStream | None = None) -> None:
+        """Args:
+        recipe: the NVFP4 recipe; ``Recipe()`` by default.
+        rngs: an ``nnx.Rngs`` (its ``"nvfp4"`` stream, else its ``default``)
+          or an ``nnx.RngStream``; used only with ``recipe.needs_rng_key``.
+        """
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+        self.recipe = recipe
+        if not (rngs is None or isinstance(rngs, (nnx.Rngs, nnx.RngStream))):
+            raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None, got {type(rngs).__name__}")
+        self.rngs: nnx.RngStream | None = nnx.data(None)
+        if rngs is not None and recipe.needs_rng_key:
+            if isinstance(rngs, nnx.Rngs):
+                if RNG_STREAM not in rngs and "default" not in rngs:
+                    raise ValueError(
+                        f"NVFP4 layers take their stochastic-rounding keys from the {RNG_STREAM!r} stream of "
+                        f"rngs (else its 'default' stream), and rngs has only {sorted(rngs)}: pass e.g. "
+                        f"nnx.Rngs(..., {RNG_STREAM}=seed)"
+                    )
+                rngs = rngs[RNG_STREAM]
+            # A fork of the stream (one key from it), tagged "nvfp4" whichever stream it came from.
+            self.rngs = nnx.RngStream(rngs(), tag=RNG_STREAM)
+
+    def next_key(self) -> jax.Array | None:
+        """A fresh stochastic-rounding key from the stream when the recipe needs one and the stream is given."""
+        return self.rngs() if self.recipe.needs_rng_key and self.rngs is not None else None
+
+    def _key(self, kwargs: dict) -> None:
+        """Put a fresh stochastic-rounding key in ``kwargs`` when none is given."""
+        if kwargs.get("rng_key") is None:
+            kwargs["rng_key"] = self.next_key()
+
+
+class NVFP4DotGeneral(NVFP4Op):
+    """``lax.dot_general`` in NVFP4, as an NNX module for ``dot_general=``.
+
+    With ``recipe.needs_rng_key`` (the default) it forks a stream from
+    ``rngs["nvfp4"]`` (``RNG_STREAM``) at construction, as ``nnx.Dropout``
+    does, and passes a fresh key from it to each call. ``nnx.Rngs`` falls back
+    to its ``default`` stream when it has no ``"nvfp4"`` one (with neither it
+    raises); forking draws one key from that stream, so to leave the other
+    layers' initialization as without NVFP4, give the stream its own seed:
+    ``nnx.Rngs(0, nvfp4=1)``. The forked stream is tagged ``"nvfp4"`` either
+    way, so ``nnx.reseed(model, nvfp4=seed)`` reseeds it.
+
+    Without ``rngs`` the forward pass runs, and taking gradients with
+    stochastic rounding raises an error that says what to pass. An explicit
+    ``rng_key=`` in a call takes precedence over the stream.
+    """
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+        """``jax_nvfp4.dot_general`` with this module's recipe and, if it rounds stochastically, a new key."""
+        observer = observer_of(self)
+        if observer is not None:
+            return observer(self, lhs, rhs, dimension_numbers, precision, preferred_element_type, kwargs)
+        self._key(kwargs)
+        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
+
+
+class NVFP4Einsum(NVFP4Op):
+    """``jnp.einsum`` of two operands (activations, weights) in NVFP4, as an NNX module for ``nnx.Einsum``'s
+    ``einsum_op=``: ``jax_nvfp4.einsum`` with this module's recipe; RNG stream as ``NVFP4DotGeneral``'s."""
+
+    def __call__(self, subscripts: str, lhs, rhs, *, precision=None, preferred_element_type=None, **kwargs):
+        """``jax_nvfp4.einsum`` with this module's recipe and, if it rounds stochastically, a new key."""
+        if kwargs.pop("out_sharding", None) is not None:
+            raise NotImplementedError("NVFP4Einsum takes no out_sharding")
+        self._key(kwargs)
+        return einsum(
+            subscripts,
+            lhs,
+            rhs,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            recipe=self.recipe,
+            **kwargs,
+        )
+
+
+def promote_dtype(args: tuple, /, *, dtype=None, inexact: bool = True) -> tuple:
+    """NNX's ``promote_dtype`` (one tuple of values), passing a ``QuantizedWeight`` through as it is."""
+    return tuple(_promote_each(*args, dtype=dtype, inexact=inexact))
+
+
+def quantize_params(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Module:
+    """Store the kernel of every NVFP4 layer of ``model`` as a ``QuantizedWeight``, in place; returns ``model``.
+
+    NVFP4 layers are the ``nnx.Linear`` / ``nnx.LinearGeneral`` whose ``dot_general`` is an
+    ``NVFP4DotGeneral``. Each kernel is quantized as that module's forward GEMM does (with ``recipe``,
+    else the module's own), and the layer then applies it directly, quantizing only its inputs.
+    """
+    for _, node in nnx.iter_graph(model):
+        if not (isinstance(node, nnx.Linear | nnx.LinearGeneral) and isinstance(node.dot_general, NVFP4DotGeneral)):
+            continue
+        kernel = node.kernel[...]
+        if isinstance(kernel, QuantizedWeight):
+            continue
+        if isinstance(node, nnx.LinearGeneral):
+            if node.batch_axis:
+                raise ValueError("quantize_params: an nnx.LinearGeneral with batch_axis has no quantized path")
+            contract_ndim = len(node.in_features)
+        else:
+            contract_ndim = 1
+        node.kernel = nnx.Param(quantize_weight(kernel, recipe or node.dot_general.recipe, contract_ndim=contract_ndim))
+        node.promote_dtype = promote_dtype
+    return model
+
+
+class NVFP4Linear(nnx.Linear):
+    """``nnx.Linear`` whose GEMM (forward and backward) runs in NVFP4 with ``recipe``.
+
+    Same arguments and parameters as ``nnx.Linear`` (and the same initial values for the same ``rngs``: the
+    NVFP4 stream is forked after the parameters are made), plus ``recipe``. Its ``dot_general`` is an
+    ``NVFP4DotGeneral`` that takes its stochastic-rounding keys from ``rngs`` (see there).
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, recipe: Recipe = DEFAULT_RECIPE, rngs: nnx.Rngs, **kwargs
+    ):
+        if "dot_general" in kwargs:
+            raise ValueError("NVFP4Linear computes its GEMM in NVFP4; do not pass dot_general")
+        super().__init__(in_features, out_features, rngs=rngs, **kwargs)
+        self.dot_general = nnx.data(NVFP4DotGeneral(recipe, rngs=rngs))
+
+
+class NVFP4LinearGeneral(nnx.LinearGeneral):
+    """``nnx.LinearGeneral`` whose GEMM (forward and backward) runs in NVFP4 with ``recipe`` (as ``NVFP4Linear``)."""
+
+    def __init__(self, in_features, out_features, *, recipe: Recipe = DEFAULT_RECIPE, rngs: nnx.Rngs, **kwargs):
+        if "dot_general" in kwargs or kwargs.get("dot_general_cls") is not None:
+            raise ValueError("NVFP4LinearGeneral computes its GEMM in NVFP4; do not pass dot_general(_cls)")
+        super().__init__(in_features, out_features, rngs=rngs, **kwargs)
+        self.dot_general = nnx.data(NVFP4DotGeneral(recipe, rngs=rngs))
+
+
+def _node_path(path) -> str:
+    return "/".join(str(part) for part in path)
+
+
+def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | nnx.RngStream | None = None) -> nnx.Module:
+    """Route the GEMMs of an unmodified NNX model's layers that ``rules`` match through NVFP4, in place;
+    returns ``model``.
+
+    Every ``nnx.Linear`` and ``nnx.LinearGeneral`` (also the projections of ``nnx.MultiHeadAttention``) whose
+    path (attribute names joined by ``/``, e.g. ``"blocks/0/attn/query"``) a rule matches gets an
+    ``NVFP4DotGeneral`` with that rule's recipe as its ``dot_general``, and every such ``nnx.Einsum`` an
+    ``NVFP4Einsum`` as its ``einsum_op``. The parameters are untouched (a checkpoint of the model still
+    applies); each converted layer gains the state of its NVFP4 RNG stream, forked from ``rngs`` (its
+    ``"nvfp4"`` stream, else ``default``), which stochastic rounding needs for gradients (without it the
+    forward pass runs and taking gradients raises). Layers already in NVFP4 are left as they are.
+    """
+    rules = check_rules(rules)
+    found = [(_node_path(path), node) for path, node in nnx.iter_graph(model)]
+    for path, node in found:
+        if isinstance(node, nnx.Einsum):
+            if isinstance(node.einsum_op, NVFP4Einsum):
+                continue
+            recipe = recipe_for(rules, path)
+            if recipe is None:
+                continue
+            if node.einsum_op is not jnp.einsum:
+                raise ValueError(
+                    f"nnx.Einsum at {path!r} has its own einsum_op; a rule cannot replace it "
+                    f"(exclude it with Rule({path!r}, None))"
+                )
+            node.einsum_op = nnx.data(NVFP4Einsum(recipe, rngs=rngs))
+        elif isinstance(node, nnx.Linear | nnx.LinearGeneral):
+            if isinstance(node.dot_general, NVFP4DotGeneral):
+                continue
+            recipe = recipe_for(rules, path)
+            if recipe is None:
+                continue
+            if getattr(node, "dot_general_cls", None) is not None or node.dot_general not in (
+                None,
+                jax.lax.dot_general,
+            ):
+                raise ValueError(
+                    f"{type(node).__name__} at {path!r} has its own dot_general; a rule cannot replace it "
+                    f"(exclude it with Rule({path!r}, None))"
+                )
+            node.dot_general = nnx.data(NVFP4DotGeneral(recipe, rngs=rngs))
+    return model
+
+
+__all__ = [
+    "RNG_STREAM",
+    "NVFP4DotGeneral",
+    "NVFP4Einsum",
+    "NVFP4Linear",
+    "NVFP4LinearGeneral",
+    "quantize_model",
+    "quantize_params",
+]

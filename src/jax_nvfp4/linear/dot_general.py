@@ -1,0 +1,284 @@
+"""``jax_nvfp4.dot_general``: a drop-in ``lax.dot_general`` whose GEMMs run in NVFP4.
+
+For y = x W (lhs = activations x, rhs = weights W) the custom VJP follows the
+NVFP4 training recipe on the canonical problem x [B, M, K], W^T [B, N, K]
+(M may be several row axes, e.g. batch and sequence):
+
+  fprop  y  = x  . W^T    x in 1x16 blocks along K, W in 16x16 blocks
+  dgrad  dx = dy . W      dy in 1x16 blocks along N; W's columnwise copy, which
+                          for 16x16 blocks holds the same codes and scales transposed
+  wgrad  dW = dy^T . x    the columnwise 1x16 copies of dy and x (blocked along M),
+                          both of the Random Hadamard Transform along M (the recipe's default)
+
+dy's codes are rounded stochastically (the recipe's default). Each
+operand is quantized once, with one global amax per tensor, or per token for
+x and dy with Recipe.row_scaled_activations / row_scaled_gradients (their
+columnwise copies then have one per feature), and with 4over6 block scaling
+where Recipe.four_over_six names it. The residuals kept for the backward pass
+are the quantized columnwise copies of x and W.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
+
+from jax_nvfp4.core.checks import check_key, check_out_dtype
+from jax_nvfp4.core.formats import INPUT_DTYPES
+from jax_nvfp4.core.pipeline import dequantize_fn, quantize_batch, row_axes
+from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
+from jax_nvfp4.linear.gemm import batched_gemm
+from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.ops import KERNELS
+from jax_nvfp4.sharding.explicit import explicit_sharding
+
+
+class DotConfig(NamedTuple):
+    recipe: Recipe
+    out_dtype: np.dtype
+    x_dtype: np.dtype
+    w_dtype: np.dtype
+
+
+def _quantize(x: jax.Array, recipe: Recipe, operand: str, columnwise: bool, key=None) -> NVFP4Tensor:
+    """Operand "x", "w" or "dy" [B, *R, L] quantized as ``recipe`` specifies, by the public pipeline."""
+    spec = recipe.spec(operand, columnwise=columnwise, tokens=math.prod(x.shape[1:-1]))
+    return quantize_batch(KERNELS, x, spec, rng_key=key)
+
+
+def columnwise_only(t: NVFP4Tensor) -> NVFP4Tensor:
+    """The residual for the backward pass: the columnwise copy alone."""
+    return NVFP4Tensor(None, None, t.amax, t.data_t, t.scale_t, t.amax_t, t.shape, t.dtype, t.spec, t.batched)
+
+
+def _fprop(x: jax.Array, qw: NVFP4Tensor, recipe: Recipe, out_dtype: np.dtype) -> jax.Array:
+    """The forward GEMM without residuals: x [B, *M, K] quantized, against quantized W^T [B, N, K]."""
+    return batched_gemm(_quantize(x, recipe, "x", columnwise=False), qw, out_dtype, impl=recipe.impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: DotConfig) -> jax.Array:
+    """x [B, *M, K], w [B, N, K] -> y [B, *M, N] (M: one or more row axes)."""
+    del key
+    return _fprop(x, _quantize(w, config.recipe, "w", columnwise=False), config.recipe, config.out_dtype)
+
+
+def _matmul_fwd(x, w, key, config: DotConfig):
+    qx = _quantize(x, config.recipe, "x", columnwise=True)
+    qw = _quantize(w, config.recipe, "w", columnwise=True)
+    y = batched_gemm(qx, qw, config.out_dtype, impl=config.recipe.impl)
+    return y, (columnwise_only(qx), columnwise_only(qw), key)
+
+
+def _matmul_bwd(config: DotConfig, residuals, dy):
+    qx, qw, key = residuals  # the columnwise copies: x^T [B, K, *M] and W [B, K, N]
+    config.recipe.check_rng_key(key)
+    qdy = _quantize(dy, config.recipe, "dy", columnwise=True, key=key)
+    impl = config.recipe.impl
+    dx = batched_gemm(qdy, qw, config.x_dtype, c_columnwise=True, impl=impl)  # [B, *M, N] . [B, K, N] -> [B, *M, K]
+    # [B, N, *M] . [B, K, *M] -> [B, N, K], contracting all row axes (tokens); transformed, both operands carry
+    # the same orthogonal transform along them, which cancels in the product.
+    dw = batched_gemm(qdy, qx, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=impl)
+    return dx, dw, None
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+# Jitted so that eager calls run as one compiled program, not op by op.
+_jitted_matmul = jax.jit(_matmul, static_argnums=3)
+
+
+def quantize_weight(kernel: jax.Array, recipe: Recipe | None = None, *, contract_ndim: int = 1) -> QuantizedWeight:
+    """A kernel [*in, *out] (its first ``contract_ndim`` axes contracted) quantized once for inference.
+
+    The rowwise copy of W^T that ``dot_general``'s forward GEMM would make from ``kernel`` with
+    ``recipe`` (16x16 blocks by default), bit for bit, so that ``dot_general(x, quantize_weight(w),
+    ...)`` gives the training forward's output without quantizing the weight again.
+    """
+    recipe = Recipe() if recipe is None else recipe
+    kernel = jnp.asarray(kernel)
+    if kernel.dtype not in INPUT_DTYPES:
+        raise TypeError(f"quantize_weight takes a bfloat16, float16 or float32 kernel, got {kernel.dtype}")
+    if not 1 <= contract_ndim < kernel.ndim:
+        raise ValueError(f"contract_ndim must be in [1, {kernel.ndim - 1}] for a kernel of shape {kernel.shape}")
+    k = math.prod(kernel.shape[:contract_ndim])
+    w = kernel.reshape(k, -1).T[None]  # [1, N, K]
+    return QuantizedWeight(_jitted_weight(w, recipe), tuple(kernel.shape), contract_ndim)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _jitted_weight(w: jax.Array, recipe: Recipe) -> NVFP4Tensor:
+    return _quantize(w, recipe, "w", columnwise=False)
+
+
+_dequantize = dequantize_fn(KERNELS)
+
+
+def dequantize_weight(weight: QuantizedWeight, dtype: DTypeLike = jnp.float32) -> jax.Array:
+    """The kernel a ``QuantizedWeight`` holds, decoded: its shape [*in, *out], in ``dtype``.
+
+    These are the values its forward GEMM multiplies, e.g. to run the same weights through a plain dot
+    or to compare them with the kernel they were quantized from.
+    """
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(
+            f"dequantize_weight takes a QuantizedWeight (from quantize_weight), got {type(weight).__name__}"
+        )
+    t = weight.tensor
+    rows = dataclasses.replace(t, data=t.data[0], scale=t.scale[0], amax=t.amax[0], shape=t.shape[1:], batched=False)
+    return _dequantize(rows, dtype).T.reshape(weight.shape)  # W^T [N, K] -> the kernel
+
+
+_jitted_fprop = jax.jit(_fprop, static_argnums=(2, 3))
+
+
+def _int_dims(dimension_numbers) -> lax.DotDimensionNumbers:
+    """``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` as tuples of ints."""
+    return tuple(tuple(tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
+
+
+def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, recipe: Recipe) -> jax.Array:
+    """``dot_general`` with a ``QuantizedWeight`` as rhs: x quantized, the stored W as it is."""
+    dims = _int_dims(dims)
+    (lc, rc), (lb, rb) = dims
+    if rb or lb or rc != tuple(range(rhs.contract_ndim)):
+        raise ValueError(
+            f"a QuantizedWeight of shape {rhs.shape} contracts its first {rhs.contract_ndim} axes and has no batch "
+            f"axes; got dimension_numbers {dims}"
+        )
+    stand_in = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
+    dot = functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type)
+    out = jax.eval_shape(dot, lhs, stand_in)
+    if lhs.dtype not in INPUT_DTYPES or out.dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"NVFP4 dot_general takes and produces bfloat16, float16 or float32, not lhs {lhs.dtype} -> {out.dtype}"
+        )
+    lf = [d for d in range(lhs.ndim) if d not in lc]
+    x = lhs.transpose(*lf, *lc).reshape(1, -1, math.prod(lhs.shape[d] for d in lc))
+    return _jitted_fprop(x, rhs.tensor, recipe, out.dtype).reshape(out.shape)
+
+
+def check_options(owner: str, recipe: Recipe | None, rng_key, preferred_element_type) -> Recipe:
+    """The options every NVFP4 GEMM entry point (``owner``) takes, checked: its recipe (``Recipe()`` by default)."""
+    recipe = Recipe() if recipe is None else recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+    if rng_key is not None:
+        check_key(rng_key, "rng_key")
+    if preferred_element_type is not None:
+        check_out_dtype(preferred_element_type, "preferred_element_type", owner)
+    return recipe
+
+
+def check_operands(owner: str, **operands: jax.Array) -> None:
+    """TypeError unless each operand is bfloat16, float16 or float32, naming it."""
+    for name, a in operands.items():
+        if a.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{owner} takes bfloat16, float16 or float32 operands, {name} is {a.dtype}")
+
+
+def check_result(owner: str, out: jax.ShapeDtypeStruct) -> None:
+    """TypeError unless the result type (lax's rule) is bfloat16, float16 or float32."""
+    if out.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{owner} produces bfloat16, float16 or float32, not {out.dtype}")
+
+
+def _lax_sharding(result, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """The sharding ``lax.dot_general`` gives its result on Explicit axes: its own rule, or ``out_sharding``."""
+    del result, precision
+    # A QuantizedWeight's kernel has no layout of its own (its arrays are the packed W^T).
+    rhs = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype) if isinstance(rhs, QuantizedWeight) else jnp.asarray(rhs)
+    dot = functools.partial(
+        lax.dot_general,
+        dimension_numbers=_int_dims(dimension_numbers),
+        preferred_element_type=preferred_element_type,
+        out_sharding=kwargs.get("out_sharding"),
+    )
+    return jax.eval_shape(dot, jnp.asarray(lhs), rhs).sharding.spec
+
+
+@explicit_sharding(_lax_sharding, applies=("out_sharding",))
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
+    *,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
+    recipe: Recipe | None = None,
+    rng_key: jax.Array | None = None,
+) -> jax.Array:
+    """``lax.dot_general`` with NVFP4 GEMMs in the forward and backward pass.
+
+    Same signature as ``lax.dot_general``, so it can be passed as
+    ``dot_general=`` to ``nn.Dense``, ``nn.DenseGeneral`` or ``nnx.Linear``.
+    ``lhs`` is treated as the activations and ``rhs`` as the weights (16x16
+    blocks with the default recipe). Any contracting and batch dimensions are
+    accepted; the result has ``lax.dot_general``'s shape and dtype.
+
+    Args:
+      lhs, rhs: bfloat16, float16 or float32 arrays; ``rhs`` may be a
+        ``QuantizedWeight`` (``quantize_weight``): inference, the forward GEMM
+        with the stored weight, which is not quantized again (no gradients).
+      dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+      precision: ignored; the GEMM is NVFP4 with float32 accumulation.
+      preferred_element_type: the output dtype (bfloat16, float16 or float32).
+      out_sharding: a ``NamedSharding`` (or a ``PartitionSpec`` of the
+        current mesh) for the result, applied as a sharding constraint: the
+        GEMM computes that layout and moves its quantized operands to fit.
+        On Explicit axes it is the result's type, as for ``lax.dot_general``.
+      recipe: the NVFP4 recipe options; ``Recipe()`` by default.
+      rng_key: a JAX PRNG key for the stochastic rounding of the gradients
+        (on by default, ``Recipe.needs_rng_key``): needed when the
+        backward pass runs; use a fresh key each step.
+
+    Gradients have the dtypes of ``lhs`` and ``rhs``. Forward-mode autodiff
+    (jvp) is not defined. Empty operands fall back to ``lax.dot_general``.
+
+    Under ``jax.set_mesh`` with Explicit axes the result's type has the
+    sharding ``lax.dot_general`` would give it (its rule, or ``out_sharding``;
+    where lax asks for ``out_sharding`` so does this), and each gradient its
+    operand's. The GEMMs cannot take part in sharding in types themselves
+    (custom partitioning), so they run with those axes Auto, partitioned by
+    the operands' layouts, and the result is resharded to that type.
+    """
+    del precision
+    recipe = check_options("NVFP4 dot_general", recipe, rng_key, preferred_element_type)
+    if isinstance(rhs, QuantizedWeight):
+        y = _apply_quantized(jnp.asarray(lhs), rhs, dimension_numbers, preferred_element_type, recipe)
+        return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    check_operands("NVFP4 dot_general", lhs=lhs, rhs=rhs)
+    dims = _int_dims(dimension_numbers)
+    (lc, rc), (lb, rb) = dims
+    # lax's own shape rule validates the dimension numbers and gives the result type.
+    out = jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type),
+        lhs,
+        rhs,
+    )
+    check_result("NVFP4 dot_general", out)
+    if out.size == 0 or lhs.size == 0 or rhs.size == 0:
+        return lax.dot_general(lhs, rhs, dims, preferred_element_type=out.dtype)
+
+    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    batch = math.prod(lhs.shape[d] for d in lb)
+    k = math.prod(lhs.shape[d] for d in lc)
+    # Row axes (e.g. batch and sequence) stay apart where x's columnwise blocks allow it.
+    rows = row_axes(tuple(lhs.shape[d] for d in lf), blocked_rows=True)
+    x = lhs.transpose(*lb, *lf, *lc).reshape(batch, *rows, k)
+    w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)
+    y = _jitted_matmul(x, w, rng_key, DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
+    return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)

@@ -1,0 +1,223 @@
+"""The NVFP4 GEMM: block sums by an exact bf16 emulation or by XLA's ``lax.scaled_dot`` (``gemm_impl``).
+
+Every operand contracts over its last, packed axis: y[b, i, j] = sum_k a[b, i, k] * c[b, j, k].
+An E2M1 value times an E4M3 scale has at most 6 significant bits and lies in
+[2^-10, 2688], so ``code * block_scale`` is exact in bfloat16; the bf16 products
+are exact in float32, and only the float32 accumulation rounds, as on FP4 tensor
+cores. ``lax.scaled_dot`` computes the same sum (on FP4 tensor cores on Blackwell,
+in another order of accumulation). The float32 sum ``acc`` is then multiplied by the global decode scales
+``fp32(amax / (6 E))`` (E = 448, or 256 for 4over6 tensors), each product rounded
+to float32, in this order:
+
+  1. g = fp32(s_a * s_c), the product of the per-tensor scales (the reference
+     GEMM's alpha, amax_a * amax_c / 2688^2 for E = 448; only the per-tensor
+     one where one operand is row-scaled, none where both are): y = fp32(acc * g);
+  2. a row-scaled ``a``: y[i, j] = fp32(y[i, j] * s_a[i]) (each output row by its row scale);
+  3. a row-scaled ``c``: y[i, j] = fp32(y[i, j] * s_c[j]) (each output column);
+  4. a bias (``gemm(..., bias=)``): y[i, j] = fp32(y[i, j] + bias[j]);
+  5. the cast to the output dtype.
+
+So a row-scaled GEMM runs with a neutral global scale and scales the rows of
+its float32 result afterwards, as a GEMM whose epilogue applies per-token scales.
+With two per-tensor operands, one product of the two scales keeps a.c^T and c.a^T
+transposes of each other, bit for bit.
+
+The GEMM is one primitive (``nvfp4_gemm``) so that it partitions as a whole:
+under ``jit`` on a mesh, whatever collective brings the operands to the layout
+of the output moves their packed codes and scales, never dequantized values.
+Row scales are applied to its float32 result, elementwise ops XLA shards itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import DTypeLike
+
+from jax_nvfp4.core import bits as b
+from jax_nvfp4.core.checks import check_out_dtype, check_real
+from jax_nvfp4.core.formats import E2M1_MAX, E4M3_MAX
+from jax_nvfp4.core.tensor import NVFP4Tensor, check_tensor
+from jax_nvfp4.linear.block_sum import GemmImpl, resolve_impl
+from jax_nvfp4.ops.gemm import decode_scale, gemm_p, split
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["data", "scale", "amax"],
+    meta_fields=["contract_ndim", "length", "per_row", "e4m3_max"],
+)
+@dataclasses.dataclass(frozen=True)
+class _Copy:
+    """One copy of a batched tensor as a GEMM operand: [B, *R, *L] blocked along the last axis.
+
+    The rowwise copy of [B, *R, N] contracts N; the columnwise one, [B, N, *R[:-1], ceil(R[-1]/2)],
+    contracts the R axes. Only what the GEMM reads, so that its jit cache does not split on the rest of a spec.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    amax: jax.Array
+    contract_ndim: int
+    length: int
+    per_row: bool
+    e4m3_max: int
+
+    @classmethod
+    def of(cls, t: NVFP4Tensor, columnwise: bool) -> _Copy:
+        if columnwise:
+            arrays, contract_ndim, length = (t.data_t, t.scale_t, t.amax_t), len(t.shape) - 2, t.shape[-2]
+        else:
+            arrays, contract_ndim, length = (t.data, t.scale, t.amax), 1, t.shape[-1]
+        if arrays[0] is None:
+            raise ValueError(f"this GEMM needs the {'columnwise' if columnwise else 'rowwise'} copy of its operand")
+        return cls(*arrays, contract_ndim, length, t.spec.row_scaled, t.spec.e4m3_max)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return split(self.data.shape, self.contract_ndim)[0]
+
+
+def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype, impl: str) -> jax.Array:
+    batch = (a.data.shape[0],)
+    # Scales travel as their E4M3 bytes: XLA on CPU widens float8 collectives to f16.
+    (y,) = gemm_p.bind(
+        a.data,
+        lax.bitcast_convert_type(a.scale, jnp.uint8),
+        jnp.broadcast_to(amax_a, batch),
+        c.data,
+        lax.bitcast_convert_type(c.scale, jnp.uint8),
+        jnp.broadcast_to(amax_c, batch),
+        contract_ndim=a.contract_ndim,
+        length=a.length,
+        out_dtype=jnp.dtype(out_dtype),
+        impl=impl,
+    )
+    return y
+
+
+def _row_scale(op: _Copy, before: int, after: int) -> jax.Array:
+    """A row-scaled operand's decode scales [B, *R], shaped to broadcast over the output's axes."""
+    if op.amax.shape != (op.data.shape[0], *op.rows):
+        raise ValueError(
+            f"a row-scaled operand's amax must be [B, *R] = {(op.data.shape[0], *op.rows)}, got {op.amax.shape}"
+        )
+    # The barrier keeps the scales' integer emulation out of the fusion with the output's multiply and cast,
+    # which XLA's CPU compiler otherwise spends minutes on.
+    s = lax.optimization_barrier(decode_scale(op.amax, op.e4m3_max))
+    return s.reshape(s.shape[0], *(1,) * before, *op.rows, *(1,) * after)
+
+
+def batched_gemm(
+    a: NVFP4Tensor,
+    c: NVFP4Tensor,
+    out_dtype: DTypeLike,
+    *,
+    a_columnwise: bool = False,
+    c_columnwise: bool = False,
+    bias: jax.Array | None = None,
+    impl: GemmImpl = "auto",
+) -> jax.Array:
+    """Batched tensors a [B, ...] and c [B, ...] -> [B, *Ra, *Rc] of ``out_dtype``, contracting one copy of each.
+
+    The rowwise copy of [B, *R, L] contracts L (its rows R); the columnwise
+    copy contracts R (its rows are L). Both copies contract the same axes. The
+    global decode scales, then ``bias`` (float32, broadcast against the
+    output), apply in the order of the module docstring. ``impl``: see ``gemm``.
+    """
+    ca, cc = _Copy.of(a, a_columnwise), _Copy.of(c, c_columnwise)
+    if ca.contract_ndim != cc.contract_ndim or ca.length != cc.length:
+        raise ValueError("the two GEMM operands contract different axes")
+    return _gemm(ca, cc, jnp.dtype(out_dtype), bias, resolve_impl(impl, "the GEMM's impl"))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "impl"))
+def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None, impl: str) -> jax.Array:
+    plain = not (ca.per_row or cc.per_row) and ca.e4m3_max == cc.e4m3_max == 448
+    if plain and bias is None:
+        return _bind(ca, cc, ca.amax, cc.amax, out_dtype, impl)  # the scale product inside
+    # Global decode scale 1 in the primitive (amax = 6 * 448); the scales apply to its float32 result.
+    unit = jnp.float32(E2M1_MAX * E4M3_MAX)
+    y = _bind(ca, cc, unit, unit, jnp.float32, impl)
+    ra, rc = len(ca.rows), len(cc.rows)
+    per_tensor = [
+        jnp.broadcast_to(decode_scale(op.amax, op.e4m3_max), y.shape[:1]) for op in (ca, cc) if not op.per_row
+    ]
+    if per_tensor:
+        g = per_tensor[0] if len(per_tensor) == 1 else b.from_bits(b.mul(*(b.to_bits(s) for s in per_tensor)))
+        y = y * g.reshape(-1, *(1,) * (ra + rc))
+    if ca.per_row:
+        y = y * _row_scale(ca, 0, rc)
+    if cc.per_row:
+        y = y * _row_scale(cc, ra, 0)
+    if bias is not None:
+        y = y + bias
+    return y.astype(out_dtype)
+
+
+def _bias(bias, out_shape: tuple[int, ...]) -> jax.Array:
+    """gemm's bias as float32 broadcast to the output, or an error naming the option."""
+    check_real("gemm's bias", bias)
+    shape = jnp.shape(bias)
+    try:
+        return jnp.broadcast_to(jnp.asarray(bias, jnp.float32), out_shape)
+    except ValueError as e:
+        raise ValueError(f"gemm's bias of shape {shape} does not broadcast to the output shape {out_shape}") from e
+
+
+def _as_batch(t: NVFP4Tensor) -> NVFP4Tensor:
+    """A quantized tensor's rowwise copy as a batch of one [1, M, N] (amax [1], or [1, M] per row)."""
+    amax = t.amax.reshape(1, t.rows) if t.spec.row_scaled else t.amax.reshape(1)
+    data, scale = t.data.reshape(1, t.rows, -1), t.scale.reshape(1, t.rows, -1)
+    return NVFP4Tensor(data, scale, amax, None, None, None, (1, t.rows, t.cols), t.dtype, t.spec, batched=True)
+
+
+def gemm(
+    a: NVFP4Tensor,
+    c: NVFP4Tensor,
+    out_dtype: DTypeLike = jnp.float32,
+    bias: jax.Array | None = None,
+    *,
+    impl: GemmImpl = "auto",
+) -> jax.Array:
+    """NVFP4 GEMM of two rowwise-quantized tensors: ``a @ c.T`` over their last axis.
+
+    Args:
+      a: quantized [..., K] (rows M = prod of its leading axes).
+      c: quantized [..., K] (rows N), e.g. a weight stored [N, K].
+      out_dtype: result dtype; the sum is accumulated in float32.
+      bias: added in float32 after the scales and before the cast to
+        ``out_dtype``, as a GEMM epilogue does; shape ``c.shape[:-1]`` (one
+        per output column) or anything that broadcasts against the result.
+      impl: how the block sums run: ``"emulated"`` (the blocks dequantized to
+        bf16, then a bf16 dot with float32 accumulation), ``"scaled_dot"``
+        (``lax.scaled_dot`` on float4_e2m1fn codes and E4M3 scales: XLA's own
+        block-scaled dot, the FP4 tensor cores on Blackwell) or ``"auto"``
+        (``scaled_dot`` where it runs natively, see ``native_scaled_dot``;
+        ``emulated`` elsewhere). The scales' epilogue is ours either way.
+
+    Returns:
+      [*a.shape[:-1], *c.shape[:-1]]: sum_k a[..., k] * c[..., k] of the
+      dequantized values, exact up to the float32 accumulation and the
+      float32 products with the global decode scales. A row-scaled ``a``
+      scales each output row by its own decode scale, a row-scaled ``c``
+      each output column (after the sum; the module docstring has the order).
+    """
+    check_tensor("gemm's a", a)
+    check_tensor("gemm's c", c)
+    out_dtype = check_out_dtype(out_dtype, "out_dtype", "gemm")
+    impl = resolve_impl(impl, "gemm's impl")
+    if a.data is None or c.data is None:
+        raise ValueError("gemm needs the rowwise copy of both operands (quantize with rowwise=True)")
+    if a.cols != c.cols:
+        raise ValueError(f"contracting sizes differ: a has {a.cols}, c has {c.cols}")
+
+    out_shape = (*a.shape[:-1], *c.shape[:-1])
+    if bias is not None:
+        bias = _bias(bias, out_shape).reshape(1, a.rows, c.rows)
+    y = batched_gemm(_as_batch(a), _as_batch(c), out_dtype, bias=bias, impl=impl)
+    return y.reshape(out_shape)

@@ -1,0 +1,263 @@
+"""``jax_nvfp4.ragged_dot``: a drop-in ``lax.ragged_dot`` (mixture-of-experts grouped GEMM) in NVFP4.
+
+lhs x [M, K] holds the tokens sorted by expert, rhs W [G, K, N] one weight per expert, and
+``group_sizes`` [G] how many consecutive rows each expert takes: rows of group g give x[r] . W[g].
+The custom VJP follows ``dot_general``'s recipe, group by group:
+
+  fprop  y  = x . W_g     x in 1x16 blocks along K (one amax for all tokens), each W_g in 16x16
+                          blocks with its own amax
+  dgrad  dx = dy . W_g^T  dy in 1x16 blocks along N, W_g's columnwise copy (its codes transposed)
+  wgrad  dW_g = dy_g^T x_g  the columnwise copies of group g's tokens alone, blocked along the tokens
+
+**Group boundaries in the wgrad copies.** The token blocks of the columnwise copies lie on the
+global grid of 16 rows (rows 16j..16j+15). Each group is quantized as its own tensor: a block that a
+group boundary cuts holds, in group g's copy, only g's rows (with their own block scale), and the
+next group's copy of the same block holds the rest. Each group has its own amax (of its transform,
+with the RHT), and with the RHT each 16-row chunk is transformed with the rows outside the group as
+zeros. So group g's blocks are the quantization of its rows padded in front by ``start_g mod 16``
+zero rows, and no 16-token block mixes two experts' tokens. One grouped quantize
+(``_reference_grouped``) writes every group's blocks into one copy of at most M + 16 (G - 1) token
+rows: residuals about a dense layer's, not G of them.
+
+**The GEMMs, once each.** An E2M1 value times its E4M3 block scale is exact in bfloat16, so each
+product runs as one grouped GEMM of the decoded blocks with float32 accumulation, and each group's
+global decode scales apply to its float32 result, in ``gemm``'s order (the product of the
+per-tensor scales, then the per-row ones): fprop and dgrad as one ``lax.ragged_dot``, wgrad as one
+``lax.ragged_dot_general`` contracting each group's segment of the grouped copies. The cost is that
+of the backend's own grouped GEMM of bf16 operands plus the quantization. Each group's result equals
+``gemm`` of the group's quantized blocks wherever the float32 sums are exact; otherwise the two
+differ only in the order of the float32 accumulation. ``Recipe.impl`` does not apply here (XLA has
+no block-scaled ragged dot).
+
+**Sharding.** The grouped quantize keeps the token rows whole (a group's place in the grouped copy
+depends on every size before it); under ``jit`` it shards over the features, and XLA partitions the
+grouped GEMMs of the decoded values.
+
+Rows past ``sum(group_sizes)`` give zeros (as in ``lax.ragged_dot``) and take no part in any amax.
+
+Stochastic rounding uses ``jax.random.split(rng_key, G + 1)``: key 0 for dy's rowwise copy, key
+1 + g for group g's columnwise blocks (the random words of each element at its place in the
+[N, M] copy, as a per-group quantization of the whole tensor would draw them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
+
+from jax_nvfp4.core import bits as b
+from jax_nvfp4.core.pipeline import quantize_batch
+from jax_nvfp4.core.tensor import NVFP4Tensor
+from jax_nvfp4.linear.dot_general import DotConfig, check_operands, check_options, check_result, columnwise_only
+from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.moe.grouped import Scaled, quantize_grouped
+from jax_nvfp4.ops import KERNELS
+from jax_nvfp4.ops.gemm import block_values, decode_scale
+from jax_nvfp4.reference.grouped import bounds, segment_sizes
+from jax_nvfp4.sharding.explicit import explicit_sharding, spec_of
+
+_WGRAD = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
+)
+"""[N, Mp] . [K, Mp] -> [G, N, K], each group contracting its segment of the tokens."""
+
+
+def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group of each of ``rows`` rows (int32 [rows]); G for rows past the last group."""
+    ends = bounds(group_sizes, rows)[1]
+    return jnp.sum(jnp.arange(rows, dtype=jnp.int32)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+
+
+def _cut_sizes(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group sizes with their sum cut at ``rows`` (later groups lose rows, as ``group_ids`` assigns them)."""
+    starts, ends = bounds(group_sizes, rows)
+    return ends - starts
+
+
+def _experts(w: jax.Array, recipe: Recipe, columnwise: bool) -> NVFP4Tensor:
+    """W^T [G, N, K], each expert quantized on its own (own amax): [G, N, K], with the columnwise copy if asked."""
+    spec = recipe.spec("w", columnwise=columnwise, tokens=w.shape[1])
+    t = jax.vmap(lambda wg: quantize_batch(KERNELS, wg[None], spec))(w)
+    squeeze = lambda a: None if a is None else a.reshape(a.shape[0], *a.shape[2:])  # noqa: E731
+    arrays = [squeeze(a) for a in (t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)]
+    return NVFP4Tensor(*arrays, (w.shape[0], *t.shape[1:]), t.dtype, t.spec, batched=True)
+
+
+def _expert_values(qw: NVFP4Tensor, columnwise: bool) -> Scaled:
+    """Each expert's values as ``lax.ragged_dot``'s rhs [G, in, out] and its scales [G]: W for the forward
+    GEMM (from W^T's rowwise copy), W^T for the backward one (from its columnwise copy)."""
+    data, scale, amax = (qw.data_t, qw.scale_t, qw.amax_t) if columnwise else (qw.data, qw.scale, qw.amax)
+    values = block_values(data, scale, qw.shape[1] if columnwise else qw.shape[2])
+    return Scaled(jnp.swapaxes(values, 1, 2), amax, qw.spec.row_scaled, qw.spec.e4m3_max)
+
+
+def _scaled(acc: jax.Array, per_tensor: list[jax.Array], per_row: list[jax.Array], out_dtype) -> jax.Array:
+    """The float32 sums times the operands' global decode scales, in ``gemm``'s order: the product of the
+    per-tensor ones (rounded once), then each per-row one; cast to ``out_dtype``. Each scale broadcasts
+    against ``acc`` already."""
+    if per_tensor:
+        g = per_tensor[0] if len(per_tensor) == 1 else b.from_bits(b.mul(*(b.to_bits(s) for s in per_tensor)))
+        acc = acc * g
+    for s in per_row:
+        acc = acc * s
+    return acc.astype(out_dtype)
+
+
+def _decode(op: Scaled) -> jax.Array:
+    # The barrier keeps the scales' integer emulation out of the fusion with the output's multiply (as gemm's).
+    return lax.optimization_barrier(decode_scale(op.amax, op.e4m3_max))
+
+
+def _token_gemm(tokens: Scaled, experts: Scaled, sizes: jax.Array, ids: jax.Array, out_dtype) -> jax.Array:
+    """Rows [M, L] of the tokens times their group's expert [G, L, n] -> [M, n] (fprop and dgrad)."""
+    groups = experts.values.shape[0]
+    acc = lax.ragged_dot(tokens.values, experts.values, sizes, preferred_element_type=jnp.float32)
+    expert = _decode(experts)[jnp.minimum(ids, groups - 1)][:, None]  # each row's expert's scale
+    token = _decode(tokens)
+    per_tensor, per_row = [expert], []
+    if tokens.per_row:
+        per_row.append(token[:, None])
+    else:
+        per_tensor.insert(0, jnp.broadcast_to(token, expert.shape))
+    y = _scaled(acc, per_tensor, per_row, out_dtype)
+    return jnp.where((ids < groups)[:, None], y, jnp.zeros((), y.dtype))
+
+
+def _weight_gemm(a: Scaled, c: Scaled, segments: jax.Array, out_dtype) -> jax.Array:
+    """Each group's columnwise copies [N, Mp] and [K, Mp] contracted over its segment -> [G, N, K] (wgrad)."""
+    acc = lax.ragged_dot_general(a.values, c.values, segments, _WGRAD, preferred_element_type=jnp.float32)
+    sa, sc = _decode(a), _decode(c)
+    per_tensor = [s[:, None, None] for s, op in ((sa, a), (sc, c)) if not op.per_row]
+    per_row = ([sa[:, :, None]] if a.per_row else []) + ([sc[:, None, :]] if c.per_row else [])
+    return _scaled(acc, per_tensor, per_row, out_dtype)
+
+
+def _masked(v: jax.Array, ids: jax.Array, groups: int) -> jax.Array:
+    """v [M, L] with the rows past the last group zero."""
+    return jnp.where((ids < groups)[:, None], v, jnp.zeros((), v.dtype))
+
+
+def _keys(key, groups: int):
+    """(dy's rowwise key, the G group keys) from the backward pass's key; Nones without one."""
+    if key is None:
+        return None, None
+    keys = jax.random.split(key, groups + 1)
+    return keys[0], keys[1:]
+
+
+def _fprop(qx: Scaled, qw: NVFP4Tensor, sizes, ids, config: DotConfig) -> jax.Array:
+    """The forward GEMM of the tokens' rowwise copy and each expert's W."""
+    return _token_gemm(qx, _expert_values(qw, columnwise=False), sizes, ids, config.out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: DotConfig) -> jax.Array:
+    """x [M, K], W^T [G, N, K], group_sizes [G] -> y [M, N]. Without a backward pass: x's rowwise copy alone."""
+    del key
+    groups, rows = w.shape[0], x.shape[0]
+    ids = group_ids(group_sizes, rows)
+    spec = config.recipe.spec("x", columnwise=False, tokens=rows)
+    t = quantize_batch(KERNELS, _masked(x, ids, groups)[None], spec)
+    qx = Scaled(block_values(t.data, t.scale, x.shape[1])[0], t.amax[0], spec.row_scaled, spec.e4m3_max)
+    return _fprop(qx, _experts(w, config.recipe, columnwise=False), _cut_sizes(group_sizes, rows), ids, config)
+
+
+def _ragged_fwd(x, w, group_sizes, key, config: DotConfig):
+    rows = x.shape[0]
+    ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
+    qw = _experts(w, config.recipe, columnwise=True)
+    qx = quantize_grouped(x, group_sizes, config.recipe.spec("x", columnwise=True, tokens=rows))
+    y = _fprop(qx.rows(), qw, sizes, ids, config)
+    return y, (qx.columnwise_only(), columnwise_only(qw), group_sizes, key)
+
+
+def _ragged_bwd(config: DotConfig, residuals, dy):
+    qx, qw, group_sizes, key = residuals  # x's grouped copy (GroupedCopies), W's columnwise copies
+    recipe, groups, rows = config.recipe, qw.shape[0], dy.shape[0]
+    recipe.check_rng_key(key)
+    row_key, group_keys = _keys(key, groups)
+    ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
+    spec = recipe.spec("dy", columnwise=True, tokens=rows)
+    qdy = quantize_grouped(dy, group_sizes, spec, row_key=row_key, group_keys=group_keys)
+    dx = _token_gemm(qdy.rows(), _expert_values(qw, columnwise=True), sizes, ids, config.x_dtype)
+    dw = _weight_gemm(qdy.columns(), qx.columns(), segment_sizes(group_sizes, rows), config.w_dtype)
+    return dx, dw, None, None
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+_jitted_ragged = jax.jit(_ragged, static_argnums=4)
+
+
+def _explicit_sharding(result, lhs, rhs, group_sizes, *args, **kwargs) -> PartitionSpec:
+    """The result's type on Explicit axes, which lax has no rule for (it asks for an out_sharding): the one
+    ``lax.dot_general`` gives lhs [M, K] times one group's rhs [K, N], tokens as lhs's rows and N as rhs's."""
+    del result, group_sizes, args, kwargs
+    rhs = jnp.asarray(rhs)
+    mesh = jax.sharding.get_abstract_mesh()
+    one = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec_of(rhs)[1:])))
+    dense = functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())))
+    return jax.eval_shape(dense, jnp.asarray(lhs), one).sharding.spec
+
+
+@explicit_sharding(_explicit_sharding)
+def ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
+    group_offset: jax.Array | None = None,
+    *,
+    recipe: Recipe | None = None,
+    rng_key: jax.Array | None = None,
+) -> jax.Array:
+    """``lax.ragged_dot`` with NVFP4 GEMMs in the forward and backward pass (mixture of experts).
+
+    Args:
+      lhs: [M, K] bfloat16, float16 or float32: the tokens, sorted by group (expert).
+      rhs: [G, K, N] of the same dtypes: one weight per group.
+      group_sizes: int [G]: the rows of each group, in order; they may be zero (a negative size counts as
+        zero). Rows past their sum give zeros; a sum past M cuts the last groups at M.
+      precision: ignored; the GEMMs are NVFP4 with float32 accumulation.
+      preferred_element_type: the output dtype (bfloat16, float16 or float32).
+      group_offset: not supported (as in ``lax.ragged_dot`` on CPU and GPU).
+      recipe: the NVFP4 recipe options (``Recipe()`` by default), as in ``dot_general``.
+      rng_key: the key of the gradients' stochastic rounding (needed for the backward pass with
+        the default recipe; a fresh one each step).
+
+    Returns [M, N] of ``lax.ragged_dot``'s dtype. The module docstring has the recipe, how the
+    weight-gradient copies treat group boundaries inside a 16-token block, and the cost.
+    Gradients flow to ``lhs`` and ``rhs`` (not ``group_sizes``); forward-mode autodiff is not defined.
+
+    Under ``jax.set_mesh`` with Explicit axes, where ``lax.ragged_dot`` asks for an ``out_sharding``, the
+    result's type is the sharding ``lax.dot_general`` gives lhs times one group's rhs [K, N] (the tokens as
+    lhs's rows, N as rhs's last axis; an expert axis of rhs does not show in it), and each gradient has
+    its operand's. The GEMMs run with those axes Auto, as ``dot_general``'s do.
+    """
+    del precision
+    recipe = check_options("NVFP4 ragged_dot", recipe, rng_key, preferred_element_type)
+    if group_offset is not None:
+        raise NotImplementedError("NVFP4 ragged_dot does not support group_offset")
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    check_operands("NVFP4 ragged_dot", lhs=lhs, rhs=rhs)
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != rhs.shape[:1]:
+        raise ValueError(
+            "NVFP4 ragged_dot takes lhs [M, K], rhs [G, K, N] and group_sizes [G], got shapes "
+            f"{lhs.shape}, {rhs.shape} and {group_sizes.shape}"
+        )
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be integers, got {group_sizes.dtype}")
+    # lax's own shape rule checks K and gives the result type.
+    ragged = functools.partial(lax.ragged_dot, preferred_element_type=preferred_element_type)
+    out = jax.eval_shape(ragged, lhs, rhs, group_sizes)
+    check_result("NVFP4 ragged_dot", out)
+    if out.size == 0 or lhs.size == 0 or rhs.size == 0:
+        return ragged(lhs, rhs, group_sizes)
+    config = DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)
+    return _jitted_ragged(lhs, rhs.transpose(0, 2, 1), group_sizes.astype(jnp.int32), rng_key, config)

@@ -1,0 +1,193 @@
+"""``nvfp4_gemm``: a (data, scale, amax) [B, *Ra, *L], c (data, scale, amax) [B, *Rc, *L] -> [B, *Ra, *Rc].
+
+y[b, i, j] = sum over the ``contract_ndim`` axes L of a[b, i, l] * c[b, j, l] times the product of the
+global decode scales fp32(amax / 2688) of a and c (amax [B] each); the last L axis is packed and blocked,
+``length`` values long. ``impl`` says how the float32 sum is made (``jax_nvfp4.linear.block_sum``): "emulated",
+exactly, with a bf16 dot (an E2M1 value times an E4M3 scale is exact in bfloat16 and the products in
+float32; only the float32 accumulation rounds), or "scaled_dot", by ``lax.scaled_dot`` on the codes as
+float4_e2m1fn. One primitive, so that it partitions as a whole: whatever collective brings the operands
+to the layout of the output moves their packed codes and scales, never dequantized values. Scales travel
+as their E4M3 bytes (uint8): XLA on CPU widens float8 collectives to f16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_nvfp4.core import bits as b
+from jax_nvfp4.core.formats import BLOCK, E2M1_MAX, E4M3_MAX
+from jax_nvfp4.ops.define import Partitioning, define, shaped
+from jax_nvfp4.ops.dequantize import dequantize
+from jax_nvfp4.ops.partition import Factors, fits, mesh_size, without
+from jax_nvfp4.reference import kernels
+
+
+def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
+    """``E2M1(code) * block_scale`` as bfloat16 [B, R, length]; exact (no global scale).
+
+    The dequantize primitive with amax = 6 * 448, whose global decode scale is 1.
+    """
+    unit = jnp.full(data.shape[:1], E2M1_MAX * E4M3_MAX, jnp.float32)
+    return dequantize(data, scale, unit, cols=length, dtype=jnp.dtype(jnp.bfloat16))
+
+
+def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
+    """fp32(amax / (6 E)), rounded exactly: an operand's global decode scale (per tensor or per row)."""
+    return b.from_bits(kernels.dequantize_scale(b.to_bits(jnp.asarray(amax, jnp.float32)), e4m3_max))
+
+
+def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
+    """fp32(amax_a / 2688) * fp32(amax_c / 2688), rounded exactly and symmetric in a and c."""
+    return b.from_bits(b.mul(b.to_bits(decode_scale(amax_a)), b.to_bits(decode_scale(amax_c))))
+
+
+_BATCHED_NT = (((2,), (2,)), ((0,), (0,)))
+"""[B, M, K] . [B, N, K] -> [B, M, N]."""
+
+
+def split(shape, contract_ndim: int) -> tuple[tuple[int, ...], int]:
+    """[B, *R, *L] -> (R, prod of the L axes before the last)."""
+    return tuple(shape[1 : len(shape) - contract_ndim]), math.prod(shape[len(shape) - contract_ndim : -1])
+
+
+def _emulated_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) -> jax.Array:
+    """The float32 sum over L of the blocks' values, dequantized to bf16 (exact) and multiplied by a bf16 dot."""
+
+    def values(data, scale):  # [B, *R, *L] -> bf16 [B, prod(R), prod(L)]
+        b, rows, lead = data.shape[0], *split(data.shape, contract_ndim)
+        scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+        v = block_values(data.reshape(b, -1, data.shape[-1]), scale.reshape(b, -1, scale.shape[-1]), length)
+        return v.reshape(b, math.prod(rows), lead * length)
+
+    a = values(a_data, a_scale)
+    # XLA's CPU dot sums a single row in another order than each row of a larger product (a matrix-vector
+    # path). With a zero row added, a row's sums do not depend on how many rows come with it, so a ragged
+    # GEMM's one-token group equals that token's row of any other GEMM.
+    single = a.shape[1] == 1
+    if single:
+        a = jnp.pad(a, ((0, 0), (0, 1), (0, 0)))
+    acc = lax.dot_general(a, values(c_data, c_scale), _BATCHED_NT, preferred_element_type=jnp.float32)
+    return acc[:, :1] if single else acc
+
+
+def _scaled_dot_operand(data: jax.Array, scale: jax.Array, contract_ndim: int, length: int):
+    """Packed codes and E4M3 bytes [B, *R, *L] -> ``lax.scaled_dot``'s operand and scale [B, prod(R), prod(L)].
+
+    The codes are bitcast to float4_e2m1fn (two per byte, element 2i in the low nibble, as XLA packs
+    them), each row of ``length`` values padded with zero codes to whole blocks of 16, so that the
+    contracting axes merge into one whose scale is one E4M3 per 16 values.
+    """
+    b, rows = data.shape[0], split(data.shape, contract_ndim)[0]
+    blocks = -(-length // BLOCK)
+    if length % 2:  # the last byte's high nibble lies past the row: zero it, whatever it holds
+        data = data.at[..., -1].set(data[..., -1] & jnp.uint8(0x0F))
+    pad = [(0, 0, 0)] * (data.ndim - 1) + [(0, blocks * BLOCK // 2 - data.shape[-1], 0)]
+    codes = lax.bitcast_convert_type(lax.pad(data, jnp.uint8(0), pad), jnp.float4_e2m1fn)
+    scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+    return codes.reshape(b, math.prod(rows), -1), scale.reshape(b, math.prod(rows), -1)
+
+
+def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) -> jax.Array:
+    """The float32 sum over L by ``lax.scaled_dot`` (XLA's block-scaled dot: FP4 tensor cores where it has them)."""
+    a, a_s = _scaled_dot_operand(a_data, a_scale, contract_ndim, length)
+    c, c_s = _scaled_dot_operand(c_data, c_scale, contract_ndim, length)
+    return lax.scaled_dot(
+        a, c, lhs_scale=a_s, rhs_scale=c_s, dimension_numbers=_BATCHED_NT, preferred_element_type=jnp.float32
+    )
+
+
+def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl):
+    sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum}[impl]
+    acc = sums(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
+    # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit. The barrier
+    # keeps the scales' integer emulation out of the fusion with the output's multiply and cast, where XLA's CPU
+    # compiler can loop for minutes (seen with 19 batch entries of one row: its algebraic simplifier cycles).
+    scale = lax.optimization_barrier(global_decode_scale(a_amax, c_amax))
+    y = (acc * scale[:, None, None]).astype(out_dtype)
+    a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
+    return (y.reshape(a_data.shape[0], *a_rows, *c_rows),)
+
+
+def _abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl):
+    a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
+    return (shaped((a_data.shape[0], *a_rows, *c_rows), out_dtype),)
+
+
+def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype, impl):
+    f = Factors(axis_sizes)
+    _, lp, ls = f.dim("l", length, blocked=True)
+    lead_l = [f"k{i}" for i in range(contract_ndim - 1)]
+    a_rows = [f"a{i}" for i in range(len(in_shapes[0]) - 1 - contract_ndim)]
+    c_rows = [f"c{i}" for i in range(len(in_shapes[3]) - 1 - contract_ndim)]
+    a, c = (" ".join(["b", *rows, *lead_l]) for rows in (a_rows, c_rows))
+    rule = f"{a} {lp}, {a} {ls}, b, {c} {lp}, {c} {ls}, b -> " + " ".join(["b", *a_rows, *c_rows])
+    reduction = (*lead_l, "lb") if "lb" in lp else tuple(lead_l)
+    return f.rule(rule, reduction_factors=reduction)
+
+
+def _common_prefix(a: tuple[str, ...], c: tuple[str, ...]) -> tuple[str, ...]:
+    n = 0
+    while n < min(len(a), len(c)) and a[n] == c[n]:
+        n += 1
+    return a[:n]
+
+
+def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype, impl):
+    """Keep the output sharded as wanted; move the *quantized* operands to fit.
+
+    The output takes the sharding propagation asks for (by default a's rows
+    and c's rows). A contracting axis stays sharded on the mesh axes both
+    operands share (leading ones); the partial float32 sums are then reduced:
+    reduce-scattered onto an output axis that wants that mesh axis,
+    all-reduced otherwise. Every other mismatch is resolved by resharding the
+    operands, i.e. by collectives on packed codes and E4M3 scales.
+    """
+    k = contract_ndim
+    a_shape, c_shape, a_dims, c_dims = in_shapes[0], in_shapes[3], in_dims[0], in_dims[3]
+    ra, rc = len(a_shape) - 1 - k, len(c_shape) - 1 - k
+    out_sizes = (a_shape[0], *a_shape[1 : 1 + ra], *c_shape[1 : 1 + rc])
+    want = out_dims[0] if out_dims is not None else (a_dims[0], *a_dims[1 : 1 + ra], *c_dims[1 : 1 + rc])
+    b = fits(mesh, a_shape[0], want[0])
+    l_sizes = (*a_shape[1 + ra : -1], length)
+    contract, used = [], b
+    for i, size in enumerate(l_sizes):
+        axes = without(_common_prefix(a_dims[1 + ra + i], c_dims[1 + rc + i]), used)
+        contract.append(fits(mesh, size, axes, BLOCK if i == k - 1 else 1))
+        used += contract[-1]
+    reduced = used[len(b) :]
+    out, rows, scatter = [b], [], {}
+    for j in range(1, len(out_sizes)):
+        kept = fits(mesh, out_sizes[j], without(want[j], used))
+        used += kept
+        rows.append(kept)
+        # Contracting mesh axes this output axis wants as its minor-most ones are reduce-scattered onto it.
+        extra = want[j][len(kept) :]
+        divides = out_sizes[j] % mesh_size(mesh, kept + extra) == 0
+        if extra and want[j][: len(kept)] == kept and all(a in reduced for a in extra) and divides:
+            scatter[j] = extra
+        out.append(kept + scatter.get(j, ()))
+    all_reduced = without(reduced, [a for axes in scatter.values() for a in axes])
+    local_length = length // mesh_size(mesh, contract[-1])
+
+    def local(*args):
+        (y,) = kernel(*args, length=local_length, out_dtype=jnp.dtype(jnp.float32))
+        if all_reduced:
+            y = lax.psum(y, all_reduced)
+        for dim, axes in scatter.items():
+            y = lax.psum_scatter(y, axes, scatter_dimension=dim, tiled=True)
+        return (y.astype(out_dtype),)
+
+    a_op, c_op = (b, *rows[:ra], *contract), (b, *rows[ra:], *contract)
+    return [a_op, a_op, (b,), c_op, c_op, (b,)], [tuple(out)], local
+
+
+gemm_p = define(
+    "nvfp4_gemm",
+    abstract_eval=_abstract,
+    reference=_reference,
+    partitioning=Partitioning(_rule, _partition),
+)
