@@ -10,7 +10,7 @@ with fast math, MAE), per-token (row-scaled) global scales, alone and with
 median times and the reference / kernel ratio; ``--out FILE`` also writes it
 there.
 
-    python benchmarks/cpu_quantize.py [--size 4096] [--repeats 7] [--out results.md]
+    python -m benchmarks.cpu_quantize [--size 4096] [--repeats 7] [--out results.md]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import os
 
 import jax
 import jax.numpy as jnp
-from timing import Report, device_name, median_seconds
 
 import jax_nvfp4
+from benchmarks.timing import Report, device_name, median_seconds
 from jax_nvfp4 import reference
 
 
@@ -67,7 +67,7 @@ def main() -> None:
             f"# CPU benchmark: {device_name()}",
             "",
             f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}, "
-            f"bf16 {args.size}x{args.size}, median of {args.repeats}; `python benchmarks/cpu_quantize.py`.",
+            f"bf16 {args.size}x{args.size}, median of {args.repeats}; `python -m benchmarks.cpu_quantize`.",
             "Both run in the same process; the reference is the jitted pure-JAX spec.",
             "",
             "| case | C++ kernel (ms) | vs the first case | JAX reference (ms) | speed-up |",

@@ -8,7 +8,7 @@ quantizing every operand, not a speed-up. Two bf16 baselines: the plain bf16
 dot (what nn.Dense runs) and one with a float32 result. Prints a markdown table; ``--out FILE``
 also writes it there.
 
-    python benchmarks/dot_general.py [--tokens 4096] [--repeats 7] [--out results.md]
+    python -m benchmarks.dot_general [--tokens 4096] [--repeats 7] [--out results.md]
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import os
 import jax
 import jax.numpy as jnp
 from jax import lax
-from timing import Report, device_name, median_seconds
 
 import jax_nvfp4
+from benchmarks.timing import Report, device_name, median_seconds
 
 DENSE = (((1,), (0,)), ((), ()))
 
@@ -49,7 +49,7 @@ def main() -> None:
             f"# dot_general benchmark: {device_name()} ({jax.default_backend()})",
             "",
             f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}, {args.tokens} tokens, bf16 "
-            f"operands, median of {args.repeats}; `python benchmarks/dot_general.py`.",
+            f"operands, median of {args.repeats}; `python -m benchmarks.dot_general`.",
             "Both run in the same process. Training step = jax.grad of sum(y * dy) w.r.t. x and W.",
             "",
             "| d_in x d_out | pass | bf16 (ms) | bf16, f32 out (ms) | NVFP4 (ms) | NVFP4 / fastest bf16 |",

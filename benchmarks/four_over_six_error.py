@@ -5,14 +5,14 @@
 with the smaller squared (MSE) or absolute (MAE) error; its global scale aims the block scales at E4M3 256
 instead of 448, leaving room for the larger scale.
 
-This trains ``examples/train_lm.py``'s model with the plain recipe (round to nearest, no transform) and, at
-each evaluation, takes every NVFP4 layer's input x [tokens, features] and output gradient dy [tokens,
-features] on that step's batch, and its weight W^T [out, in] (bf16, as the layer casts it). Each is quantized
+This trains the example's model (``python -m examples.train_lm``) with the plain recipe (round to nearest, no
+transform) and, at each evaluation, takes every NVFP4 layer's input x [tokens, features] and output gradient dy
+[tokens, features] on that step's batch, and its weight W^T [out, in] (bf16, as the layer casts it). Each is quantized
 as the recipe quantizes it (x and dy in 1x16 blocks, both the rowwise copy of the forward / dgrad GEMM and the
 columnwise copy of the wgrad GEMM; W in 16x16 blocks) plainly (E4M3 max 448) and with 4over6 (E4M3 max 256),
 and the relative error ||dequantize(quantize(t)) - t||^2 / ||t||^2 is averaged per layer over the evaluations.
 
-    python benchmarks/four_over_six_error.py [--steps 1400] [--eval-every 350] [--report r.md] [--out r.png]
+    python -m benchmarks.four_over_six_error [--steps 1400] [--eval-every 350] [--report r.md] [--out r.png]
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
-from rht_amax_estimate import layer_tensors
-from timing import Report, device_name
 
 import jax_nvfp4
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import train_lm
+from benchmarks.rht_amax_estimate import layer_tensors
+from benchmarks.timing import Report, device_name
+from examples.lm.data import prepare_data, windows
+from examples.lm.model import DTYPE, build_model
+from examples.lm.training import train
+from examples.train_lm import make_parser
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -77,7 +78,7 @@ def weights_t(params, layers: list[str], x_features: dict[str, int]) -> dict[str
     out = {}
     for layer in layers:
         kernel = functools.reduce(lambda tree, name: tree[name], layer.split("/"), params)["kernel"]
-        out[layer] = kernel.reshape(x_features[layer], -1).T.astype(train_lm.DTYPE)
+        out[layer] = kernel.reshape(x_features[layer], -1).T.astype(DTYPE)
     return out
 
 
@@ -107,14 +108,14 @@ def plot(means: dict, layers: list[str], path: str, title: str) -> None:
 
 
 def main() -> None:
-    parser = train_lm.make_parser()
+    parser = make_parser()
     parser.description = __doc__.splitlines()[0]
     parser.set_defaults(eval_every=350, out="four_over_six_error.png")
     parser.add_argument("--report", help="also write the markdown report to this file")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.default_backend()} ({device_name()}), jax_nvfp4 {jax_nvfp4.__version__}")
-    train_starts, data = train_lm.prepare_data(args)
-    model = train_lm.build_model("plain", args)
+    train_starts, data = prepare_data(args)
+    model = build_model("plain", args)
     tensors_fn = jax.jit(lambda p, b, k: layer_tensors(model, p, b, k))
     errs = collections.defaultdict(list)  # (layer, copy, mode) -> relative error at each evaluation
     layers: list[str] = []
@@ -122,7 +123,7 @@ def main() -> None:
 
     def on_eval(step: int, params) -> None:
         t_eval = time.perf_counter()
-        batch = jnp.asarray(train_lm.windows(data["train"], train_starts[step - 1], args.seq_len))
+        batch = jnp.asarray(windows(data["train"], train_starts[step - 1], args.seq_len))
         tensors = tensors_fn(params, batch, jax.random.key(step))
         # In the model's order (the jitted dict comes back sorted by name).
         layers[:] = sorted(
@@ -145,11 +146,11 @@ def main() -> None:
             flush=True,
         )
 
-    result = train_lm.train("plain", args, train_starts, data, on_eval=on_eval)
+    result = train("plain", args, train_starts, data, on_eval=on_eval)
     steps = [s for s, _ in result["val_loss"]]
     means = {key: mean(v) for key, v in errs.items()}
     ratio = {(layer, copy, mode): means[layer, copy, mode] / means[layer, copy, "plain"] for layer, copy, mode in means}
-    cmd = f"python benchmarks/four_over_six_error.py --steps {args.steps} --eval-every {args.eval_every}"
+    cmd = f"python -m benchmarks.four_over_six_error --steps {args.steps} --eval-every {args.eval_every}"
     report = Report(
         args.report,
         [

@@ -1,7 +1,7 @@
 """All-gather bytes of the example's sharded training step, NVFP4 against bf16, read from the compiled HLO.
 
-Compiles one training step (loss and gradients) of ``examples/train_lm.py``'s
-model on a device mesh, for both precisions, and sums the bytes each
+Compiles one training step (loss and gradients) of the training example's
+model (``examples.lm``) on a device mesh, for both precisions, and sums the bytes each
 all-gather moves per layer (the layer is read from the ``op_name`` XLA keeps
 for each collective). Counting bytes in HLO is exact and machine-independent,
 so this needs no timing. On CPU, ``--devices`` host devices are made.
@@ -10,7 +10,7 @@ XLA on CPU gathers the bf16 model's weights as f32 (it gathers the f32
 parameter and casts after); the table shows those bytes and, as "bf16", the
 2 bytes a value a bf16 gather moves.
 
-    python benchmarks/gather_bytes.py [--mesh data=2,fsdp=2,tensor=2] [--out results.md]
+    python -m benchmarks.gather_bytes [--mesh data=2,fsdp=2,tensor=2] [--out results.md]
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--mesh", default="data=2,fsdp=2,tensor=2", help="as train_lm.py --mesh")
+parser.add_argument("--mesh", default="data=2,fsdp=2,tensor=2", help="as python -m examples.train_lm --mesh")
 parser.add_argument("--devices", type=int, default=8, help="host devices to make on CPU")
 parser.add_argument("--out", help="also write the markdown report to this file")
 ARGS = parser.parse_args()
@@ -31,18 +30,16 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_p
 import collections  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
-import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from timing import Report, device_name  # noqa: E402
 
+from benchmarks.timing import Report, device_name  # noqa: E402
+from examples.lm.mesh import BATCH, make_mesh, parse_mesh, sharded_params  # noqa: E402
+from examples.lm.model import build_model, next_byte_loss  # noqa: E402
 from jax_nvfp4.sharding.hlo import collectives  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import train_lm  # noqa: E402
 
 # The module path inside the model (block0/mlp_up, head, ...) of the op a collective came from.
 _LAYER = re.compile(r"TransformerLM\)+/((?:block\d+/)?[A-Za-z_0-9]+)")
@@ -57,17 +54,12 @@ def layer_of(op_name: str) -> str:
 
 def gathered_bytes(precision: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, dict[str, int]]:
     """{layer: {dtype: bytes}} of the all-gathers in one compiled training step."""
-    model = train_lm.build_model(precision, args, mesh)
+    model = build_model(precision, args, mesh)
     init = lambda: model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
-    params = train_lm.sharded_params(init, mesh)
+    params = sharded_params(init, mesh)
 
-    batch = jax.device_put(jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), NamedSharding(mesh, P(train_lm.BATCH)))
-    hlo = (
-        jax.jit(jax.value_and_grad(functools.partial(train_lm.next_byte_loss, model)))
-        .lower(params, batch)
-        .compile()
-        .as_text()
-    )
+    batch = jax.device_put(jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), NamedSharding(mesh, P(BATCH)))
+    hlo = jax.jit(jax.value_and_grad(functools.partial(next_byte_loss, model))).lower(params, batch).compile().as_text()
     found: dict[str, dict[str, int]] = collections.defaultdict(collections.Counter)
     for c in collectives(hlo):
         if c.op == "all-gather":
@@ -82,18 +74,19 @@ def as_bf16(by_dtype: dict[str, int]) -> int:
 
 def main() -> None:
     args = argparse.Namespace(
-        batch=8, seq_len=128, d_model=128, layers=4, heads=4, weight_blocks="16x16", mesh=train_lm.parse_mesh(ARGS.mesh)
+        batch=8, seq_len=128, d_model=128, layers=4, heads=4, weight_blocks="16x16", mesh=parse_mesh(ARGS.mesh)
     )
-    mesh = train_lm.make_mesh(args.mesh, args)
+    mesh = make_mesh(args.mesh, args)
     nvfp4, bf16 = gathered_bytes("plain", args, mesh), gathered_bytes("bf16", args, mesh)
     report = Report(
         ARGS.out,
         [
             f"# All-gather bytes of a sharded training step: {device_name()} ({jax.default_backend()})",
             "",
-            f"{datetime.date.today()}, jax {jax.__version__}, mesh {ARGS.mesh}, `python benchmarks/gather_bytes.py`.",
-            f"Model of `examples/train_lm.py` (d_model {args.d_model}, {args.layers} layers, batch {args.batch}x"
-            f"{args.seq_len}, NVFP4 plain recipe with 16x16 weight blocks); loss and gradients, from the compiled HLO.",
+            f"{datetime.date.today()}, jax {jax.__version__}, mesh {ARGS.mesh}, `python -m benchmarks.gather_bytes`.",
+            f"Model of the training example, `python -m examples.train_lm` (d_model {args.d_model}, {args.layers} "
+            f"layers, batch {args.batch}x{args.seq_len}, NVFP4 plain recipe with 16x16 weight blocks); loss and "
+            "gradients, from the compiled HLO.",
             "NVFP4 u8 = the packed codes and E4M3 scales of quantized weights; float = the weights that are not",
             "quantized (norms, biases, embeddings, head), counted for both models at 2 bytes a value as bf16 gathers",
             "move them (XLA on CPU moves them as f32, twice that: the last line).",

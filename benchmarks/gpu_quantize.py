@@ -20,7 +20,7 @@ quantize with the same blocks) and per-token (row-scaled) global scales, and
 times the fast-math quantize kernel alone (amax given) against the plain
 kernel too. Target: fast math at most 1.5x plain.
 
-    python benchmarks/gpu_quantize.py [--sizes 1024,4096,8192,16384] [--repeats 20] [--out results.md]
+    python -m benchmarks.gpu_quantize [--sizes 1024,4096,8192,16384] [--repeats 20] [--out results.md]
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from timing import Report, device_name, median_seconds
 
 import jax_nvfp4
+from benchmarks.timing import Report, device_name, median_seconds
 from jax_nvfp4 import reference
 from jax_nvfp4.core.formats import num_blocks, packed_size
 
@@ -57,7 +57,7 @@ def main() -> None:
             f"# GPU quantize benchmark: {device_name()}",
             "",
             f"{datetime.date.today()}, jax {jax.__version__}, bf16 inputs, median of {args.repeats}; "
-            "`python benchmarks/gpu_quantize.py`. Bandwidth = (input + outputs) bytes / time;",
+            "`python -m benchmarks.gpu_quantize`. Bandwidth = (input + outputs) bytes / time;",
             "copy = a jitted negation (reads and writes each element once) in the same process.",
             "",
             "| size | copies | blocks | copy GB/s | (a) kernel, amax given | (b) with amax pass | (b) vs reference |",

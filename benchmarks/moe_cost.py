@@ -26,7 +26,7 @@ activations' copies, group sizes, slot indices, the key) are the activation resi
 Writes ``benchmarks/results/moe-cost-<machine>.md`` (``--out`` to change; ``--quick``: G = 1, 4, 3 rounds, no
 file unless ``--out``).
 
-    python benchmarks/moe_cost.py [--experts 1,4,16,64] [--tokens 1024] [-k 256] [-n 256] [--repeats 21] [--quick]
+    python -m benchmarks.moe_cost [--experts 1,4,16,64] [--tokens 1024] [-k 256] [-n 256] [--repeats 21] [--quick]
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public API
-from timing import Report, device_name
 
 import jax_nvfp4
+from benchmarks.timing import Report, device_name
 from jax_nvfp4.moe.dispatch import Routing, buffer_rows, capacity_slots, expert_capacity
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -244,7 +244,7 @@ def main() -> None:
     experts_list = [int(g) for g in args.experts.split(",")]
     m, k, n, factor = args.tokens, args.k, args.n, args.capacity_factor
 
-    command = " ".join(["python benchmarks/moe_cost.py", *sys.argv[1:]])
+    command = " ".join(["python -m benchmarks.moe_cost", *sys.argv[1:]])
     report = Report(
         out,
         [

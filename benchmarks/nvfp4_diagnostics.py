@@ -1,19 +1,18 @@
 """Which tensors NVFP4 holds worst while the example trains: the diagnostics of every layer's x, W and dy.
 
-Trains the example's model (``examples/train_lm.py``, a recipe of its ``--runs``; default the full recipe)
+Trains the example's model (``python -m examples.train_lm``, a recipe of its ``--runs``; default the full recipe)
 and at each evaluation collects ``jax_nvfp4.flax.linen.diagnostics.collect_stats`` on that step's batch: per layer
 and operand the relative quantization error, the share of blocks whose E4M3 scale underflows or saturates,
 the amax, and the share of nonzero values that quantize to zero. Writes a markdown report (the evolution of
 each operand's statistics over training, the last evaluation's worst layers, the full last table) and a plot.
 
-    python benchmarks/nvfp4_diagnostics.py [--run full] [--steps 1400] [--eval-every 350] [--report FILE]
+    python -m benchmarks.nvfp4_diagnostics [--run full] [--steps 1400] [--eval-every 350] [--report FILE]
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import pathlib
 import sys
 import time
 
@@ -22,13 +21,15 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-from timing import Report, device_name
 
 import jax_nvfp4
+from benchmarks.timing import Report, device_name
+from examples.lm.data import prepare_data, windows
+from examples.lm.model import RUNS, build_model, describe
+from examples.lm.training import train
+from examples.train_lm import make_parser
+from jax_nvfp4.flax import RNG_STREAM
 from jax_nvfp4.flax.linen import diagnostics
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import train_lm
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -67,22 +68,22 @@ def plot(history: dict[int, dict], path: str, title: str) -> None:
 
 
 def main() -> None:
-    parser = train_lm.make_parser()
+    parser = make_parser()
     parser.description = __doc__.splitlines()[0]
     parser.set_defaults(eval_every=350, out="nvfp4_diagnostics.png")
-    parser.add_argument("--run", default="full", choices=[r for r in train_lm.RUNS if r != "bf16"])
+    parser.add_argument("--run", default="full", choices=[r for r in RUNS if r != "bf16"])
     parser.add_argument("--report", help="also write the markdown report to this file")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.default_backend()} ({device_name()}), jax_nvfp4 {jax_nvfp4.__version__}")
-    train_starts, data = train_lm.prepare_data(args)
-    model = train_lm.build_model(args.run, args)
+    train_starts, data = prepare_data(args)
+    model = build_model(args.run, args)
     history: dict[int, dict] = {}
 
     def on_eval(step: int, params) -> None:
         t0 = time.perf_counter()
-        batch = jnp.asarray(train_lm.windows(data["train"], train_starts[step - 1], args.seq_len))
+        batch = jnp.asarray(windows(data["train"], train_starts[step - 1], args.seq_len))
         loss_fn = functools.partial(next_byte_ce, batch)
-        rngs = {train_lm.RNG_STREAM: jax.random.key(step)}
+        rngs = {RNG_STREAM: jax.random.key(step)}
         history[step] = diagnostics.collect_stats(model, {"params": params}, loss_fn, batch[:, :-1], rngs=rngs)
         errors = operand_means(history[step], "rel_error")
         sys.stderr.write("\r" + " " * 100 + "\r")
@@ -92,16 +93,16 @@ def main() -> None:
             flush=True,
         )
 
-    result = train_lm.train(args.run, args, train_starts, data, on_eval=on_eval)
+    result = train(args.run, args, train_starts, data, on_eval=on_eval)
     steps = sorted(history)
-    cmd = f"python benchmarks/nvfp4_diagnostics.py --run {args.run} --steps {args.steps} --eval-every {args.eval_every}"
+    cmd = f"python -m benchmarks.nvfp4_diagnostics --run {args.run} --steps {args.steps} --eval-every {args.eval_every}"
     report = Report(
         args.report,
         [
             f"# NVFP4 diagnostics of the example while it trains: {device_name()} ({jax.default_backend()})",
             "",
             f"{datetime.date.today()}, jax {jax.__version__}, `{cmd}`: the example's model (d_model {args.d_model}, "
-            f"{args.layers} blocks) trained with `{args.run}` ({train_lm.describe(args.run, args)}; final val loss "
+            f"{args.layers} blocks) trained with `{args.run}` ({describe(args.run, args)}; final val loss "
             f"{result['final_val_loss']:.4f}, seed {args.seed}). At each evaluation, on that step's batch "
             f"({args.batch}x{args.seq_len} tokens), `jax_nvfp4.flax.linen.diagnostics.collect_stats` quantizes every "
             "NVFP4 layer's x (1x16 blocks), W (16x16) and dy (1x16, stochastic rounding with a fixed key), each "

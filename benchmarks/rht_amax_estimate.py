@@ -10,13 +10,13 @@ orthonormal, so the true ratio amax(RHT x) / amax(x) lies in [1/4, 4]:
 - an estimate above it (over-shoot) wastes range: every block scale is smaller
   than it could be, and small blocks lose precision in E4M3's subnormals.
 
-This trains ``examples/train_lm.py``'s model with the full NVFP4 recipe and,
+This trains the example's model (``python -m examples.train_lm``) with the full NVFP4 recipe and,
 at each evaluation, takes the inputs x and output gradients dy of every NVFP4
 layer on that step's batch. For each it reports the ratio, which way the
 estimate misses, and the quantization error of the transformed copy with the
 estimate relative to the error with the true amax.
 
-    python benchmarks/rht_amax_estimate.py [--steps 1400] [--eval-every 200] [--report results.md]
+    python -m benchmarks.rht_amax_estimate [--steps 1400] [--eval-every 200] [--report results.md]
 """
 
 from __future__ import annotations
@@ -24,22 +24,21 @@ from __future__ import annotations
 import collections
 import datetime
 import functools
-import pathlib
-import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from timing import Report, device_name
 
 import jax_nvfp4
+from benchmarks.timing import Report, device_name
+from examples.lm.data import prepare_data, windows
+from examples.lm.model import RECIPES, build_model
+from examples.lm.training import train
+from examples.train_lm import make_parser
 from jax_nvfp4 import reference
 from jax_nvfp4.flax import RNG_STREAM, NVFP4DotGeneral
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import train_lm
 
 
 def tap(next_fun, args, kwargs, context):
@@ -113,29 +112,29 @@ def summarize(m: dict[str, jax.Array]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = train_lm.make_parser()
+    parser = make_parser()
     parser.description = __doc__.splitlines()[0]
     parser.add_argument("--report", help="also write the markdown report to this file")
     args = parser.parse_args()
-    recipe = train_lm.RECIPES["full"]
+    recipe = RECIPES["full"]
     factors = {"x": recipe.rht_amax_factor_x, "dy": recipe.rht_amax_factor_dy}
-    train_starts, data = train_lm.prepare_data(args)
-    model = train_lm.build_model("full", args)
+    train_starts, data = prepare_data(args)
+    model = build_model("full", args)
     rows = collections.defaultdict(list)
     tensors_fn = jax.jit(lambda p, b, k: layer_tensors(model, p, b, k))
 
     def on_eval(step: int, params) -> None:
-        batch = jnp.asarray(train_lm.windows(data["train"], train_starts[step - 1], args.seq_len))
+        batch = jnp.asarray(windows(data["train"], train_starts[step - 1], args.seq_len))
         for (layer, kind), x in tensors_fn(params, batch, jax.random.key(step)).items():
             rows[kind].append({"step": step, "layer": layer, **summarize(measure(x, factors[kind]))})
 
-    train_lm.train("full", args, train_starts, data, on_eval=on_eval)
+    train("full", args, train_starts, data, on_eval=on_eval)
     report = Report(
         args.report,
         [
             f"# Post-RHT amax estimate vs the true post-RHT amax: {device_name()} ({jax.default_backend()})",
             "",
-            f"{datetime.date.today()}, jax {jax.__version__}, `python benchmarks/rht_amax_estimate.py "
+            f"{datetime.date.today()}, jax {jax.__version__}, `python -m benchmarks.rht_amax_estimate "
             f"--steps {args.steps} --eval-every {args.eval_every}`: the example's model (d_model {args.d_model}, "
             f"{args.layers} layers) trained with the full recipe; at each evaluation, x and dy of each of its "
             f"{len(rows['x']) // max(1, len({r['step'] for r in rows['x']}))} NVFP4 layers on that step's batch "

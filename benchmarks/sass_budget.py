@@ -19,7 +19,7 @@ Tools: nvcc and cuobjdump from the `nvidia-cuda-nvcc`, `nvidia-cuda-cuobjdump` a
 `nvidia-cuda-nvdisasm` wheels when installed, else from PATH.
 
     pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
-    python benchmarks/sass_budget.py --before ffa032c --json benchmarks/results/sass_budget.json
+    python -m benchmarks.sass_budget --before ffa032c --json benchmarks/results/sass_budget.json
 """
 
 from __future__ import annotations
@@ -34,31 +34,37 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jax_nvfp4 import QuantizeSpec
+
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = [  # name: (mode, rowwise, columnwise, block_2d, rht, sr, row_scaled, 4over6, fast, E)
-    ("rowwise_columnwise", "kNearest", 1, 1, 0, 0, 0, 0, 0, 0, 448),
-    ("rowwise", "kNearest", 1, 0, 0, 0, 0, 0, 0, 0, 448),
-    ("columnwise", "kNearest", 0, 1, 0, 0, 0, 0, 0, 0, 448),
-    ("block_2d", "kNearest", 1, 1, 1, 0, 0, 0, 0, 0, 448),
-    ("rht", "kNearest", 1, 1, 0, 1, 0, 0, 0, 0, 448),
-    ("stochastic_rounding", "kStochastic", 1, 1, 0, 0, 1, 0, 0, 0, 448),
-    ("row_scaled", "kNearest", 1, 1, 0, 0, 0, 1, 0, 0, 448),
-    ("four_over_six_fast_math", "kFourOverSix", 1, 1, 0, 0, 0, 0, 2, 1, 256),
-    ("four_over_six", "kFourOverSix", 1, 1, 0, 0, 0, 0, 2, 0, 256),
-]
+SPECS = {  # the specs measured, each built by its option names
+    "rowwise_columnwise": QuantizeSpec(columnwise=True),
+    "rowwise": QuantizeSpec(),
+    "columnwise": QuantizeSpec(rowwise=False, columnwise=True),
+    "block_2d": QuantizeSpec(columnwise=True, block_2d=True),
+    "rht": QuantizeSpec(columnwise=True, rht=True),
+    "stochastic_rounding": QuantizeSpec(columnwise=True, stochastic_rounding=True),
+    "row_scaled": QuantizeSpec(columnwise=True, row_scaled=True),
+    "four_over_six_fast_math": QuantizeSpec(
+        columnwise=True, four_over_six_error="mse", four_over_six_fast_math=True, e4m3_max=256
+    ),
+    "four_over_six": QuantizeSpec(columnwise=True, four_over_six_error="mse", e4m3_max=256),
+}
 AFTER_ELEMENTS = 16 * 8  # a thread's values per tile
 BEFORE_ELEMENTS = 16  # the old kernel: one column of a 16-row stripe per thread
 
-# NVFP4_BUDGET(name, mode, min_blocks, spec members...) defines the entry point
-# budget_quantize_<name>, which calls HOOK<LoadBF16, Mode::mode>(x, p, spec): the steady-state tile
+# NVFP4_BUDGET(name, mode, min_blocks, assignments...) defines the entry point budget_quantize_<name>,
+# which sets the C++ QuantizeSpec's members by name (`s.rht = 1;` ...: the FFI attributes the Python spec
+# passes, kernel_attrs()) and calls HOOK<LoadBF16, Mode::mode>(x, p, s): the steady-state tile
 # loop (or one stripe) of a bf16 input. The same launch bounds as the kernels: 128 threads, and
 # for 4over6 one block per multiprocessor (quantize_4over6_kernel).
 ENTRY_MACRO = """
 #define NVFP4_BUDGET(name, mode, min_blocks, ...)                                      \\
   extern "C" __global__ void __launch_bounds__(128, min_blocks)                        \\
       budget_quantize_##name(const uint16_t* x, nvfp4::cuda::Params p) {               \\
-    nvfp4::cuda::HOOK<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>(                        \\
-        x, p, nvfp4::QuantizeSpec{__VA_ARGS__});                                       \\
+    nvfp4::QuantizeSpec s{};                                                           \\
+    __VA_ARGS__                                                                        \\
+    nvfp4::cuda::HOOK<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>(x, p, s);              \\
   }
 """
 # The kernel's own hook (ffi/cuda/quantize.cu under NVFP4_SASS_BUDGET).
@@ -269,15 +275,24 @@ def measure(source: Path, include: Path, arch: str, entries: dict[str, tuple[str
 
 
 def quantize_entries(elements: int) -> dict[str, tuple[str, int]]:
-    return {name: (f"budget_quantize_{name}", elements) for name, *_ in SPECS}
+    return {name: (f"budget_quantize_{name}", elements) for name in SPECS}
+
+
+def mode_of(spec: QuantizeSpec) -> str:
+    """The kernel's rounding mode (its template argument) for ``spec``."""
+    if spec.stochastic_rounding:
+        return "kStochastic"
+    return "kNearest" if spec.four_over_six_error is None else "kFourOverSix"
 
 
 def budget_source(wrapper: str, tmp: Path) -> Path:
     """`wrapper` (which includes the kernel) with an entry point per spec, written under tmp."""
     lines = [wrapper]
-    for name, mode, *flags in SPECS:
+    for name, spec in SPECS.items():
+        mode = mode_of(spec)
         min_blocks = 1 if mode == "kFourOverSix" and wrapper is AFTER_WRAPPER else 0
-        lines.append(f"NVFP4_BUDGET({name}, {mode}, {min_blocks}, {', '.join(str(f) for f in flags)})")
+        members = " ".join(f"s.{field} = {int(value)};" for field, value in spec.kernel_attrs().items())
+        lines.append(f"NVFP4_BUDGET({name}, {mode}, {min_blocks}, {members})")
     source = tmp / "budget.cu"
     source.write_text("\n".join(lines) + "\n")
     return source
@@ -320,7 +335,7 @@ def main() -> None:
     for arch, tables in result.items():
         print(f"\n{arch}: SASS instructions per input element (registers, spill bytes)")
         print(f"{'spec':26} " + " ".join(f"{k:>22}" for k in tables) + "  x plain")
-        for name in [n for n, *_ in SPECS] + list(OTHER_KERNELS):
+        for name in list(SPECS) + list(OTHER_KERNELS):
             cells = []
             for table in tables.values():
                 row = table.get(name)

@@ -1,13 +1,13 @@
 """A training step of the example's transformer: NVFP4 GEMMs emulated, through lax.scaled_dot, and bf16.
 
-The model of ``examples/train_lm.py`` (its NVFP4 layers with the full recipe, ``jax_nvfp4.Recipe()``) at the
-given size: one jitted step (loss, gradients, SGD update) with ``Recipe(impl="emulated")`` (the blocks dequantized
+The model of the training example (``examples.lm``; its NVFP4 layers with the full recipe, ``jax_nvfp4.Recipe()``) at
+the given size: one jitted step (loss, gradients, SGD update) with ``Recipe(impl="emulated")`` (the blocks dequantized
 to bf16 for a bf16 dot), with ``impl="scaled_dot"`` (``lax.scaled_dot`` on float4_e2m1fn codes: the FP4 tensor
 cores on Blackwell, decomposed by XLA elsewhere) and with bf16 layers, all in one process, and the ratios against
 bf16. ``impl="auto"`` picks the first on this machine as the table says. Prints a markdown table; ``--out FILE``
 also writes it there.
 
-    python benchmarks/train_step_impl.py [--d-model 2048] [--layers 2] [--batch 8] [--seq-len 512] [--repeats 5]
+    python -m benchmarks.train_step_impl [--d-model 2048] [--layers 2] [--batch 8] [--seq-len 512] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -16,30 +16,27 @@ import argparse
 import datetime
 import functools
 import os
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import Report, device_name, median_seconds
 
+from benchmarks.timing import Report, device_name, median_seconds
+from examples.lm.data import VOCAB
+from examples.lm.model import TransformerLM, build_model, next_byte_loss
 from jax_nvfp4.linear.block_sum import resolve_impl
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import train_lm
 
-
-def model_for(variant: str, args: argparse.Namespace) -> train_lm.TransformerLM:
+def model_for(variant: str, args: argparse.Namespace) -> TransformerLM:
     """The example's model with bf16 layers or NVFP4 layers (full recipe) whose GEMMs run as ``variant``."""
     if variant == "bf16":
-        return train_lm.build_model("bf16", args)
-    return train_lm.build_model("full", args, impl=variant)
+        return build_model("bf16", args)
+    return build_model("full", args, impl=variant)
 
 
-def step_fn(model: train_lm.TransformerLM, lr: float = 1e-3):
+def step_fn(model: TransformerLM, lr: float = 1e-3):
     """A jitted SGD step: (params, batch, key) -> (new params, loss)."""
-    loss_fn = functools.partial(train_lm.next_byte_loss, model)
+    loss_fn = functools.partial(next_byte_loss, model)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(params, batch, key):
@@ -67,8 +64,8 @@ def main() -> None:
         [
             f"# Training step of the example model, by GEMM implementation: {device_name()} ({jax.default_backend()})",
             "",
-            f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}; `python "
-            f"benchmarks/train_step_impl.py --d-model {args.d_model} --layers {args.layers} --heads {args.heads} "
+            f"{datetime.date.today()}, {os.cpu_count()} cores, jax {jax.__version__}; `python -m "
+            f"benchmarks.train_step_impl --d-model {args.d_model} --layers {args.layers} --heads {args.heads} "
             f"--batch {args.batch} --seq-len {args.seq_len}` ({tokens} tokens a step, SGD), median of "
             f"{args.repeats}, all in one process. NVFP4: the full recipe (RHT, stochastic rounding, 16x16 weight "
             f'blocks) in every linear layer of the blocks; embeddings and head bf16. `impl="auto"` resolves to '
@@ -78,7 +75,7 @@ def main() -> None:
             "|---|---:|---:|---:|",
         ],
     )
-    batch = jnp.asarray(np.random.default_rng(0).integers(0, train_lm.VOCAB, (args.batch, args.seq_len + 1)), jnp.int32)
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (args.batch, args.seq_len + 1)), jnp.int32)
     key = jax.random.key(1)
     times = {}
     for variant in ("bf16", "emulated", "scaled_dot"):

@@ -1,7 +1,7 @@
-"""Sample text from a model that ``examples/train_lm.py --save DIR`` trained, its NVFP4 layers' weights stored in NVFP4.
+"""Sample text from a model that ``python -m examples.train_lm --save DIR`` trained, its NVFP4 layers' weights in NVFP4.
 
-    python examples/train_lm.py --runs full --save ckpt
-    python examples/generate.py ckpt --prompt "def "
+    python -m examples.train_lm --runs full --save ckpt
+    python -m examples.generate ckpt --prompt "def "
 
 Loads DIR/<run> (``--run``; by default the one NVFP4 run saved there) with ``jax_nvfp4.checkpoint.restore``: the
 NVFP4 layers' kernels come back as ``jax_nvfp4.QuantizedWeight`` (the forward GEMM's rowwise copy, 0.5625 bytes a
@@ -33,10 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_nvfp4
+from examples.lm.model import RECIPES, TransformerLM, build_model, describe
 from jax_nvfp4 import checkpoint
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import train_lm
 
 PAD = ord(" ")  # fills the window after the text while it is shorter than the window
 
@@ -48,9 +46,9 @@ def find_run(root: pathlib.Path, run: str | None) -> pathlib.Path:
         return root
     saved = sorted(p.parent.name for p in root.glob("*/config.json"))
     if not saved:
-        raise ValueError(f"{root} holds no model saved by examples/train_lm.py --save")
+        raise ValueError(f"{root} holds no model saved by python -m examples.train_lm --save")
     if run is None:
-        nvfp4 = [r for r in saved if r in train_lm.RECIPES]
+        nvfp4 = [r for r in saved if r in RECIPES]
         if len(nvfp4) != 1:
             raise ValueError(f"{root} holds the runs {', '.join(saved)}: choose one with --run")
         run = nvfp4[0]
@@ -59,10 +57,10 @@ def find_run(root: pathlib.Path, run: str | None) -> pathlib.Path:
     return root / run
 
 
-def load(directory: pathlib.Path) -> tuple[train_lm.TransformerLM, Any, dict[str, Any]]:
+def load(directory: pathlib.Path) -> tuple[TransformerLM, Any, dict[str, Any]]:
     """The model, its parameters (NVFP4 layers' kernels as QuantizedWeight) and its config, from ``directory``."""
     config = json.loads((directory / "config.json").read_text())
-    model = train_lm.build_model(config["run"], argparse.Namespace(**config))
+    model = build_model(config["run"], argparse.Namespace(**config))
     return model, checkpoint.restore(directory / "params"), config
 
 
@@ -156,7 +154,7 @@ def stream() -> Callable[[int], None]:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "directory", type=pathlib.Path, help="what examples/train_lm.py --save wrote (or one run in it)"
+        "directory", type=pathlib.Path, help="what python -m examples.train_lm --save wrote (or one run in it)"
     )
     parser.add_argument("--run", default=None, help="which saved run (default: the one NVFP4 run there)")
     parser.add_argument("--prompt", default="def ", help="the text to continue (UTF-8)")
@@ -182,7 +180,7 @@ def main() -> None:
     model, params, config = load(directory)
     window = config["seq_len"]
     print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind})")
-    print(f"model: {directory} ({train_lm.describe(config['run'], argparse.Namespace(**config))})")
+    print(f"model: {directory} ({describe(config['run'], argparse.Namespace(**config))})")
 
     sizes = weight_bytes(params)
     if sizes["layers"]:
@@ -211,7 +209,7 @@ def main() -> None:
     print(f"\n---\n{config['run']}: {rate:.1f} tokens/s ({args.samples} samples in parallel, window {window})")
 
     if sizes["layers"] and not args.no_baseline:
-        bf16 = train_lm.build_model("bf16", argparse.Namespace(**config))
+        bf16 = build_model("bf16", argparse.Namespace(**config))
         baseline_step = make_step(bf16, window, args.temperature, args.top_k)
         _, baseline = generate(baseline_step, dequantized(params), prompt, args.tokens, args.samples, window, key)
         print(

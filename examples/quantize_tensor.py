@@ -7,7 +7,7 @@ byte-bigram log-count matrix of the Python standard library's source files
 16x16 blocks, and compared with a per-tensor FP8 E4M3 cast and a bf16 cast.
 Writes a PNG of the photograph before and after NVFP4.
 
-    python examples/quantize_tensor.py [--out nvfp4_example.png]
+    python -m examples.quantize_tensor [--out nvfp4_example.png]
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
                        for (int64_t i = lo; i < hi;) {
                          const int64_t b = i / rows, r = i % rows;
                          const int64_t end = std::min(hi - i + r, rows);
-                         dequantize_rows<S>(d + b * rows * packed_size(cols),
-                                            s + b * rows * num_blocks(cols),
+                         const CopySizes n = copy_sizes(rows, cols);
+                         dequantize_rows<S>(d + b * n.data, s + b * n.scale,
                                             per_row ? a + b * rows : a + b, per_row ? 1 : 0, spec,
                                             cols, r, end, o + b * rows * cols);
                          i += end - r;

@@ -69,8 +69,8 @@ void grouped_stripe(const typename L::T* x, const GroupedCall& c, const Groups& 
     else
       p.g = c.spec.global_scales(c.amax[b]);
     masked_rows(all, width, 0, gr.rows_in_groups() - m0, st.value);  // rows past the groups: zero
-    const QuantizeOutputs rows_out{c.o.data + b * c.rows * packed_size(c.cols),
-                                   c.o.scale + b * c.rows * num_blocks(c.cols), nullptr, nullptr};
+    const QuantizeOutputs rows_out =
+        QuantizeOutputs{c.o.data, c.o.scale, nullptr, nullptr}.entry(b, c.rows, c.cols);
     rowwise_1d(st, c.rows, nrows, c.cols, width, m0, p, rows_out);
   }
   const QuantizeOutputs cols_out{nullptr, nullptr, c.o.data_t + b * c.cols * (mp / 2),

@@ -110,6 +110,17 @@ inline bool dims3(const ffi::AnyBuffer& buf, int64_t& b, int64_t& rows, int64_t&
 NVFP4_HD int64_t packed_size(int64_t n) { return (n + 1) / 2; }
 NVFP4_HD int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
+// Element counts of the four arrays that quantizing one [rows, cols] entry gives: the rowwise
+// codes and scales, and those of the columnwise copy (of the transpose). The C++ twin of
+// QuantizeSpec.copy_shapes (src/jax_nvfp4/core/spec.py).
+struct CopySizes {
+  int64_t data, scale, data_t, scale_t;
+};
+NVFP4_HD CopySizes copy_sizes(int64_t rows, int64_t cols) {
+  return {rows * packed_size(cols), rows * num_blocks(cols), cols * packed_size(rows),
+          cols * num_blocks(rows)};
+}
+
 // Quantize output pointers (of the whole batch, or of one batch entry); null
 // where a copy was not requested.
 struct QuantizeOutputs {
@@ -121,8 +132,8 @@ struct QuantizeOutputs {
   // The outputs of batch entry b of a [B, rows, cols] input.
   NVFP4_HD QuantizeOutputs entry(int64_t b, int64_t rows, int64_t cols) const {
     auto at = [b](uint8_t* p, int64_t size) { return p ? p + b * size : p; };
-    return {at(data, rows * packed_size(cols)), at(scale, rows * num_blocks(cols)),
-            at(data_t, cols * packed_size(rows)), at(scale_t, cols * num_blocks(rows))};
+    const CopySizes n = copy_sizes(rows, cols);
+    return {at(data, n.data), at(scale, n.scale), at(data_t, n.data_t), at(scale_t, n.scale_t)};
   }
 };
 
@@ -144,8 +155,8 @@ inline ffi::Error check_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
   if (seed.element_count() != 2) return invalid("quantize seed must be uint32 [2]");
   if (auto e = spec.check_rows(rows); e.failure()) return e;
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
-  const int64_t sizes[4] = {rows * packed_size(cols), rows * num_blocks(cols),
-                            cols * packed_size(rows), cols * num_blocks(rows)};
+  const CopySizes n = copy_sizes(rows, cols);
+  const int64_t sizes[4] = {n.data, n.scale, n.data_t, n.scale_t};
   const bool wanted[4] = {spec.rowwise, spec.rowwise, spec.columnwise, spec.columnwise};
   size_t next = 0;
   for (int i = 0; i < 4; ++i) {
@@ -264,9 +275,9 @@ inline ffi::Error check_grouped_quantize(
   if (auto e = spec.check_rows(s.rows); e.failure()) return e;
   o = QuantizeOutputs{nullptr, nullptr, nullptr, nullptr};
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
-  const int64_t counts[4] = {s.batch * s.rows * packed_size(s.cols),
-                             s.batch * s.rows * num_blocks(s.cols), s.grouped_data_count(),
-                             s.grouped_scale_count()};
+  const CopySizes rowwise = copy_sizes(s.rows, s.cols);
+  const int64_t counts[4] = {s.batch * rowwise.data, s.batch * rowwise.scale,
+                             s.grouped_data_count(), s.grouped_scale_count()};
   size_t next = 0;
   for (int i = spec.rowwise ? 0 : 2; i < 4; ++i) {
     auto buf = outs.get<ffi::AnyBuffer>(next++);
@@ -291,8 +302,9 @@ inline ffi::Error check_dequantize(const ffi::Buffer<ffi::U8>& data, const ffi::
     return invalid("dequantize scales must be float8_e4m3fn");
   if (auto e = spec.validate(); e.failure()) return e;
   per_row = amax.dimensions().size() == 2;
-  if (int64_t(data.element_count()) != batch * rows * packed_size(cols) ||
-      int64_t(scale.element_count()) != batch * rows * num_blocks(cols) ||
+  const CopySizes n = copy_sizes(rows, cols);
+  if (int64_t(data.element_count()) != batch * n.data ||
+      int64_t(scale.element_count()) != batch * n.scale ||
       int64_t(amax.element_count()) != (per_row ? batch * rows : batch) ||
       amax.dimensions().size() > 2)
     return invalid("dequantize operand sizes do not match the output shape (amax [B] or [B, M])");

@@ -1,7 +1,7 @@
 """How well NVFP4 represents a GEMM operand: the statistics the diagnostics collect per layer and operand.
 
 ``quantization_stats(rows, spec)`` quantizes a 2-D operand (rows x the contracted axis, as the GEMM
-sees it) with ``spec`` and measures, as float32 scalars:
+sees it) with ``spec`` and measures, as float32 scalars::
 
   rel_error   ||dequantize(quantize(x)) - x|| / ||x|| (Frobenius; 0 for an all-zero x)
   underflow   the share of nonzero blocks whose decode scale, amax_block * E / amax (E the E4M3 range the
@@ -41,7 +41,7 @@ def quantization_stats(
 ) -> dict[str, jax.Array]:
     """The statistics of quantizing ``rows`` [M, K] (its rowwise copy) with ``spec``; see the module docstring.
 
-    ``amax``: a given global amax, as ``quantize`` takes one (by default max |rows|, with which no block
+    ``amax``: a given global amax, as ``quantize`` takes one (by default ``max |rows|``, with which no block
     saturates)."""
     from jax_nvfp4 import dequantize, quantize  # the public pipeline (imported here: it imports this module's users)
 

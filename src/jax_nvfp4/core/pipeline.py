@@ -22,7 +22,7 @@ from jax.typing import DTypeLike
 
 from jax_nvfp4.core.backend import Backend
 from jax_nvfp4.core.checks import check_flag, check_key, check_mesh_axes, check_out_dtype, check_real
-from jax_nvfp4.core.formats import BLOCK, INPUT_DTYPES, num_blocks, packed_size
+from jax_nvfp4.core.formats import BLOCK, INPUT_DTYPES
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.core.tensor import NVFP4Tensor, check_tensor
 from jax_nvfp4.sharding.explicit import explicit_sharding, fit, merged, spec_of, unmerged
@@ -149,9 +149,9 @@ def _dequantize_spec(result, t: NVFP4Tensor, dtype=None, columnwise: bool = Fals
 def amax_fn(backend: Backend) -> Callable:
     @explicit_sharding(_amax_spec)
     def amax(x: jax.Array, *, amax_mesh_axes: Sequence[str] | None = None, row_scaled: bool = False) -> jax.Array:
-        """max |x| over the whole tensor as float32; NaN anywhere gives NaN.
+        """``max |x|`` over the whole tensor as float32; NaN anywhere gives NaN.
 
-        ``row_scaled=True``: the amax of each row instead (max |x| over the
+        ``row_scaled=True``: the amax of each row instead (``max |x|`` over the
         last axis), float32 ``x.shape[:-1]``, as ``quantize(x, row_scaled=True)``
         computes it for the rowwise copy.
 
@@ -176,8 +176,9 @@ def amax_fn(backend: Backend) -> Callable:
     return amax
 
 
-def _given_amax(amax, spec: QuantizeSpec, lead: tuple[int, ...], rows: tuple[int, ...]) -> jax.Array:
-    """A user's amax as float32: [1] for the tensor, or the rows' amaxes (``lead``) as [1, *rows] when row-scaled."""
+def _given_amax(amax, spec: QuantizeSpec, want: tuple[int, ...], rows: tuple[int, ...]) -> jax.Array:
+    """A user's amax as float32: [1] for the tensor, or the rows' amaxes (shape ``want``) as [1, *rows] when
+    row-scaled."""
     if spec.amax_mesh_axes is not None:
         raise ValueError("amax_mesh_axes applies only where quantize computes the amax (amax=None)")
     if spec.row_scaled and spec.columnwise:
@@ -187,7 +188,6 @@ def _given_amax(amax, spec: QuantizeSpec, lead: tuple[int, ...], rows: tuple[int
         )
     check_real("amax", amax)
     amax = jnp.asarray(amax, jnp.float32)
-    want = lead if spec.row_scaled else ()
     if amax.shape != want:
         if spec.row_scaled:
             raise ValueError(f"row-scaled amax= holds one amax per row, shape x.shape[:-1] = {want}, got {amax.shape}")
@@ -244,18 +244,18 @@ def quantize_fn(backend: Backend) -> Callable:
         if rng_key is not None and not spec.stochastic_rounding:
             raise ValueError("rng_key= is the key of stochastic rounding: the spec has stochastic_rounding=False")
         x = _check_input(x)
-        lead, n, m = x.shape[:-1], x.shape[-1], math.prod(x.shape[:-1])
+        s = spec.tensor_shapes(x.shape)
         xr = _as_rows(x, spec.blocked_rows)
         if amax is not None:
-            amax = _given_amax(amax, spec, lead, xr.shape[1:-1])
+            amax = _given_amax(amax, spec, s.amax, xr.shape[1:-1])
         t = quantize_batch(backend, xr, spec, amax=amax, rng_key=rng_key)
         return NVFP4Tensor(
-            data=None if t.data is None else t.data.reshape(*lead, packed_size(n)),
-            scale=None if t.scale is None else t.scale.reshape(*lead, num_blocks(n)),
-            amax=t.amax.reshape(lead) if spec.row_scaled else t.amax[0],
-            data_t=None if t.data_t is None else t.data_t.reshape(n, packed_size(m)),
-            scale_t=None if t.scale_t is None else t.scale_t.reshape(n, num_blocks(m)),
-            amax_t=None if t.amax_t is None else t.amax_t.reshape(n) if spec.row_scaled else t.amax_t[0],
+            data=None if t.data is None else t.data.reshape(s.data),
+            scale=None if t.scale is None else t.scale.reshape(s.scale),
+            amax=t.amax.reshape(s.amax),
+            data_t=None if t.data_t is None else t.data_t.reshape(s.data_t),
+            scale_t=None if t.scale_t is None else t.scale_t.reshape(s.scale_t),
+            amax_t=None if t.amax_t is None else t.amax_t.reshape(s.amax_t),
             shape=tuple(x.shape),
             dtype=x.dtype,
             spec=spec,

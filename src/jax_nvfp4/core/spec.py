@@ -10,14 +10,16 @@ place where combinations of options are checked.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import math
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import numpy as np
 
 from jax_nvfp4.core import bits
 from jax_nvfp4.core.checks import check_choice, check_flag, check_mesh_axes, check_positive_factor
-from jax_nvfp4.core.formats import BLOCK
+from jax_nvfp4.core.formats import BLOCK, num_blocks, packed_size
 
 FourOverSixError = Literal["mae", "mse"]
 FOUR_OVER_SIX_ERRORS: tuple[FourOverSixError, ...] = ("mae", "mse")
@@ -26,6 +28,20 @@ FOUR_OVER_SIX_ERRORS: tuple[FourOverSixError, ...] = ("mae", "mse")
 E4M3Max = Literal[448, 256]
 E4M3_MAX_CHOICES: tuple[E4M3Max, ...] = (448, 256)
 """Block-scale ranges the global scale may aim at; 256 only with 4over6."""
+
+Shape = tuple[int, ...]
+
+
+class CopyShapes(NamedTuple):
+    """The shapes of the arrays one quantization holds; None for a copy its spec does not make."""
+
+    data: Shape | None  # uint8 codes of the rowwise copy
+    scale: Shape | None  # its float8_e4m3fn block scales
+    amax: Shape  # float32: () for the tensor, or one per row when row-scaled
+    data_t: Shape | None  # the columnwise copy (of x^T), codes
+    scale_t: Shape | None  # and scales
+    amax_t: Shape  # float32: () for the tensor, or one per row of x^T (column of x) when row-scaled
+
 
 _FLAGS = ("rowwise", "columnwise", "block_2d", "rht", "stochastic_rounding", "row_scaled", "four_over_six_fast_math")
 # Options that change the Python side only (the amax pass, its mesh reduction): not kernel attributes.
@@ -147,13 +163,38 @@ class QuantizeSpec:
                 f"must be a multiple of {BLOCK}"
             )
 
+    def copy_shapes(self, rows: Sequence[int], cols: int) -> CopyShapes:
+        """The shapes of the arrays that quantizing x [*rows, cols] gives (the primitives add their batch
+        axis in front of each): the rowwise copy [*rows, ceil(cols/2)] codes and [*rows, ceil(cols/16)]
+        scales; the columnwise copy, of x^T, [cols, *rows[:-1], ceil(M/2)] and [cols, *rows[:-1],
+        ceil(M/16)] with M = rows[-1]; amax and amax_t () each, or ``rows`` and (cols,) when row-scaled.
+        The one home of these shapes (the C++ twin: ``copy_sizes`` in ffi/nvfp4/ffi_common.h)."""
+        rows = tuple(int(r) for r in rows)
+        *lead, m = rows
+        return CopyShapes(
+            data=(*rows, packed_size(cols)) if self.rowwise else None,
+            scale=(*rows, num_blocks(cols)) if self.rowwise else None,
+            amax=rows if self.row_scaled else (),
+            data_t=(cols, *lead, packed_size(m)) if self.columnwise else None,
+            scale_t=(cols, *lead, num_blocks(m)) if self.columnwise else None,
+            amax_t=(cols,) if self.row_scaled else (),
+        )
+
+    def tensor_shapes(self, shape: Sequence[int]) -> CopyShapes:
+        """The shapes of an ``NVFP4Tensor`` of logical shape [..., N]: its rowwise copy keeps the leading axes,
+        its columnwise copy merges them into M rows ([N, ceil(M/2)], M = prod(shape[:-1]))."""
+        *lead, n = shape
+        rowwise, columnwise = self.copy_shapes(lead, n), self.copy_shapes((math.prod(lead),), n)
+        return CopyShapes(*rowwise[:3], *columnwise[3:])
+
     def check_amaxes(
         self, x_shape: tuple[int, ...], amax_shape: tuple[int, ...], amax_t_shape: tuple[int, ...]
     ) -> None:
         """Raise ValueError unless quantize's amax and amax_t suit x [B, *R, N]: [B] each, or per row [B, *R] and
         [B, N] (row-scaled); each checked where its copy is requested."""
         b, *rows, n = x_shape
-        want = ((b, *rows), (b, n)) if self.row_scaled else ((b,), (b,))
+        shapes = self.copy_shapes(rows, n)
+        want = ((b, *shapes.amax), (b, *shapes.amax_t))
         if (self.rowwise and amax_shape != want[0]) or (self.columnwise and amax_t_shape != want[1]):
             raise ValueError(
                 f"amax / amax_t must be {want[0]} / {want[1]} (one per row when row-scaled), "

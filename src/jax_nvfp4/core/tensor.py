@@ -17,7 +17,8 @@ from jax_nvfp4.core.spec import QuantizeSpec
 class NVFP4Tensor:
     """A quantized tensor of logical shape ``shape`` = [..., N]; M = prod(shape[:-1]).
 
-    Arrays (``None`` where a copy was not requested):
+    Arrays (``None`` where a copy was not requested)::
+
       data    uint8 [..., ceil(N/2)]: rowwise E2M1 codes, element 2i in the low nibble.
       scale   float8_e4m3fn [..., ceil(N/16)]: decode scale of each 1x16 block
               (16x16 blocks: the block's scale repeated on each of its rows).
@@ -27,15 +28,16 @@ class NVFP4Tensor:
       scale_t float8_e4m3fn [N, ceil(M/16)].
       amax_t  float32 [] (the columnwise copy's amax); row-scaled: float32 [N],
               the amax of each row of x^T (column of x, of its transform with ``rht``).
+
     Static metadata: ``shape``, ``dtype`` (of the quantized input) and ``spec``,
     the ``QuantizeSpec`` it was quantized with (``block_2d``, ``rht``,
     ``row_scaled`` and ``e4m3_max`` read from it: every global decode scale
     is amax / (6 E), E = ``e4m3_max``).
 
     ``batched`` (made by ``dot_general``, not by ``quantize``): ``shape[0]`` is
-    a batch of B independent tensors [*R, N], each with its own columnwise copy:
-    data_t [B, N, *R[:-1], ceil(R[-1]/2)] (scale_t alike), amax and amax_t [B],
-    or per row [B, *R] and [B, N].
+    a batch of B independent tensors ``[*R, N]``, each with its own columnwise copy:
+    data_t ``[B, N, *R[:-1], ceil(R[-1]/2)]`` (scale_t alike), amax and amax_t [B],
+    or per row ``[B, *R]`` and [B, N].
     """
 
     data: jax.Array | None
@@ -89,7 +91,7 @@ class QuantizedWeight:
     """A layer's kernel stored in NVFP4 for inference (``jax_nvfp4.quantize_weight``).
 
     ``tensor``: the rowwise copy of W^T [1, N, K] (batched) exactly as the training forward GEMM
-    quantizes it: 0.5625 bytes a value. ``shape``: the kernel's own shape [*in, *out], its first
+    quantizes it: 0.5625 bytes a value. ``shape``: the kernel's own shape ``[*in, *out]``, its first
     ``contract_ndim`` axes contracted (K = their product, N = the rest's). ``jax_nvfp4.dot_general``
     takes it as ``rhs`` (forward only) and the Flax layers apply it as their kernel.
     """

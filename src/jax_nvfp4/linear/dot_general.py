@@ -99,7 +99,7 @@ _jitted_matmul = jax.jit(_matmul, static_argnums=3)
 
 
 def quantize_weight(kernel: jax.Array, recipe: Recipe | None = None, *, contract_ndim: int = 1) -> QuantizedWeight:
-    """A kernel [*in, *out] (its first ``contract_ndim`` axes contracted) quantized once for inference.
+    """A kernel ``[*in, *out]`` (its first ``contract_ndim`` axes contracted) quantized once for inference.
 
     The rowwise copy of W^T that ``dot_general``'s forward GEMM would make from ``kernel`` with
     ``recipe`` (16x16 blocks by default), bit for bit, so that ``dot_general(x, quantize_weight(w),
@@ -125,7 +125,7 @@ _dequantize = dequantize_fn(KERNELS)
 
 
 def dequantize_weight(weight: QuantizedWeight, dtype: DTypeLike = jnp.float32) -> jax.Array:
-    """The kernel a ``QuantizedWeight`` holds, decoded: its shape [*in, *out], in ``dtype``.
+    """The kernel a ``QuantizedWeight`` holds, decoded: its shape ``[*in, *out]``, in ``dtype``.
 
     These are the values its forward GEMM multiplies, e.g. to run the same weights through a plain dot
     or to compare them with the kernel they were quantized from.

@@ -201,7 +201,7 @@ def gemm(
         ``emulated`` elsewhere). The scales' epilogue is ours either way.
 
     Returns:
-      [*a.shape[:-1], *c.shape[:-1]]: sum_k a[..., k] * c[..., k] of the
+      ``[*a.shape[:-1], *c.shape[:-1]]``: ``sum_k a[..., k] * c[..., k]`` of the
       dequantized values, exact up to the float32 accumulation and the
       float32 products with the global decode scales. A row-scaled ``a``
       scales each output row by its own decode scale, a row-scaled ``c``

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import random as jex_random
 
-from jax_nvfp4.core.formats import BLOCK, num_blocks, packed_size
+from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.partition import Factors, fits, pmax_bits
@@ -84,7 +84,8 @@ def quantize_abstract(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec: 
     mp = BLOCK * ref.grouped_blocks(rows, groups)
     outs = ()
     if spec.rowwise:
-        outs += (shaped((bsz, rows, packed_size(n)), jnp.uint8), shaped((bsz, rows, num_blocks(n)), SCALE_DTYPE))
+        s = spec.copy_shapes((rows,), n)
+        outs += (shaped((bsz, *s.data), jnp.uint8), shaped((bsz, *s.scale), SCALE_DTYPE))
     return (*outs, shaped((bsz, n, mp // 2), jnp.uint8), shaped((bsz, n, mp // BLOCK), SCALE_DTYPE))
 
 

@@ -14,7 +14,7 @@ from jax import lax
 from jax.extend import random as jex_random
 
 from jax_nvfp4.core.backend import quantize_on_rows
-from jax_nvfp4.core.formats import BLOCK, num_blocks, packed_size
+from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.partition import Factors, fits, row_factors
@@ -30,12 +30,12 @@ def abstract(x, amax, amax_t, seed, *, spec: QuantizeSpec):
     if len(rows) > 1 and spec.blocked_rows and rows[-1] % BLOCK:
         raise ValueError(f"rows {rows} of several axes need the last to be whole blocks of {BLOCK}")
     spec.check_rows(rows[-1])
+    s = spec.copy_shapes(rows, n)
     outs = ()
     if spec.rowwise:
-        outs += (shaped((b, *rows, packed_size(n)), jnp.uint8), shaped((b, *rows, num_blocks(n)), SCALE_DTYPE))
+        outs += (shaped((b, *s.data), jnp.uint8), shaped((b, *s.scale), SCALE_DTYPE))
     if spec.columnwise:
-        lead, m = rows[:-1], rows[-1]
-        outs += (shaped((b, n, *lead, packed_size(m)), jnp.uint8), shaped((b, n, *lead, num_blocks(m)), SCALE_DTYPE))
+        outs += (shaped((b, *s.data_t), jnp.uint8), shaped((b, *s.scale_t), SCALE_DTYPE))
     return outs
 
 

@@ -109,10 +109,12 @@ def interceptor(rules: Iterable[Rule]):
 
 @contextlib.contextmanager
 def nvfp4_rules(rules: Iterable[Rule]) -> Iterator[None]:
-    """Inside, the linen ``Dense`` / ``DenseGeneral`` / ``Einsum`` layers that ``rules`` match run in NVFP4::
+    """Inside, the linen ``Dense`` / ``DenseGeneral`` / ``Einsum`` layers that ``rules`` match run in NVFP4.
 
-    with nvfp4_rules([Rule(".*mlp.*", Recipe())]):
-        y = model.apply(variables, x, rngs={"nvfp4": key})
+    For instance::
+
+      with nvfp4_rules([Rule(".*mlp.*", Recipe())]):
+          y = model.apply(variables, x, rngs={"nvfp4": key})
     """
     with nn.intercept_methods(interceptor(rules)):
         yield

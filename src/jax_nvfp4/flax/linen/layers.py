@@ -132,7 +132,9 @@ class NVFP4Layer:
 class NVFP4Dense(NVFP4Layer, nn.Dense):
     """``nn.Dense`` whose GEMM (forward and backward) runs in NVFP4.
 
-    Same arguments and parameters as ``nn.Dense``, plus:
+    Same arguments and parameters as ``nn.Dense``, plus the attributes below.
+
+    Attributes:
       recipe: the NVFP4 recipe.
       kernel_axes: logical axis names of the kernel [in, out], e.g.
         ``("embed", "mlp")``; None leaves ``kernel_init`` unannotated.
@@ -147,7 +149,9 @@ class NVFP4Dense(NVFP4Layer, nn.Dense):
 class NVFP4DenseGeneral(NVFP4Layer, nn.DenseGeneral):
     """``nn.DenseGeneral`` whose GEMM (forward and backward) runs in NVFP4.
 
-    Same arguments and parameters as ``nn.DenseGeneral``, plus:
+    Same arguments and parameters as ``nn.DenseGeneral``, plus the attributes below.
+
+    Attributes:
       recipe: the NVFP4 recipe.
       kernel_axes: logical axis names of the kernel, one per kernel axis
         (batch axes, contracted input axes, then ``features``).

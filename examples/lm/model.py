@@ -1,0 +1,240 @@
+"""The training example's model: a decoder-only byte-level transformer whose blocks' linear layers are NVFP4
+(with one of the recipe variants of ``RECIPES``) or bf16.
+
+Only the linear layers inside the transformer blocks differ between runs; the embeddings and the output head stay
+in bf16, as in NVIDIA's NVFP4 recipe. ``build_model`` makes the model of a run; ``describe`` says what its linear
+layers do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import jax_nvfp4
+from examples.lm.data import VOCAB
+from examples.lm.mesh import RULES
+from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, keep_ends, quantize_model
+from jax_nvfp4.flax.linen.moe import MoEMLP
+
+DTYPE = jnp.bfloat16  # activations; parameters stay float32
+X, QKV = ("batch", "length", "act_embed"), ("batch", "length", "heads", "kv")  # activations' logical axes
+
+# The NVFP4 recipe variants --runs can train (their weight blocks come from --weight-blocks).
+RECIPES = {
+    "plain": jax_nvfp4.Recipe(rht=False, stochastic_rounding=False),
+    "rht": jax_nvfp4.Recipe(stochastic_rounding=False),
+    "sr": jax_nvfp4.Recipe(rht=False),
+    "full": jax_nvfp4.Recipe(),
+    "full-est": jax_nvfp4.Recipe(rht_amax_estimate=True),
+    # 4over6 on every operand (MSE, block scales aimed at E4M3 256); round to nearest, as 4over6 of dy needs.
+    "4o6": jax_nvfp4.Recipe(rht=False, stochastic_rounding=False, four_over_six=jax_nvfp4.FourOverSix("all")),
+    # Per-token global scales for the activations and the gradients (one float32 amax per row of x and of dy).
+    "per-token": jax_nvfp4.Recipe(
+        rht=False, stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True
+    ),
+}
+# Runs that convert the bf16 model by rules (jax_nvfp4.flax.quantize_model) instead of building it with NVFP4
+# layers: the recipe of RECIPES they use, every layer in NVFP4 but those of the last block (kept in bf16).
+RULE_RUNS = {"full-keep-last": "full"}
+RUNS = (*RECIPES, *RULE_RUNS, "bf16")
+MOE_TOP_K = 2  # --moe: experts per token
+# The settings that define the model (build_model's), saved with it by --save.
+MODEL_ARGS = ("d_model", "layers", "heads", "seq_len", "weight_blocks")
+
+
+def next_byte_loss(
+    model: nn.Module, params: Any, batch: jax.Array, key: jax.Array | None = None, load_balance: float = 0.0
+) -> jax.Array:
+    """Mean cross-entropy of predicting each next byte of the windows ``batch`` [B, seq_len + 1].
+
+    ``key`` feeds the NVFP4 layers' stochastic rounding (needed for gradients when the recipe has it).
+    ``load_balance``: the weight of the MoE layers' mean load-balancing loss added to it (no MoE: none)."""
+    rngs = None if key is None else {RNG_STREAM: key}
+    logits, state = model.apply({"params": params}, batch[:, :-1], rngs=rngs, mutable=["losses"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    balance = jax.tree.leaves(state)
+    return loss + load_balance * sum(balance) / len(balance) if balance else loss
+
+
+def logical(init: Callable[..., jax.Array], *axes: str) -> Callable[..., Any]:
+    """``init`` with the logical axis names of the parameter it makes (its values are unchanged)."""
+    return nn.with_logical_partitioning(init, axes)
+
+
+def constrain(x: jax.Array, mesh: jax.sharding.Mesh | None, *axes: str) -> jax.Array:
+    """Shard an activation on the mesh as its logical axes say (no mesh: unchanged).
+
+    The mesh is passed rather than set with ``jax.set_mesh``: under a global mesh, Flax's own DenseGeneral (the
+    bf16 baseline) cannot apply its kernel's logical constraint to the 2-D kernel its init makes first
+    (google/flax#3676; the NVFP4 layers work around it).
+    """
+    return x if mesh is None else nn.with_logical_constraint(x, axes, RULES, mesh)
+
+
+def with_axes(cls: type[nn.Module]) -> Callable[..., nn.Module]:
+    """``nn.Dense`` or ``nn.DenseGeneral`` taking ``kernel_axes``/``bias_axes`` like the NVFP4 layers, so that
+    the bf16 baseline shards as they do."""
+
+    def make(*args: Any, kernel_axes: Sequence[str], bias_axes: Sequence[str], **kwargs: Any) -> nn.Module:
+        kernel_init = logical(nn.linear.default_kernel_init, *kernel_axes)
+        return cls(*args, kernel_init=kernel_init, bias_init=logical(nn.initializers.zeros, *bias_axes), **kwargs)
+
+    return make
+
+
+def layer_norm(name: str | None = None) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        dtype=DTYPE,
+        scale_init=logical(nn.initializers.ones, "embed"),
+        bias_init=logical(nn.initializers.zeros, "embed"),
+        name=name,
+    )
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block: causal multi-head self-attention, then a GELU MLP."""
+
+    heads: int
+    dense_cls: Callable[..., nn.Module]
+    dense_general_cls: Callable[..., nn.Module]
+    mesh: jax.sharding.Mesh | None = None
+    moe_cls: Callable[..., nn.Module] | None = None  # the MLP as a mixture of experts (--moe)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d_model = x.shape[-1]
+        head_dim = d_model // self.heads
+        h = layer_norm()(x)
+        qkv = functools.partial(
+            self.dense_general_cls,
+            (self.heads, head_dim),
+            dtype=DTYPE,
+            kernel_axes=("embed", "heads", "kv"),
+            bias_axes=("heads", "kv"),
+        )
+        q, k, v = (constrain(qkv(name=n)(h), self.mesh, *QKV) for n in ("q", "k", "v"))
+        # Scores and softmax in f32: bf16 is too coarse for the exponentials and their sum.
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(DTYPE)
+        attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        out = self.dense_general_cls(
+            d_model, axis=(-2, -1), dtype=DTYPE, name="out", kernel_axes=("heads", "kv", "embed"), bias_axes=("embed",)
+        )
+        x = constrain(x + out(attn), self.mesh, *X)
+        h = layer_norm()(x)
+        if self.moe_cls is not None:
+            return x + self.moe_cls(hidden=4 * d_model // MOE_TOP_K, top_k=MOE_TOP_K, name="moe")(h)
+        up = self.dense_cls(4 * d_model, dtype=DTYPE, name="mlp_up", kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
+        # Exact (erf) GELU: on CPU it is faster than the tanh approximation.
+        h = constrain(nn.gelu(up(h), approximate=False), self.mesh, "batch", "length", "mlp")
+        down = self.dense_cls(d_model, dtype=DTYPE, name="mlp_down", kernel_axes=("mlp", "embed"), bias_axes=("embed",))
+        return constrain(x + down(h), self.mesh, *X)
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only byte-level language model; returns float32 logits."""
+
+    d_model: int
+    layers: int
+    heads: int
+    max_len: int
+    dense_cls: Callable[..., nn.Module] = with_axes(nn.Dense)
+    dense_general_cls: Callable[..., nn.Module] = with_axes(nn.DenseGeneral)
+    mesh: jax.sharding.Mesh | None = None  # where to shard the activations
+    moe_cls: Callable[..., nn.Module] | None = None
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        init = nn.initializers.normal(0.02)  # one scale for both, so positions are not drowned out by tokens
+        table = nn.Embed(VOCAB, self.d_model, embedding_init=logical(init, "vocab", "embed"), name="embed").embedding
+        # Gather the table (FSDP) before the lookup, which is nn.Embed's: XLA cannot move a lookup's output from
+        # the table's sharding to the batch's without gathering all of it (and says so on every compile).
+        x = jnp.take(constrain(table.astype(DTYPE), self.mesh, "vocab", "act_embed"), tokens, axis=0)
+        pos = self.param("pos_embed", logical(init, "length", "embed"), (self.max_len, self.d_model))
+        x = constrain(x + pos[: tokens.shape[1]].astype(DTYPE), self.mesh, *X)
+        for i in range(self.layers):
+            x = Block(self.heads, self.dense_cls, self.dense_general_cls, self.mesh, self.moe_cls, name=f"block{i}")(x)
+        x = layer_norm("final_norm")(x)
+        head = with_axes(nn.Dense)(
+            VOCAB, dtype=DTYPE, name="head", kernel_axes=("embed", "vocab"), bias_axes=("vocab",)
+        )
+        return head(x).astype(jnp.float32)
+
+
+def build_model(
+    run: str, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None, **recipe_fields: Any
+) -> nn.Module:
+    """The same architecture; only the block's linear layers depend on the run (bf16 or an NVFP4 recipe, by
+    NVFP4 layers or, for RULE_RUNS, by rules on the bf16 model). ``recipe_fields`` change the NVFP4 runs'
+    recipe (e.g. ``impl="scaled_dot"``)."""
+    recipe = lambda name: dataclasses.replace(  # noqa: E731
+        RECIPES[name], weight_block_2d=args.weight_blocks == "16x16", **recipe_fields
+    )
+    if run in RECIPES:
+        dense_cls = functools.partial(NVFP4Dense, recipe=recipe(run))
+        dense_general_cls = functools.partial(NVFP4DenseGeneral, recipe=recipe(run))
+    else:
+        dense_cls, dense_general_cls = with_axes(nn.Dense), with_axes(nn.DenseGeneral)
+    moe_cls = None
+    if getattr(args, "moe", 0):
+        moe_cls = functools.partial(
+            MoEMLP,
+            args.moe,
+            recipe=recipe(run) if run in RECIPES else None,
+            dtype=DTYPE,
+            dispatch=getattr(args, "dispatch", "ragged"),
+            capacity_factor=getattr(args, "capacity_factor", 1.25),
+        )
+    model = TransformerLM(
+        args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh, moe_cls
+    )
+    if run in RULE_RUNS:  # the last block (and the head, bf16 in every run) kept by the rules
+        return quantize_model(model, keep_ends(args.layers, last=1, recipe=recipe(RULE_RUNS[run])))
+    return model
+
+
+def describe_moe(args: argparse.Namespace) -> str:
+    """The MoE MLP's settings (--moe, --dispatch, --capacity-factor), for the table and the plot."""
+    text = f"{args.moe} experts top-{MOE_TOP_K}"
+    if getattr(args, "dispatch", "ragged") == "capacity":
+        text += f", capacity factor {args.capacity_factor:g}"
+    return text
+
+
+def describe(run: str, args: argparse.Namespace) -> str:
+    """What a run's linear layers do, for the results table."""
+    if getattr(args, "moe", 0):
+        dense = describe(run, argparse.Namespace(**{**vars(args), "moe": 0}))
+        return dense + f", MLP {describe_moe(args)}"
+    if run == "bf16":
+        return "bf16"
+    if run in RULE_RUNS:
+        return describe(RULE_RUNS[run], args) + ", last block bf16 (by rules)"
+    recipe = RECIPES[run]
+    parts = [f"NVFP4, {args.weight_blocks} weights"]
+    if recipe.rht:
+        parts.append("RHT" + (" (amax estimated)" if recipe.rht_amax_estimate else ""))
+    if recipe.stochastic_rounding:
+        parts.append("SR")
+    if (fos := recipe.four_over_six) is not None:
+        operands = {"weights": "W", "activations": "x", "all": "x, W, dy"}[fos.operands]
+        parts.append(
+            f"4over6 ({operands}; {fos.error.upper()}, E4M3 max {fos.e4m3_max}"
+            + (", fast math" if fos.fast_math else "")
+            + ")"
+        )
+    rows = [name for name, on in (("x", recipe.row_scaled_activations), ("dy", recipe.row_scaled_gradients)) if on]
+    if rows:
+        parts.append(f"per-token scales ({', '.join(rows)})")
+    return " + ".join(parts)

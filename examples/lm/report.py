@@ -1,0 +1,120 @@
+"""The training example's results: the loss curves' plots and the table over several seeds."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import Any
+
+import matplotlib
+import numpy as np
+
+from examples.lm.mesh import mesh_name
+from examples.lm.model import describe, describe_moe
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+COLORS = {"plain": "tab:orange", "rht": "tab:green", "sr": "tab:purple", "full": "tab:red", "full-est": "tab:brown"}
+COLORS.update({"4o6": "tab:cyan", "per-token": "tab:olive", "full-keep-last": "tab:pink", "bf16": "tab:blue"})
+
+
+def smooth(x: np.ndarray, window: int) -> np.ndarray:
+    return np.convolve(x, np.ones(window) / window, mode="valid")
+
+
+def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """Smoothed training loss (solid) and validation loss (dashed, dots) of each run, the last half zoomed,
+    and each NVFP4 run's validation loss relative to bf16's."""
+    panels = 3 if "bf16" in results and len(results) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
+    window = max(1, args.steps // 50)
+    for name, r in results.items():
+        color = COLORS[name]
+        x = np.arange(window, args.steps + 1)
+        y = smooth(np.asarray(r["train_loss"]), window)
+        vs, vl = (np.asarray(v) for v in zip(*r["val_loss"], strict=True))
+        for ax, first in zip(axes[:2], (0, args.steps // 2), strict=True):
+            ax.plot(x[x >= first], y[x >= first], color=color, lw=1.2, label=name)
+            ax.plot(vs[vs >= first], vl[vs >= first], "o--", color=color, alpha=0.7)
+        if panels == 3 and name != "bf16":
+            bf16 = np.asarray([v for _, v in results["bf16"]["val_loss"]])
+            axes[2].plot(vs, 100 * (vl / bf16 - 1), "o-", color=color, label=name)
+    titles = (f"training loss (moving avg {window}); dashed: validation", "second half")
+    for ax, title in zip(axes[:2], titles, strict=True):
+        ax.set(xlabel="step", ylabel="loss (nats/byte)", title=title)
+        ax.grid(alpha=0.3)
+    axes[1].set_xlim(args.steps // 2, args.steps * 1.02)
+    axes[0].legend()
+    if panels == 3:
+        axes[2].axhline(0, color=COLORS["bf16"], lw=1)
+        axes[2].set(xlabel="step", ylabel="% above bf16", title="validation loss vs bf16")
+        axes[2].grid(alpha=0.3)
+        axes[2].legend()
+    fig.suptitle(
+        f"byte-level LM on stdlib source: d_model {args.d_model}, {args.layers} layers, "
+        f"batch {args.batch}x{args.seq_len}, NVFP4 weight blocks {args.weight_blocks}"
+        + (f", mesh {mesh_name(args.mesh)}" if args.mesh else "")
+        + (f", MLP {describe_moe(args)}" if getattr(args, "moe", 0) else "")
+    )
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=90)
+    plt.close(fig)
+
+
+def val_gaps(by_seed: dict[int, dict[str, dict[str, Any]]], run: str) -> np.ndarray:
+    """[seeds, evaluations]: each seed's validation loss of ``run`` relative to that seed's bf16 run, in %."""
+    return np.asarray(
+        [
+            [100 * (v / b - 1) for (_, v), (_, b) in zip(r[run]["val_loss"], r["bf16"]["val_loss"], strict=True)]
+            for r in by_seed.values()
+        ]
+    )
+
+
+def print_seed_table(by_seed: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
+    """Mean and sample standard deviation over the seeds of each run's final losses and gap to bf16."""
+    n = len(by_seed)
+    print(f"\n{n} seeds ({', '.join(map(str, by_seed))}): mean ± standard deviation over the seeds")
+    print(
+        "\n| run | recipe | train loss | val loss | val gap vs bf16 (same seed) | ms/step |\n|---|---|---|---|---|---|"
+    )
+    for run in args.runs:
+        train_loss = np.asarray([r[run]["final_train_loss"] for r in by_seed.values()])
+        val = np.asarray([r[run]["final_val_loss"] for r in by_seed.values()])
+        ms = np.mean([r[run]["ms_per_step"] for r in by_seed.values()])
+        gap = "-"
+        if run != "bf16" and "bf16" in args.runs:
+            final = val_gaps(by_seed, run)[:, -1]
+            gap = f"{final.mean():+.2f}% ± {final.std(ddof=1):.2f}%"
+        losses = f"{train_loss.mean():.4f} ± {train_loss.std(ddof=1):.4f} | {val.mean():.4f} ± {val.std(ddof=1):.4f}"
+        print(f"| {run} | {describe(run, args)} | {losses} | {gap} | {ms:.1f} |")
+
+
+def plot_seeds(by_seed: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
+    """Each NVFP4 run's validation gap to bf16 over training: the mean over the seeds and a band of ± one
+    standard deviation, next to <out>-seeds.png."""
+    if "bf16" not in args.runs:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in args.runs:
+        if run == "bf16":
+            continue
+        steps = [step for step, _ in next(iter(by_seed.values()))[run]["val_loss"]]
+        gaps = val_gaps(by_seed, run)
+        mean, sd = gaps.mean(0), gaps.std(0, ddof=1)
+        ax.plot(steps, mean, "o-", color=COLORS[run], label=run)
+        ax.fill_between(steps, mean - sd, mean + sd, color=COLORS[run], alpha=0.2)
+    ax.axhline(0, color=COLORS["bf16"], lw=1)
+    ax.set(
+        xlabel="step",
+        ylabel="% above bf16 (same seed)",
+        title=f"validation loss vs bf16: mean ± sd of {len(by_seed)} seeds",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = pathlib.Path(args.out).with_name(pathlib.Path(args.out).stem + "-seeds.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f"wrote {path}")

@@ -1,0 +1,152 @@
+"""The training example's training loop: one run (a model of ``build_model``) trained on the shared batches, with
+its evaluations and timing, optionally sharded over a device mesh; and saving a trained model for inference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from examples.lm.data import windows
+from examples.lm.mesh import BATCH, mesh_name, shard_state, sharded_params
+from examples.lm.model import MODEL_ARGS, RECIPES, TransformerLM, build_model, next_byte_loss
+from jax_nvfp4 import checkpoint
+from jax_nvfp4.flax.linen.layers import quantize_params
+
+LOAD_BALANCE = 0.01  # --moe: the weight of the load-balancing loss in the training loss
+
+
+def save_model(directory: pathlib.Path, run: str, args: argparse.Namespace, model: TransformerLM, params: Any) -> None:
+    """Write a trained model for inference to ``directory``: ``params/``, its parameters with the NVFP4 layers'
+    kernels quantized (``QuantizedWeight``) by ``jax_nvfp4.checkpoint`` (orbax), and ``config.json``, the run and
+    the MODEL_ARGS that rebuild the model (``build_model``)."""
+    if run in RECIPES:
+        params = quantize_params(params, model=model, inputs=(jnp.zeros((1, args.seq_len), jnp.int32),))
+    # On the host, unsharded: the checkpoint then restores on any number of devices.
+    checkpoint.save(directory / "params", jax.device_get(params))
+    config = {"run": run, **{name: getattr(args, name) for name in MODEL_ARGS}}
+    (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+class Progress:
+    """A one-line progress bar on stderr: step/total, loss, steps/s, ETA."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total = label, total
+        self.t0, self.step0, self.last = time.perf_counter(), 0, 0.0
+
+    def restart(self, step: int) -> None:
+        """Measure speed from here (after the compile step)."""
+        self.t0, self.step0 = time.perf_counter(), step
+
+    def update(self, step: int, loss: jax.Array) -> None:
+        now = time.perf_counter()
+        if now - self.last < 0.25 and step < self.total:
+            return  # redrawing reads the loss back, which waits for the device
+        loss = float(loss)  # waits for this step, so the rate below counts finished steps only
+        self.last = now = time.perf_counter()
+        rate = (step - self.step0) / max(now - self.t0, 1e-9)
+        eta = f"{(self.total - step) / rate:.0f}s" if rate > 0 else "?"
+        bar = "#" * (24 * step // self.total)
+        line = f"{self.label} [{bar:<24}] {step}/{self.total} loss {loss:.3f} {rate:.2f} step/s ETA {eta}"
+        sys.stderr.write("\r" + line.ljust(100))
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        sys.stderr.write("\r" + " " * 100 + "\r")
+        sys.stderr.flush()
+
+
+def train(
+    run: str,
+    args: argparse.Namespace,
+    train_starts: np.ndarray,
+    data: dict[str, Any],
+    mesh: jax.sharding.Mesh | None = None,
+    on_eval: Callable[[int, Any], None] | None = None,
+) -> dict[str, Any]:
+    """Train one model (bf16 or an NVFP4 recipe of RECIPES) from the shared seed on the shared batches, sharded
+    over mesh if one is given; return its losses and timing. ``on_eval(step, params)`` runs at each evaluation."""
+    model = build_model(run, args, mesh)
+
+    loss_fn = functools.partial(next_byte_loss, model)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
+    decay_mask = functools.partial(jax.tree.map, lambda p: p.ndim >= 2)  # no decay on biases and norms
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decay_mask))
+    init = lambda: model.init(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
+    params = nn.unbox(init()) if mesh is None else sharded_params(init, mesh)
+    # The optimizer's moments are zeros_like(params): they take the params' shardings.
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    jit_step, put = functools.partial(jax.jit, donate_argnums=0), lambda batch: batch
+    if mesh is not None:
+        state, shardings = shard_state(state, mesh)
+        jit_step = functools.partial(jit_step, out_shardings=(shardings, NamedSharding(mesh, P())))
+        put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(BATCH)))
+
+    rounding_key = jax.random.key(args.seed + 1)  # stochastic rounding: a fresh key each step, folded in below
+
+    @jit_step
+    def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
+        key = jax.random.fold_in(rounding_key, state.step)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key, LOAD_BALANCE)
+        return state.apply_gradients(grads=grads), loss
+
+    eval_step = jax.jit(loss_fn)
+
+    def evaluate(params: Any) -> float:
+        return float(np.mean([eval_step(params, put(b)) for b in data["val_batches"]]))
+
+    label = f"{run:>8}"
+    progress, losses, val, eval_time = Progress(label, args.steps), [], [], 0.0
+    for step in range(1, args.steps + 1):
+        state, loss = train_step(state, put(windows(data["train"], train_starts[step - 1], args.seq_len)))
+        losses.append(loss)
+        if step == 1:
+            loss.block_until_ready()  # the first step compiles: time from here on
+            t_start = time.perf_counter()
+            progress.restart(step)
+        else:
+            losses[-2].block_until_ready()  # at most one step in flight: a steady progress bar, bounded memory
+        progress.update(step, loss)
+        if step % args.eval_every == 0 or step == args.steps:
+            jax.block_until_ready(state)  # finish the training step first, so it is not timed as evaluation
+            t_eval = time.perf_counter()
+            val.append((step, evaluate(state.params)))
+            if on_eval is not None:
+                on_eval(step, state.params)
+            progress.clear()
+            print(f"{label} step {step:5d}  train {float(loss):.4f}  val {val[-1][1]:.4f}", flush=True)
+            eval_time += time.perf_counter() - t_eval
+            progress.t0 += time.perf_counter() - t_eval  # keep evaluation out of the speed display
+            progress.update(step, loss)
+    progress.clear()
+    elapsed = time.perf_counter() - t_start - eval_time
+    if args.save:
+        save_model(pathlib.Path(args.save) / run, run, args, model, state.params)
+        print(f"{label} saved to {pathlib.Path(args.save) / run}", flush=True)
+    losses = np.asarray(jnp.stack(losses))
+    tail = max(1, args.steps // 10)
+    return {
+        "run": run,
+        "mesh": mesh_name(args.mesh),
+        "train_loss": losses.tolist(),
+        "val_loss": val,
+        "final_train_loss": float(losses[-tail:].mean()),
+        "final_val_loss": val[-1][1],
+        "ms_per_step": 1e3 * elapsed / max(args.steps - 1, 1),
+    }
