@@ -3,7 +3,7 @@
 // 3.5 and 5) is a multiple of 2^21 in float bits, so the code is constant on each chunk of
 // 2^21 bit patterns but for its lowest pattern, and an entry holds the code of the rest.
 // Three lowest patterns need more than a shift (an exhaustive check over all 2^32 floats in
-// tests/test_cuda_host.py proves both indices):
+// tests/cuda/test_cuda_host.py proves both indices):
 //   - a threshold where the tie rounds down (0.25, 1.25, 2.5, 5): the chunk below's code;
 //   - -0.0, whose code is 0 where the rest of its chunk (tiny negatives) gives 8;
 //   - inf, whose chunk holds no other float that arithmetic produces: its entry is inf's code.
@@ -74,7 +74,7 @@ NVFP4_HD bool tie_possible(float enc) {
 // 1.25, 2.5, 5) are what the fast index rules out. Truncation saturates at 65504 (code 7) and
 // keeps a tiny negative product's sign (code 8). A NaN product (only in a block with a NaN, whose
 // encode scale is NaN) becomes float16 NaN 0x7FFF, code 0; inf keeps its class (code 7).
-// tests/test_cuda_host.py checks the classes exhaustively over all 2^32 floats.
+// tests/cuda/test_cuda_host.py checks the classes exhaustively over all 2^32 floats.
 
 constexpr int kPairLutSize = 1 << 16;
 

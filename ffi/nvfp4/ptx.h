@@ -4,8 +4,8 @@
 // convert the functions here use; elsewhere each function computes the instruction's documented
 // result in portable code. The CUDA host model (NVFP4_CUDA_HOST) runs the sm_100a code paths
 // through these equivalents when it emulates such a GPU (nvfp4::host::set_emulated_sm), so the
-// code around each instruction is tested on the CPU too; tests/test_cuda_host_model.py checks the
-// equivalents against the semantics the CUDA documentation gives the instructions.
+// code around each instruction is tested on the CPU too; tests/cuda/test_cuda_host_model.py checks
+// the equivalents against the semantics the CUDA documentation gives the instructions.
 #pragma once
 
 #include <algorithm>

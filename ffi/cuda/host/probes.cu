@@ -1,4 +1,4 @@
-// Kernels that test the host execution model itself (tests/test_cuda_host_model.py): what each
+// Kernels that test the host execution model itself (tests/cuda/test_cuda_host_model.py): what each
 // warp exchange returns, that __syncthreads() is a barrier, atomics across blocks, the launch
 // limits, and the misuse the model must abort on. Written as CUDA, as our kernels are.
 #include <cstring>

@@ -32,7 +32,7 @@ differ: each shard rounds dy with its own key (``jax.random.fold_in(key, s)``), 
 than in the global buffer, so the rounding is as unbiased as the unsharded layer's but not the same.
 The load-balancing loss and the dropped count are those of the global batch (sums over the shards).
 
-What travels in which dtype (the compiled program's all-to-alls, see ``tests/test_expert_parallel.py``):
+What travels in which dtype (the compiled program's all-to-alls, see ``tests/moe/test_expert_parallel.py``):
 
 - forward, tokens -> experts: the buffer quantized at the token side BEFORE the exchange, with the
   amax of the whole global buffer (the pmax of the shards' amaxes: the unsharded dot_general quantizes

@@ -94,7 +94,7 @@ def define(
 
     prim = Primitive(name)
     prim.multiple_results = True
-    prim.ffi_attrs = ffi_attrs  # for whoever calls the FFI target directly (tests/cuda_host.py)
+    prim.ffi_attrs = ffi_attrs  # for whoever calls the FFI target directly (tests/helpers/cuda_host.py)
 
     @functools.cache
     def jitted(params: tuple) -> Callable:

@@ -1,0 +1,71 @@
+"""The golden files (tests/golden/, made by TransformerEngine's reference quantizer): their cases, loading, and
+the check of a quantization against one."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+
+GOLDEN_DIR = pathlib.Path(__file__).parents[1] / "golden"
+
+
+def _plain(g) -> bool:
+    """Plain 1x16 / 16x16 NVFP4 and the RHT: neither row-scaled nor 4over6."""
+    return not (bool(g["row_scaled"]) or bool(g["use_4over6"]))
+
+
+def _input_files() -> list[str]:
+    return sorted(p.name for p in GOLDEN_DIR.glob("*.npz") if "x" in np.load(p))
+
+
+def cases() -> list[str]:
+    """The plain and RHT cases."""
+    return [name for name in _input_files() if _plain(np.load(GOLDEN_DIR / name))]
+
+
+def option_cases() -> list[str]:
+    """The row-scaled and 4over6 cases."""
+    return [name for name in _input_files() if not _plain(np.load(GOLDEN_DIR / name))]
+
+
+def load(name: str):
+    """(the file, x in its input dtype, quantize options); options beyond the plain ones only where set."""
+    g = np.load(GOLDEN_DIR / name)
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[str(g["input_dtype"])]
+    options = {
+        "rowwise": bool(g["rowwise"]),
+        "columnwise": bool(g["columnwise"]),
+        "block_2d": tuple(int(v) for v in g["tile_shape"]) == (16, 16),
+    }
+    if bool(g["with_rht"]):
+        options["rht"] = True
+    if bool(g["row_scaled"]):
+        options["row_scaled"] = True
+    if bool(g["use_4over6"]):
+        # err_mode, fast_math and e4m3_max take effect only with 4over6 (the reference forces 448 without).
+        options["four_over_six_error"] = str(g["err_mode"]).lower()
+        options["four_over_six_fast_math"] = bool(g["fast_math"])
+        options["e4m3_max"] = int(g["e4m3_max"])
+    return g, jnp.asarray(g["x"]).astype(dtype), options
+
+
+def _as_stored(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def assert_golden(g, columnwise: bool, data, scale, amax, data_t=None, scale_t=None, amax_t=None):
+    """A quantization's arrays are golden file ``g``'s, byte for byte."""
+    m, n = g["x"].shape
+    # The reference crops data to N//2 bytes and keeps padded scale rows; the
+    # goldens all have even N, and padded 2D scale rows repeat the last block.
+    np.testing.assert_array_equal(_as_stored(data), g["data"])
+    np.testing.assert_array_equal(_as_stored(scale), g["scale"][:m])
+    # One float32 (a [1] array in the file), or one per row when row-scaled.
+    assert np.asarray(amax, np.float32).tobytes() == g["amax_row"].astype(np.float32).tobytes()
+    if columnwise:
+        np.testing.assert_array_equal(_as_stored(data_t), g["data_t"])
+        np.testing.assert_array_equal(_as_stored(scale_t), g["scale_t"][:n])
+        assert np.asarray(amax_t, np.float32).tobytes() == g["amax_col"].astype(np.float32).tobytes()

@@ -1,0 +1,74 @@
+"""The FFI kernels give the reference's bytes on random shapes, dtypes and values."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from helpers import DTYPES, assert_same_bytes, assert_same_tensor, quantize_options, random_tensor, tensors
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jax_nvfp4
+from jax_nvfp4 import reference
+
+
+def quantize_both(x, **opts):
+    got = jax.jit(lambda x: jax_nvfp4.quantize(x, **opts))(x)
+    want = jax.jit(lambda x: reference.quantize(x, **opts))(x)
+    return got, want
+
+
+@given(tensors(), quantize_options)
+def test_quantize_matches_reference(x, opts):
+    got, want = quantize_both(x, **opts)
+    assert_same_tensor(got, want)
+
+
+@given(
+    tensors(max_dim=40), quantize_options, st.sampled_from([0.0, 1e-3, 3.0, 1e30, 1e-38, np.inf, np.nan, -0.0, -2.0])
+)
+def test_quantize_with_given_amax_matches_reference(x, opts, amax):
+    # An external amax (e.g. reduced over a mesh) may be smaller or larger than max|x|;
+    # even a meaningless negative one gives the same bytes.
+    got = jax.jit(lambda x: jax_nvfp4.quantize(x, amax=jnp.float32(amax), **opts))(x)
+    want = jax.jit(lambda x: reference.quantize(x, amax=jnp.float32(amax), **opts))(x)
+    assert_same_tensor(got, want)
+
+
+@given(tensors(), st.sampled_from(DTYPES), st.booleans())
+def test_dequantize_matches_reference(x, out_dtype, block_2d):
+    t = jax_nvfp4.quantize(x, columnwise=True, block_2d=block_2d)
+    for columnwise in (False, True):
+        got = jax.jit(lambda t, c=columnwise: jax_nvfp4.dequantize(t, out_dtype, columnwise=c))(t)
+        want = jax.jit(lambda t, c=columnwise: reference.dequantize(t, out_dtype, columnwise=c))(t)
+        assert_same_bytes(got, want)
+        assert got.shape == x.shape
+
+
+@given(tensors())
+def test_amax_matches_reference(x):
+    assert_same_bytes(jax.jit(jax_nvfp4.amax)(x), jax.jit(reference.amax)(x))
+
+
+def test_kernels_run_as_custom_calls():
+    x = jnp.ones((32, 48), jnp.bfloat16)
+    hlo = jax.jit(lambda x: jax_nvfp4.dequantize(jax_nvfp4.quantize(x, columnwise=True))).lower(x).as_text()
+    for target in ("nvfp4_amax", "nvfp4_quantize", "nvfp4_dequantize"):
+        assert f'"{target}"' in hlo or f"@{target}" in hlo, target
+
+
+def test_eager_matches_jit():
+    x = random_tensor(np.random.default_rng(0), (48, 80), ml_dtypes.bfloat16, spread=3, specials=("zero",), frac=0.1)
+    assert_same_tensor(jax_nvfp4.quantize(x, columnwise=True), quantize_both(x, columnwise=True)[0])
+
+
+def test_large_tensor_uses_threads_and_matches_reference():
+    # Big enough for the kernels' thread split; non-multiple-of-16 dims on both axes.
+    x = random_tensor(np.random.default_rng(1), (1030, 1041), ml_dtypes.bfloat16, spread=4, specials=(), frac=0)
+    for block_2d in (False, True):
+        got, want = quantize_both(x, columnwise=True, block_2d=block_2d)
+        assert_same_tensor(got, want)
+    t = got
+    assert_same_bytes(jax.jit(jax_nvfp4.dequantize)(t), jax.jit(reference.dequantize)(t))
