@@ -1,6 +1,6 @@
 """The NVFP4 element and scale formats on float32 bit patterns: E2M1 codes and E4M3 block scales.
 
-Round to nearest even with integer ops only (see ``_bits``), so the codes do not
+Round to nearest even with integer ops only (see ``core.bits``), so the codes do not
 depend on how a backend treats subnormals, signed zeros or NaN.
 """
 

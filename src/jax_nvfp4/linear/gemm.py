@@ -1,4 +1,4 @@
-"""The NVFP4 GEMM: block sums by an exact bf16 emulation or by XLA's ``lax.scaled_dot`` (``gemm_impl``).
+"""The NVFP4 GEMM: block sums by an exact bf16 emulation or by XLA's ``lax.scaled_dot`` (``block_sum``).
 
 Every operand contracts over its last, packed axis: y[b, i, j] = sum_k a[b, i, k] * c[b, j, k].
 An E2M1 value times an E4M3 scale has at most 6 significant bits and lies in

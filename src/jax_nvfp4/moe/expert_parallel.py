@@ -5,7 +5,7 @@ s = a * D + i for data index a and expert-axis index i, D the expert axis' size)
 [E, d, h] and [E, h, d] over ``expert_axis`` on E (E / D experts a shard, replicated over ``data_axes``).
 Under ``jax.shard_map`` each shard
 
-1. routes its own tokens (each token's top-k experts and gates as ``moe_dispatch.route`` computes them, on the
+1. routes its own tokens (each token's top-k experts and gates as ``dispatch.route`` computes them, on the
    whole batch's logits outside the shard_map; the sort by expert within the shard) and gives each
    expert C_local = ``expert_capacity(T / S, k, E, capacity_factor)`` slots (R = C_local rounded up to
    16 rows in NVFP4): capacity per source shard, as MaxText does; a pair beyond its expert's C_local
@@ -15,9 +15,9 @@ Under ``jax.shard_map`` each shard
    holds [E/D, D R, d], source shard i's slots at rows [i R, (i+1) R);
 4. runs the experts' two GEMMs locally (GELU between, empty slots zeroed);
 5. all-to-all back: [E/D, D R, d] -> [E, R, d], each shard its own slots;
-6. combines its tokens' outputs with their gates in float32, as ``moe_dispatch.capacity_mlp`` does.
+6. combines its tokens' outputs with their gates in float32, as ``dispatch.capacity_mlp`` does.
 
-Semantics (exact). The result is that of the unsharded capacity layer (``moe_dispatch.capacity_mlp``'s batched
+Semantics (exact). The result is that of the unsharded capacity layer (``dispatch.capacity_mlp``'s batched
 ``jax_nvfp4.dot_general``) applied to the global buffer [E, S R, d] whose expert e holds, at rows
 [s R, (s+1) R), shard s's slots of expert e: ``reference_mlp`` computes it so, unsharded. With
 ``Recipe(stochastic_rounding=False)`` the output and the gradients of x and of both kernels are equal to
@@ -25,7 +25,7 @@ it bit for bit (without ``data_axes``; with them each kernel's gradient is a flo
 shards, in another order than one GEMM's, then rounded to the kernel's dtype once). The gates' softmax is
 a float32 computation that XLA compiles for the shapes at hand (the reference's [T, k] and the shards'
 [T / S, k] can round an ulp apart on CPU), and the float32 combination sums the k weighted outputs in
-order (products, then adds), where ``moe_dispatch.combine`` runs an einsum: with one shard (S = 1) the reference
+order (products, then adds), where ``dispatch.combine`` runs an einsum: with one shard (S = 1) the reference
 is the unsharded layer's computation up to that float32 order; with top_k = 1 (every gate exactly 1) the
 sharded layer equals the reference byte for byte (tested). With stochastic rounding the random bits
 differ: each shard rounds dy with its own key (``jax.random.fold_in(key, s)``), the shard's elements at other positions
@@ -194,7 +194,7 @@ def _weight_grad(qdy: NVFP4Tensor, qx: NVFP4Tensor, dtype, recipe: Recipe, mesh:
 
 def _combine(out: jax.Array, gates: jax.Array) -> jax.Array:
     """Each token's expert outputs [T, k, d] weighted by its gates [T, k] and summed over k in order: float32
-    [T, d]. (``moe_dispatch.combine``'s einsum as products and adds, each rounded to float32 in every program.)"""
+    [T, d]. (``dispatch.combine``'s einsum as products and adds, each rounded to float32 in every program.)"""
     # The barrier keeps the products rounded: XLA may fuse a product and an add into one FMA in one program
     # and not in another.
     products = lax.optimization_barrier(out.astype(jnp.float32) * gates[:, :, None])
@@ -287,7 +287,7 @@ def _global_balance(routing: Routing, logits: jax.Array, mesh: _Mesh) -> jax.Arr
 
 
 def _choices(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """Each token's experts int32 [T, k] and gates float32 [T, k], as ``moe_dispatch.route`` computes them."""
+    """Each token's experts int32 [T, k] and gates float32 [T, k], as ``dispatch.route`` computes them."""
     top, chosen = lax.top_k(logits, top_k)
     return chosen.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
 
@@ -454,7 +454,7 @@ def reference_mlp(
     """Unsharded: the capacity layer's two batched ``dot_general``s on the buffer [E, S R, d] that expert
     parallelism over ``shards`` = S token shards builds (each shard of T / S consecutive tokens routed on its
     own, C_local slots per expert, shard s's slots at rows [s R, (s+1) R)). Returns the float32 combination
-    [T, d] and the dropped pairs. ``shards=1`` is ``moe_dispatch.capacity_mlp``."""
+    [T, d] and the dropped pairs. ``shards=1`` is ``dispatch.capacity_mlp``."""
     tokens, d = x.shape
     num_experts = up.shape[0]
     local = tokens // shards

@@ -1,6 +1,6 @@
 """The grouped quantization pipeline of ``ragged_dot``, and the decoded values its grouped GEMMs multiply.
 
-``quantize_grouped`` is to the grouped ops (``ops.grouped``) what ``_frontend.quantize_batch`` is to
+``quantize_grouped`` is to the grouped ops (``ops.grouped``) what ``core.pipeline.quantize_batch`` is to
 quantize: the amax pass (one amax for the rowwise copy, one per group for the columnwise one, of the
 RHT chunks or estimated from the plain amax), the random seeds, then one grouped quantize that writes
 the rowwise copy of all tokens and one grouped columnwise copy of every group's blocks.
@@ -79,7 +79,7 @@ def quantize_grouped(
 
     ``spec`` must ask for the columnwise copy; with ``spec.stochastic_rounding`` the rowwise copy
     rounds with ``row_key`` and group g's blocks with ``group_keys[g]`` (the words each key would
-    draw for today's per-group copy, ``_reference_grouped``).
+    draw for today's per-group copy, ``reference.grouped``).
     """
     grouped.check_grouped_spec(spec)
     spec.check_rows(x.shape[0])

@@ -16,7 +16,7 @@ next group's copy of the same block holds the rest. Each group has its own amax 
 with the RHT), and with the RHT each 16-row chunk is transformed with the rows outside the group as
 zeros. So group g's blocks are the quantization of its rows padded in front by ``start_g mod 16``
 zero rows, and no 16-token block mixes two experts' tokens. One grouped quantize
-(``_reference_grouped``) writes every group's blocks into one copy of at most M + 16 (G - 1) token
+(``reference.grouped``) writes every group's blocks into one copy of at most M + 16 (G - 1) token
 rows: residuals about a dense layer's, not G of them.
 
 **The GEMMs, once each.** An E2M1 value times its E4M3 block scale is exact in bfloat16, so each

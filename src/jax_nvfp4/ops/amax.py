@@ -64,5 +64,5 @@ amax_p = define(
 
 
 def amax(x, *, amax_mesh_axes=None, rht_amax: bool = False, per_row: bool = False) -> tuple:
-    """The kernel backend's amax (see ``_backend.Backend``)."""
+    """The kernel backend's amax (see ``core.backend.Backend``)."""
     return tuple(amax_p.bind(x, amax_mesh_axes=amax_mesh_axes, rht_amax=rht_amax, per_row=per_row))

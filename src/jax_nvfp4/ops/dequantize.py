@@ -47,5 +47,5 @@ dequantize_p = define(
 
 
 def dequantize(data, scale, amax, *, cols: int, dtype, e4m3_max: int = 448):
-    """The kernel backend's dequantize (see ``_backend.Backend``)."""
+    """The kernel backend's dequantize (see ``core.backend.Backend``)."""
     return dequantize_p.bind(data, scale, amax, cols=cols, dtype=dtype, e4m3_max=int(e4m3_max))[0]

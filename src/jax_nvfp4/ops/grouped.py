@@ -1,4 +1,4 @@
-"""The grouped ops of a mixture of experts, on x [B, M, N] with token rows sorted by group (``_reference_grouped``).
+"""The grouped ops of a mixture of experts, on x [B, M, N] with token rows sorted by group (``reference.grouped``).
 
 ``nvfp4_grouped_amax``: x, group_sizes [B, G] -> amax [B] (of the rows in groups) and each group's amax_t
 [B, G] (of its RHT chunks with ``rht_amax``); ``per_row``: [B, M] and [B, G, N].

@@ -91,5 +91,5 @@ quantize_p = define(
 
 
 def quantize(x, amax, amax_t, seed, *, spec: QuantizeSpec) -> tuple:
-    """The kernel backend's quantize (see ``_backend.Backend``)."""
+    """The kernel backend's quantize (see ``core.backend.Backend``)."""
     return tuple(quantize_p.bind(x, amax, amax_t, seed, spec=spec))

@@ -1,7 +1,7 @@
 """The pure-JAX NVFP4 reference: the executable spec, with the public signatures.
 
 ``quantize`` / ``dequantize`` / ``amax`` here are ``jax_nvfp4``'s, run on the
-reference's core ops (``_reference_core``) instead of the kernels, which must
+reference's core ops (``reference.kernels``) instead of the kernels, which must
 give the same bytes. The core ops and their building blocks are re-exported
 for tests and tools.
 """

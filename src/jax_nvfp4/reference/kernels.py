@@ -4,7 +4,7 @@ The primitives lower to these where no kernel exists, and the C++ and CUDA
 kernels must give the same bytes. ``jax_nvfp4.reference`` puts the public
 signatures on top. It follows
 ``tests/golden/README.md`` (TransformerEngine's reference quantizer) step by
-step, in exact float32 arithmetic on bit patterns (see ``_bits``), so it does
+step, in exact float32 arithmetic on bit patterns (see ``core.bits``), so it does
 not depend on how a backend treats subnormals.
 """
 
@@ -259,7 +259,7 @@ def quantize_core(x, amax, amax_t, seed, *, spec: QuantizeSpec):
     Stochastic rounding draws from ``seed``. Row-scaled (1x16 only): ``amax``
     is per row of x, [B, R], and ``amax_t`` per row of x^T, [B, C] (``amax_core(...,
     per_row=True)``); each row has its own global scales. 4over6 follows
-    ``_reference_4over6``; E = ``spec.e4m3_max`` sets the global scales.
+    ``reference.four_over_six``; E = ``spec.e4m3_max`` sets the global scales.
     """
     rowwise, columnwise = spec.rowwise, spec.columnwise
     spec.check_amaxes(x.shape, amax.shape, amax_t.shape)

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP for Flax NNX: ``MoEMLP``, the NNX twin of ``jax_nvfp4.flax.moe.MoEMLP``.
+"""The mixture-of-experts MLP for Flax NNX: ``MoEMLP``, the NNX twin of ``jax_nvfp4.flax.linen.moe.MoEMLP``.
 
 Same routing, parameters and GEMMs (``jax_nvfp4.flax.linen.moe``); the stochastic-rounding keys come
 from a stream forked at construction, as ``NVFP4DotGeneral``'s do. The load-balancing loss of the
@@ -43,7 +43,7 @@ class MoEMLP(nnx.Module):
         per expert, batched GEMMs ``dot_general``; see ``jax_nvfp4.flax.linen.moe``).
       capacity_factor: with capacity dispatch, C = ceil(capacity_factor * T * top_k / E) (at most T).
       expert_axis: with capacity dispatch, expert parallelism over this axis of the current mesh
-        (``jax.set_mesh``): see ``jax_nvfp4.flax.moe.MoEMLP`` and ``jax_nvfp4.moe.expert_parallel``.
+        (``jax.set_mesh``): see ``jax_nvfp4.flax.linen.moe.MoEMLP`` and ``jax_nvfp4.moe.expert_parallel``.
       data_axes: with ``expert_axis``, the other mesh axes the tokens are sharded on.
       rngs: initializes the router and the kernels; with stochastic rounding the layer forks its
         ``"nvfp4"`` stream (else ``default``), as ``NVFP4DotGeneral`` does.
