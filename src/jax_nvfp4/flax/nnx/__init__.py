@@ -5,6 +5,7 @@ Importable apart from the linen layers (``jax_nvfp4.flax`` does not import NNX).
 """
 
 from jax_nvfp4.flax.nnx.layers import (
+    RNG_STREAM,
     NVFP4DotGeneral,
     NVFP4Einsum,
     NVFP4Linear,
@@ -15,6 +16,7 @@ from jax_nvfp4.flax.nnx.layers import (
 from jax_nvfp4.flax.nnx.moe import MoEMLP
 
 __all__ = [
+    "RNG_STREAM",
     "MoEMLP",
     "NVFP4DotGeneral",
     "NVFP4Einsum",
