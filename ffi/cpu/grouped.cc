@@ -87,8 +87,8 @@ void grouped_stripe(const typename L::T* x, const GroupedCall& c, const Groups& 
     if (c.spec.columnwise_rht()) transform_stripe<L>(st, width);
     column_maxima(st, width);
     column_scales(st, c.cols, width, p);
-    // Random words at the global rows; the block lands at j + g of the grouped copy.
-    encode_columns(st, c.rows, c.cols, width, m0, p);
+    // Random words of global block j; the block lands at j + g of the grouped copy.
+    encode_columns(st, width, m0, p);
     store_columns(st, mp, c.cols, width, (j + g) * kBlock, cols_out);
   }
 }

@@ -3,7 +3,7 @@
 // transposed), with 1x16 or 16x16 blocks. Each 16-row stripe is converted to
 // float32 once and stays in cache for both copies. Options: the columnwise copy
 // of the Random Hadamard Transform of x^T (rht), and stochastic rounding with
-// counter-based Threefry random words (stochastic_rounding); row-scaled global
+// counter-based Philox random bytes, one hash per block (stochastic_rounding); row-scaled global
 // scales (one amax per row of x and per row of x^T) and 4over6 block scaling.
 #include "cpu/handlers.h"
 #include "cpu/stripe.h"
@@ -34,14 +34,14 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
     tile_scales(st, width, p);
   else
     column_scales(st, cols, width, p);
-  encode_columns(st, rows, cols, width, m0, p);
+  encode_columns(st, width, m0, p);
   if (o.data && block_2d) store_rows_2d(st, nrows, cols, width, m0, o);
   if (!o.data_t) return;
   if (block_2d && p.spec.four_over_six().on()) {
     // x^T's own 4over6 choice: re-encode with the columnwise copy's scales.
     st.scale.swap(st.scale_t);
     st.enc.swap(st.enc_t);
-    encode_columns(st, rows, cols, width, m0, p);
+    encode_columns(st, width, m0, p);
   }
   store_columns(st, rows, cols, width, m0, o);
 }

@@ -22,7 +22,7 @@ struct Stripe {
   std::vector<float> enc;        // [width]: encode scale of each column's block
   std::vector<uint8_t> scale;    // [width]: E4M3 scale of each column's block
   std::vector<uint64_t> word;    // [width]: a column's 8 packed bytes of the columnwise copy
-  std::vector<uint32_t> rand;    // [16][width]: random words of stochastic rounding
+  std::vector<uint32_t> rand;    // [4][blocks]: each block's four random words (stochastic rounding)
   std::vector<GlobalScales> g;   // [width]: the global scales of each block (4over6, row-scaled)
   std::vector<float> rowt;       // [16][blocks]: one row's 1x16 chunks as columns (4over6)
   std::vector<uint8_t> scale_t;  // [width]: the columnwise copy's scales (16x16 4over6)
@@ -38,7 +38,7 @@ struct Options {
   const float* amax_rows;  // row-scaled: the entry's amax per row of x [M] (rowwise)
   const float* amax_cols;  // row-scaled: the entry's amax per row of x^T [N] (columnwise)
   Seed seed;
-  uint32_t b;  // the batch entry (random word indices)
+  uint32_t b;  // the batch entry (random counters)
 
   // Global scales of row m of the rowwise copy and of row n of the columnwise one.
   GlobalScales row(int64_t m) const {
@@ -103,18 +103,18 @@ inline void block_max(const float* __restrict v, uint32_t* __restrict mag, int64
   }
 }
 
-// Encodes n values stochastically with one encode scale and one random word per value.
-inline void encode_stochastic(const float* __restrict v, const float* __restrict enc,
-                              const uint32_t* __restrict word, uint8_t* __restrict codes,
-                              int64_t n) {
-  for (int64_t k = 0; k < n; ++k) codes[k] = quantize_value_stochastic(v[k], enc[k], word[k]);
-}
-
-// Random words of the n indices base, base + stride, ... (uint32, wrapping);
-// one hash per word, but the loop vectorizes.
-inline void random_words(Seed seed, uint32_t base, uint32_t stride, uint32_t stream,
-                         uint32_t* __restrict w, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) w[k] = random_word(seed, base + uint32_t(k) * stride, stream);
+// The random words of n blocks (Philox counters (j0 + i dj, r0 + i dr, b, stream), i < n) into
+// w [4][n]: word q of block i at w[q n + i] (vectorizes over the blocks).
+inline void random_block_words(Seed seed, uint32_t j0, uint32_t dj, uint32_t r0, uint32_t dr,
+                               uint32_t b, uint32_t stream, uint32_t* __restrict w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t out[4];
+    philox4x32_10(seed, j0 + uint32_t(i) * dj, r0 + uint32_t(i) * dr, b, stream, out);
+    w[i] = out[0];
+    w[n + i] = out[1];
+    w[2 * n + i] = out[2];
+    w[3 * n + i] = out[3];
+  }
 }
 
 // Encodes runs of 16 values, each run with its own encode scale.
@@ -126,14 +126,17 @@ inline void encode_blocks(const float* __restrict v, const float* __restrict enc
   }
 }
 
-// Encodes runs of 16 values stochastically, each run with its own encode scale.
+// Encodes runs of 16 values stochastically, each run with its own encode scale and random words
+// (w [4][nb], random_block_words).
 inline void encode_blocks_stochastic(const float* __restrict v, const float* __restrict enc,
-                                     const uint32_t* __restrict word, uint8_t* __restrict codes,
+                                     const uint32_t* __restrict w, uint8_t* __restrict codes,
                                      int64_t nb) {
   for (int64_t b = 0; b < nb; ++b) {
     const float e = enc[b];
-    for (int k = 0; k < kBlock; ++k)
-      codes[b * kBlock + k] = quantize_value_stochastic(v[b * kBlock + k], e, word[b * kBlock + k]);
+    for (int k = 0; k < kBlock; ++k) {
+      const uint32_t rbyte = (w[(k >> 2) * nb + b] >> (8 * (k & 3))) & 0xFFu;
+      codes[b * kBlock + k] = quantize_value_stochastic(v[b * kBlock + k], e, rbyte);
+    }
   }
 }
 
@@ -148,15 +151,15 @@ inline void row_4over6(Stripe& st, const float* v, int64_t nb, const GlobalScale
   choose_1d(st.rowt.data(), nb, st.mag.data(), st.g.data(), fos, st.fos, scale, st.enc.data());
 }
 
-// Rowwise 1x16: each row's blocks get their own scale. Element (b, m, n) draws
-// the word of index (b M + m) N + n of stream 0.
+// Rowwise 1x16: each row's blocks get their own scale. Block j of row m draws the
+// random words of counter (j, m, b, 0).
 inline void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, int64_t width,
                        int64_t m0, const Options& p, const QuantizeOutputs& o) {
   const int64_t data_cols = packed_size(cols), nb = num_blocks(cols);
   st.code.resize(width);
   st.mag.resize(nb);
   st.enc.resize(nb);
-  if (p.spec.stochastic_rounding) st.rand.resize(width);
+  if (p.spec.stochastic_rounding) st.rand.resize(4 * nb);
   for (int64_t r = 0; r < nrows; ++r) {
     const float* v = st.value.data() + r * width;
     uint8_t* scale = o.scale + (m0 + r) * nb;
@@ -167,8 +170,7 @@ inline void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, in
     else
       block_scales(st.mag.data(), nb, g, scale, st.enc.data());
     if (p.spec.stochastic_rounding) {
-      const uint32_t base = (p.b * uint32_t(rows) + uint32_t(m0 + r)) * uint32_t(cols);
-      random_words(p.seed, base, 1, 0, st.rand.data(), width);
+      random_block_words(p.seed, 0, 1, uint32_t(m0 + r), 0, p.b, 0, st.rand.data(), nb);
       encode_blocks_stochastic(v, st.enc.data(), st.rand.data(), st.code.data(), nb);
     } else {
       encode_blocks(v, st.enc.data(), st.code.data(), nb);
@@ -177,44 +179,43 @@ inline void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, in
   }
 }
 
-// Random words of the 16 x width codes of a columnwise or 16x16 stripe, row
-// by row (st.rand [16][width]).
-inline void stripe_words(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t m0,
-                         const Options& p) {
-  st.rand.resize(kBlock * width);
-  uint32_t* __restrict w = st.rand.data();
-  if (p.spec.block_2d) {
-    // One quantization for both copies, drawn from the rowwise stream: element
-    // (b, m, n) has index (b Mp + m) N + n, Mp = M padded to 16 (the reference
-    // indexes the padded [B, Mp, Np] tile array).
-    const uint32_t rows_padded = uint32_t(num_blocks(rows) * kBlock);
-    for (int64_t r = 0; r < kBlock; ++r) {
-      const uint32_t base = (p.b * rows_padded + uint32_t(m0 + r)) * uint32_t(cols);
-      random_words(p.seed, base, 1, 0, w + r * width, width);
-    }
-  } else {
-    // The columnwise copy [B, N, M]: element (b, n, m) has index (b N + n) M + m
-    // of stream 1: row m0 + r of the stripe steps by M from column to column.
-    for (int64_t r = 0; r < kBlock; ++r) {
-      const uint32_t base = p.b * uint32_t(cols) * uint32_t(rows) + uint32_t(m0 + r);
-      random_words(p.seed, base, uint32_t(rows), 1, w + r * width, width);
-    }
-  }
-}
-
 // Codes of the stripe st.value [16][width] with one encode scale per column
-// (st.enc): the columnwise 1x16 or 16x16 codes.
-inline void encode_columns(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t m0,
-                           const Options& p) {
+// (st.enc): the columnwise 1x16 or 16x16 codes. Stochastic rounding: a 16x16
+// stripe draws from the rowwise stream (block j of row m0 + r: counter (j, m0 + r,
+// b, 0)); a columnwise one from stream 1, column n's block of the stripe's 16
+// rows being block m0 / 16 of row n of the copy [B, N, M]: counter (m0 / 16, n, b, 1).
+inline void encode_columns(Stripe& st, int64_t width, int64_t m0, const Options& p) {
   st.code.resize(kBlock * width);
-  if (p.spec.stochastic_rounding) {
-    stripe_words(st, rows, cols, width, m0, p);
-    for (int64_t r = 0; r < kBlock; ++r)
-      encode_stochastic(st.value.data() + r * width, st.enc.data(), st.rand.data() + r * width,
-                        st.code.data() + r * width, width);
-  } else {
+  if (!p.spec.stochastic_rounding) {
     for (int64_t r = 0; r < kBlock; ++r)
       encode(st.value.data() + r * width, st.enc.data(), st.code.data() + r * width, width);
+    return;
+  }
+  const float* __restrict enc = st.enc.data();
+  if (p.spec.block_2d) {
+    const int64_t nb = width / kBlock;
+    st.rand.resize(4 * nb);
+    for (int64_t r = 0; r < kBlock; ++r) {
+      random_block_words(p.seed, 0, 1, uint32_t(m0 + r), 0, p.b, 0, st.rand.data(), nb);
+      const float* __restrict v = st.value.data() + r * width;
+      uint8_t* __restrict code = st.code.data() + r * width;
+      for (int64_t c = 0; c < width; ++c) {
+        const int64_t j = c / kBlock, k = c % kBlock;
+        const uint32_t rbyte = (st.rand[(k >> 2) * nb + j] >> (8 * (k & 3))) & 0xFFu;
+        code[c] = quantize_value_stochastic(v[c], enc[c], rbyte);
+      }
+    }
+    return;
+  }
+  st.rand.resize(4 * width);
+  random_block_words(p.seed, uint32_t(m0 / kBlock), 0, 0, 1, p.b, 1, st.rand.data(), width);
+  for (int64_t r = 0; r < kBlock; ++r) {
+    const uint32_t* __restrict w = st.rand.data() + (r >> 2) * width;
+    const float* __restrict v = st.value.data() + r * width;
+    uint8_t* __restrict code = st.code.data() + r * width;
+    const int shift = 8 * (r & 3);
+    for (int64_t c = 0; c < width; ++c)
+      code[c] = quantize_value_stochastic(v[c], enc[c], (w[c] >> shift) & 0xFFu);
   }
 }
 

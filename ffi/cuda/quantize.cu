@@ -17,8 +17,9 @@
 //     word, a column's into its two words.
 //   - The columnwise copy goes through a shared-memory tile (double-buffered, one barrier a
 //     tile) and is written 16 bytes a store.
-// Stochastic rounding draws each Threefry hash for two neighbouring values; 4over6 decides each
-// chunk in registers (four_over_six.cuh); row-scaled copies take per-row global scales.
+// Stochastic rounding draws one Philox hash per 1x16 block (a lane pair splits its rows' hashes);
+// 4over6 decides each chunk in registers (four_over_six.cuh); row-scaled copies take per-row
+// global scales.
 #include "cuda/common.cuh"
 #include "cuda/e2m1_lut.cuh"
 #include "cuda/four_over_six.cuh"
@@ -43,7 +44,7 @@ struct TilePos {
 struct Params {
   const float* amax;     // [B] (row-scaled: [B, M]): the rowwise copy and 16x16 blocks
   const float* amax_t;   // [B] (row-scaled: [B, N]): the columnwise 1x16 copy
-  const uint32_t* seed;  // [2]: the Threefry key of stochastic rounding (device memory)
+  const uint32_t* seed;  // [2]: the Philox key of stochastic rounding (device memory)
   int64_t rows, cols;
   uint32_t batch, row_tiles, col_tiles;
   struct {
@@ -326,10 +327,13 @@ __device__ __forceinline__ uint32_t nearest2(const uint8_t* lut, float enc, floa
   return lut_code<kSafe>(lut, v0, enc) + (lut_code<kSafe>(lut, v1, enc) << 4);
 }
 
-// Codes of 8 values rounded stochastically by their words.
+// Codes of 8 values rounded stochastically by the random bytes of two words (value k: byte k % 4
+// of word k / 4).
 template <typename Get>
-__device__ __forceinline__ uint32_t stochastic8(float enc, const uint32_t (&words)[8], Get get) {
-  return pack8([&](int k) { return quantize_value_stochastic(get(k), enc, words[k]); });
+__device__ __forceinline__ uint32_t stochastic8(float enc, uint32_t w0, uint32_t w1, Get get) {
+  return pack8([&](int k) {
+    return quantize_value_stochastic(get(k), enc, ((k < 4 ? w0 : w1) >> (8 * (k % 4))) & 0xFFu);
+  });
 }
 
 // Codes of 8 values rounded to nearest by the scalar reference path (4over6's candidates).
@@ -384,6 +388,25 @@ __device__ __forceinline__ void stage_row_scale(Staging& st, int r, uint32_t sca
 // The first row of the pair's rows whose rowwise scales this lane stages: the even lane rows
 // 0-7, the odd lane 8-15.
 __device__ __forceinline__ int own_rows() { return (threadIdx.x & 1u) ? kBlock / 2 : 0; }
+
+// The random words of the thread's 8 values in each of its 16 rows (rows m0.. of batch entry b,
+// their 1x16 block j, the rowwise stream): w[r] = words 0-1 of the block's hash (even lane,
+// values 0-7) or 2-3 (odd lane). Each lane hashes 8 of the pair's 16 row blocks (the even lane
+// rows i, the odd lane rows i + 8) and hands its partner the half it needs.
+__device__ __forceinline__ void row_random(Seed seed, uint32_t j, uint32_t m0, uint32_t b,
+                                           uint2 (&w)[kBlock]) {
+  const bool odd = threadIdx.x & 1u;
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) {
+    uint32_t h[4];
+    block_random(seed, j, m0 + uint32_t(i + (odd ? kBlock / 2 : 0)), b, 0, h);
+    const uint2 keep = odd ? uint2{h[2], h[3]} : uint2{h[0], h[1]};
+    const uint2 give = odd ? uint2{h[0], h[1]} : uint2{h[2], h[3]};
+    const uint2 got{__shfl_xor_sync(~0u, give.x, 1), __shfl_xor_sync(~0u, give.y, 1)};
+    w[i] = odd ? got : keep;
+    w[i + kBlock / 2] = odd ? keep : got;
+  }
+}
 
 // The magnitude maximum of own row own_rows() + i from load_tile's row maxima (packed dtypes:
 // rows i and i + 8 in the halves of row_mag[i]), picked without a branch.
@@ -509,17 +532,13 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
     const uint32_t s = scale_pair(bamax, bamax, g, g) & 0xFFu;
     const float enc = kr.enc[s];
     scale_r = scale_c = s;
-    // Stochastic words come from the rowwise stream of the padded [B, Mp, Np] tile array.
-    const uint32_t rows_padded = uint32_t(num_blocks(p.rows) * kBlock);
+    // Stochastic bytes come from the rowwise stream of the padded [B, Mp, Np] tile array.
+    uint2 rw[kBlock];
+    if constexpr (kMode == Mode::kStochastic) row_random(seed, at.n0 / kBlock, at.m0, at.b, rw);
 #pragma unroll
     for (int r = 0; r < kBlock; ++r) {
       if constexpr (kMode == Mode::kStochastic) {
-        uint32_t rw[8];
-        random_words(seed,
-                     (uint32_t(at.b) * rows_padded + uint32_t(at.m0 + r)) * uint32_t(p.cols) +
-                         uint32_t(at.n0),
-                     0, rw);
-        words[r] = stochastic8(enc, rw, [&](int k) { return v(r, k); });
+        words[r] = stochastic8(enc, rw[r].x, rw[r].y, [&](int k) { return v(r, k); });
       } else {
         words[r] = nearest8(sh.lut, kr.safe, enc, [&](int k) { return v(r, k); });
       }
@@ -608,7 +627,9 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
   uint32_t acc[kCols][2];  // fused: column c's codes of rows 0-7 and 8-15
 #pragma unroll
   for (int c = 0; c < kCols; ++c) acc[c][0] = acc[c][1] = 0;
-  const uint32_t ucols = uint32_t(p.cols);
+  // Stochastic rounding: block n0 / 16 of row m draws counter (n0 / 16, m, b, 0).
+  uint2 rw[kBlock];
+  if (kMode == Mode::kStochastic && rows_on) row_random(seed, at.n0 / kBlock, at.m0, at.b, rw);
 #pragma unroll
   for (int r = 0; r < kBlock; r += 2) {
     float v[2][kCols];
@@ -632,13 +653,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
           if ((r + j >= kBlock / 2) == (own != 0))
             stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
         } else if constexpr (kMode == Mode::kStochastic) {
-          // Rowwise element (b, m, n) draws word (b M + m) N + n of stream 0.
-          uint32_t rw[8];
-          random_words(seed,
-                       (uint32_t(at.b) * uint32_t(p.rows) + uint32_t(at.m0 + r + j)) * ucols +
-                           uint32_t(at.n0),
-                       0, rw);
-          word = stochastic8(enc_r[r + j], rw, get);
+          word = stochastic8(enc_r[r + j], rw[r + j].x, rw[r + j].y, get);
         } else {
           word = nearest8<kSafe>(sh.lut, enc_r[r + j], get);
         }
@@ -711,15 +726,11 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
       } else {
         scale = pair >> (8 * j);
         if constexpr (kMode == Mode::kStochastic) {
-          // Columnwise element (b, n, m) draws word (b N + n) M + m of stream 1.
-          uint32_t wl[8], wh[8];
-          const uint32_t base =
-              (uint32_t(at.b) * uint32_t(p.cols) + uint32_t(at.n0 + c + j)) * uint32_t(p.rows) +
-              uint32_t(at.m0);
-          random_words(seed, base, 1, wl);
-          random_words(seed, base + 8, 1, wh);
-          lo = stochastic8(enc[j], wl, get);
-          hi = stochastic8(enc[j], wh, get_hi);
+          // Column n's block (rows m0..m0 + 15) is block m0 / 16 of row n of the copy [B, N, M].
+          uint32_t h[4];
+          block_random(seed, at.m0 / kBlock, at.n0 + c + j, at.b, 1, h);
+          lo = stochastic8(enc[j], h[0], h[1], get);
+          hi = stochastic8(enc[j], h[2], h[3], get_hi);
         } else {
           lo = nearest8(sh.lut, kc.safe, enc[j], get);
           hi = nearest8(sh.lut, kc.safe, enc[j], get_hi);
@@ -966,10 +977,6 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   __shared__ Shared sh;
   p.spec = spec;
   p.vec_in = p.vec_rows = p.vec_cols = true;
-  // Even sizes (as whole 16-value blocks have): a thread's stochastic rounding words start at an
-  // even index, so each Threefry hash gives two of them (random_words' even path alone runs).
-  __builtin_assume(p.rows % 2 == 0);
-  __builtin_assume(p.cols % 2 == 0);
   __builtin_assume(spec.rowwise == (p.o.data != nullptr));
   __builtin_assume(spec.columnwise == (p.o.data_t != nullptr));
   if (!spec.rowwise) p.o.data = nullptr;

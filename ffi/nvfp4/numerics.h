@@ -213,112 +213,75 @@ NVFP4_HD uint8_t float_to_e2m1(float v) {
   return uint8_t(m | (v < 0.0f ? 8 : 0));
 }
 
-// E2M1 code of a value already scaled into the E2M1 range, rounded
-// stochastically by a uniform random 32-bit `word`: between the neighbouring
-// E2M1 magnitudes lo <= |v| < hi it rounds up iff (word >> 8) < X, X =
-// ceil(2^24 (|v| - lo) / (hi - lo)), computed exactly from the float bits.
-// Magnitudes >= 6 (inf too) give 6; signs, -0.0 and NaN as float_to_e2m1.
-// Branch-free (selects only) so that the CPU loops vectorize.
-NVFP4_HD uint8_t float_to_e2m1_stochastic(float v, uint32_t word) {
+// ---- stochastic rounding (src/jax_nvfp4/reference/stochastic.py is the spec) ----
+
+// 256 times the E2M1 grid position of magnitude bits `mag` (0 for 0, 2 for 1.0, 7 for 6), rounded
+// half up: from 1.0 on the top 9 bits of exponent and mantissa less 252 and 8 more mantissa bits;
+// below 1.0 floor(512 |v| + 1/2) from the significand (0 below 2^-10). Magnitudes from 6 (inf and
+// NaN too) give at least 7 * 256.
+NVFP4_HD uint32_t sr_position(uint32_t mag) {
+  const uint32_t field = mag >> 23, mant = mag & 0x7FFFFFu;
+  const uint32_t sig = field == 0u ? mant : mant | 0x800000u;
+  const uint32_t shift = field <= 116u ? 25u : 141u - field;  // 15..25 where used
+  const uint32_t small = (sig + (1u << ((shift - 1u) & 31u))) >> (shift & 31u);
+  return mag >= 0x3F800000u ? ((mag + 0x2000u) >> 14) - 0xFC00u : small;
+}
+
+// E2M1 code of a value already scaled into the E2M1 range, rounded stochastically by a random
+// byte: up iff X + rbyte >= 256, X = sr_position's 8 low bits of the step (min((T + rbyte) >> 8,
+// 7) in all), so with probability X / 256, X = floor(256 f + 1/2) for the fraction f of the step.
+// Magnitudes >= 6 (inf too) give 6; signs, -0.0 and NaN as float_to_e2m1. Branch-free (selects
+// only) so that the CPU loops vectorize.
+NVFP4_HD uint8_t float_to_e2m1_stochastic(float v, uint32_t rbyte) {
   const uint32_t u = float_bits(v);
   const uint32_t mag = u & 0x7FFFFFFFu;
-  const uint32_t field = mag >> 23, mant = mag & 0x7FFFFFu;
-  // |v| in [1, 6): code 2 + 2e + (upper half of the binade), step 0.5, 1 or 2;
-  // X from the 22 low mantissa bits.
-  const bool big = mag >= 0x3F800000u;
-  const uint32_t lo_big = 2u + 2u * (field - 127u) + (mant >> 22);
-  // |v| in [0.5, 1): code 1, step 0.5.
-  const bool half = mag >= 0x3F000000u;
-  // |v| < 0.5: code 0, X = ceil(|v| * 2^25).
-  const uint32_t shift = field >= 125u ? 0u : (field <= 101u ? 24u : 125u - field);
-  const uint32_t x_small =
-      field == 0u ? uint32_t(mant != 0u) : ((mant | 0x800000u) + (1u << shift) - 1u) >> shift;
-  const uint32_t lo = big ? lo_big : (half ? 1u : 0u);
-  const uint32_t x = big ? (mant & 0x3FFFFFu) << 2 : (half ? mant << 1 : x_small);
-  uint32_t code = lo + ((word >> 8) < x ? 1u : 0u);
-  code = mag >= 0x40C00000u ? 7u : code;  // clamp to 6 (inf too)
+  uint32_t code = (sr_position(mag) + rbyte) >> 8;
+  code = code < 7u ? code : 7u;
   code = (u >> 31) != 0u && mag != 0u ? code | 8u : code;
   return uint8_t(mag > 0x7F800000u ? 0u : code);
 }
 
-// ---- random words: JAX's Threefry-2x32 (20 rounds) ----
+// ---- random bytes: Philox-4x32-10 (Random123's), one hash per 1x16 block ----
 
 struct Seed {
   uint32_t k0, k1;
 };
 
-struct Words {
-  uint32_t y0, y1;
-};
-
-NVFP4_HD uint32_t rotl32(uint32_t v, int r) { return (v << r) | (v >> (32 - r)); }
-
-// One Threefry mix: x0 += x1, x1 = rotl(x1, r) ^ x0.
-NVFP4_HD void threefry_mix(uint32_t& x0, uint32_t& x1, int r) {
-  x0 += x1;
-  x1 = rotl32(x1, r) ^ x0;
-}
-
-// Four rounds with rotations 13 15 26 6 (first) or 17 29 16 24, then a key injection.
-NVFP4_HD void threefry_rounds(uint32_t& x0, uint32_t& x1, bool first, uint32_t ka, uint32_t kb) {
-  threefry_mix(x0, x1, first ? 13 : 17);
-  threefry_mix(x0, x1, first ? 15 : 29);
-  threefry_mix(x0, x1, first ? 26 : 16);
-  threefry_mix(x0, x1, first ? 6 : 24);
-  x0 += ka;
-  x1 += kb;
-}
-
-// jax.extend.random.threefry_2x32's hash of one counter pair (x0, x1): 20
-// rounds, the key injected every 4 rounds with the injection count. Straight-line
-// code (no loop over a key schedule array) so that the CPU loops vectorize.
-NVFP4_HD Words threefry2x32(Seed key, uint32_t x0, uint32_t x1) {
-  const uint32_t k0 = key.k0, k1 = key.k1, k2 = key.k0 ^ key.k1 ^ 0x1BD11BDAu;
-  x0 += k0;
-  x1 += k1;
-  threefry_rounds(x0, x1, true, k1, k2 + 1u);
-  threefry_rounds(x0, x1, false, k2, k0 + 2u);
-  threefry_rounds(x0, x1, true, k0, k1 + 3u);
-  threefry_rounds(x0, x1, false, k1, k2 + 4u);
-  threefry_rounds(x0, x1, true, k2, k0 + 5u);
-  return Words{x0, x1};
-}
-
-// The random word of element `index` (uint32, wrapping) of a copy's `stream`
-// (0 rowwise, 1 columnwise): the hash of (index >> 1, stream), its first word
-// for an even index and its second for an odd one.
-NVFP4_HD uint32_t random_word(Seed key, uint32_t index, uint32_t stream) {
-  const Words w = threefry2x32(key, index >> 1, stream);
-  return (index & 1u) ? w.y1 : w.y0;
-}
-
-// The random words of the N (even) consecutive indices base, base + 1, ..., base + N - 1
-// (wrapping): consecutive indices share counters in pairs, so N / 2 hashes, and one more
-// when base is odd.
-template <int N>
-NVFP4_HD void random_words(Seed key, uint32_t base, uint32_t stream, uint32_t (&w)[N]) {
-  static_assert(N % 2 == 0, "random_words takes an even count");
-  const uint32_t c0 = base >> 1;
-  if ((base & 1u) == 0) {
+// Philox-4x32-10 of the counter (c0, c1, c2, c3) under `key`: a round is two 32x32 -> 64
+// multiplies and two XORs, the key bumped by the Weyl constants between rounds.
+NVFP4_HD void philox4x32_10(Seed key, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                            uint32_t (&out)[4]) {
+  uint32_t k0 = key.k0, k1 = key.k1;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-    for (int k = 0; k < N / 2; ++k) {
-      const Words y = threefry2x32(key, (c0 + uint32_t(k)) & 0x7FFFFFFFu, stream);
-      w[2 * k] = y.y0;
-      w[2 * k + 1] = y.y1;
-    }
-    return;
+  for (int i = 0; i < 10; ++i) {
+    const uint64_t p0 = uint64_t(0xD2511F53u) * c0, p1 = uint64_t(0xCD9E8D57u) * c2;
+    const uint32_t hi0 = uint32_t(p0 >> 32), lo0 = uint32_t(p0);
+    const uint32_t hi1 = uint32_t(p1 >> 32), lo1 = uint32_t(p1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
   }
-  // Odd base: element 2k - 1 is the first word of hash k, element 2k the second.
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int k = 0; k <= N / 2; ++k) {
-    const Words y = threefry2x32(key, (c0 + uint32_t(k)) & 0x7FFFFFFFu, stream);
-    if (k >= 1) w[2 * k - 1] = y.y0;
-    if (k < N / 2) w[2 * k] = y.y1;
-  }
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
+}
+
+// The 16 random bytes of block j of row r of batch entry b of a copy's `stream` (0 rowwise, 1
+// columnwise) as four words: value k's byte is byte k % 4 of word k / 4.
+NVFP4_HD void block_random(Seed key, uint32_t j, uint32_t r, uint32_t b, uint32_t stream,
+                           uint32_t (&out)[4]) {
+  philox4x32_10(key, j, r, b, stream, out);
+}
+
+// Value k's random byte of a block's words.
+NVFP4_HD uint32_t random_byte(const uint32_t (&w)[4], int k) {
+  return (w[k >> 2] >> (8 * (k & 3))) & 0xFFu;
 }
 
 // ---- Random Hadamard Transform of 16 values ----
@@ -399,8 +362,8 @@ NVFP4_HD uint8_t quantize_value(float x, float encode_scale) {
   return float_to_e2m1(x * encode_scale);
 }
 
-NVFP4_HD uint8_t quantize_value_stochastic(float x, float encode_scale, uint32_t word) {
-  return float_to_e2m1_stochastic(x * encode_scale, word);
+NVFP4_HD uint8_t quantize_value_stochastic(float x, float encode_scale, uint32_t rbyte) {
+  return float_to_e2m1_stochastic(x * encode_scale, rbyte);
 }
 
 // Global decode scale of dequantization and of the GEMM: amax / (6 E), the

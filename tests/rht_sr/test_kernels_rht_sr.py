@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from jax_nvfp4 import QuantizeSpec, reference
 from jax_nvfp4.ops import ffi
+from jax_nvfp4.reference import stochastic
 
 
 @functools.cache
@@ -130,8 +131,8 @@ def test_quantize(case):
 @pytest.mark.parametrize("block_2d", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stochastic_every_step(dtype, block_2d):
-    """Values spread over every E2M1 step (and beyond 6), many seeds: the Threefry words and the
-    stochastic encode match the reference (threefry_2x32 of jax.extend.random) bit for bit."""
+    """Values spread over every E2M1 step (and beyond 6), many seeds: the Philox bytes and the
+    stochastic encode match the reference bit for bit."""
     rng = np.random.default_rng(7)
     base = np.linspace(-7.0, 7.0, 2 * 33 * 48, dtype=np.float32).reshape(2, 33, 48)
     x = jnp.asarray((base * rng.uniform(0.9, 1.1, base.shape)).astype(dtype))
@@ -162,9 +163,9 @@ def test_rht_needs_rows_multiple_of_16():
 
 
 # ---- the CUDA kernels' per-thread helpers, run on the host ----
-# The CUDA quantize kernel uses random_words<16> (16 consecutive indices from 8 or 9 hashes) and rht16 (one
-# column's chunk in registers), which the CPU kernels do not (they use vectorized loops): a small host
-# program built from ffi/nvfp4/numerics.h checks them against JAX and the reference.
+# Philox-4x32-10 (numerics.h's philox4x32_10, every backend's random stream) against the Random123 known
+# answers and the reference, and rht16 (the CUDA kernel's transform of one column's chunk in registers,
+# which the CPU kernels do not use): a small host program built from ffi/nvfp4/numerics.h runs them.
 
 _HELPER = r"""
 #include <cstdio>
@@ -172,16 +173,18 @@ _HELPER = r"""
 #include <vector>
 #include "nvfp4/numerics.h"
 int main(int argc, char** argv) {
-  uint32_t head[4];  // k0, k1, stream, count
+  uint32_t head[4];  // k0, k1, unused, count
   if (std::fread(head, 4, 4, stdin) != 4) return 1;
   const uint32_t n = head[3];
-  std::vector<uint32_t> in(size_t(n) * (argv[1][0] == 'w' ? 1 : 16)), out(size_t(n) * 16);
+  const bool philox = argv[1][0] == 'p';
+  std::vector<uint32_t> in(size_t(n) * (philox ? 4 : 16)), out(size_t(n) * (philox ? 4 : 16));
   if (std::fread(in.data(), 4, in.size(), stdin) != in.size()) return 1;
   for (uint32_t i = 0; i < n; ++i) {
-    if (argv[1][0] == 'w') {
-      uint32_t w[nvfp4::kBlock];
-      nvfp4::random_words<16>(nvfp4::Seed{head[0], head[1]}, in[i], head[2], w);
-      std::memcpy(&out[size_t(i) * 16], w, sizeof(w));
+    if (philox) {
+      const uint32_t* c = &in[size_t(i) * 4];
+      uint32_t w[4];
+      nvfp4::philox4x32_10(nvfp4::Seed{head[0], head[1]}, c[0], c[1], c[2], c[3], w);
+      std::memcpy(&out[size_t(i) * 4], w, sizeof(w));
     } else {
       float v[nvfp4::kBlock];
       std::memcpy(v, &in[size_t(i) * 16], sizeof(v));
@@ -221,29 +224,34 @@ def _run_helper(tmp_path_factory, mode: str, head, payload: np.ndarray) -> np.nd
     exe = _helper_binary(str(tmp_path_factory.mktemp("helper")))
     data = np.asarray(head, np.uint32).tobytes() + payload.astype(np.uint32).tobytes()
     out = subprocess.run([exe, mode], input=data, capture_output=True, check=True).stdout
-    return np.frombuffer(out, np.uint32).reshape(-1, 16)
+    return np.frombuffer(out, np.uint32).reshape(-1, 4 if mode == "philox" else 16)
 
 
-def test_random_words16_is_jax_threefry(tmp_path_factory):
-    from jax.extend import random as jex_random
+# Random123's known answers for Philox-4x32-10 (its kat_vectors): (counter, key, output).
+PHILOX_KATS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
 
+
+def test_philox_is_random123s(tmp_path_factory):
+    """The kernels' and the reference's Philox-4x32-10 give Random123's known answers, and agree on random counters."""
+    for counter, key, want in PHILOX_KATS:
+        got = _run_helper(tmp_path_factory, "philox", (*key, 0, 1), np.array(counter, np.uint32))
+        np.testing.assert_array_equal(got[0], np.array(want, np.uint32))
+        ref = stochastic.philox4x32_10(jnp.asarray(np.array(key, np.uint32)), *(jnp.uint32(c) for c in counter))
+        np.testing.assert_array_equal(np.array([int(w) for w in ref], np.uint32), np.array(want, np.uint32))
     rng = np.random.default_rng(3)
-    bases = np.concatenate(
-        [
-            np.arange(0, 40),  # even and odd
-            [2**32 - k for k in range(1, 18)],  # wrapping past 2^32
-            [2**31 - 1, 2**31, 2**31 + 1],
-            rng.integers(0, 2**32, 64),
-        ]
-    ).astype(np.uint32)
-    for key, stream in [((0, 0), 0), ((0x12345678, 0x9ABCDEF0), 1), (tuple(rng.integers(0, 2**32, 2)), 1)]:
-        got = _run_helper(tmp_path_factory, "words", (*key, stream, bases.size), bases)
-        idx = (bases.astype(np.uint64)[:, None] + np.arange(16, dtype=np.uint64)) % 2**32
-        idx = idx.astype(np.uint32).ravel()
-        count = jnp.concatenate([jnp.asarray(idx >> 1), jnp.full(idx.shape, stream, jnp.uint32)])
-        words = np.asarray(jex_random.threefry_2x32(jnp.asarray(np.array(key, np.uint32)), count))
-        want = np.where(idx & 1, words[idx.size :], words[: idx.size]).reshape(-1, 16)
-        np.testing.assert_array_equal(got, want)
+    counters = rng.integers(0, 2**32, (256, 4), dtype=np.uint64).astype(np.uint32)
+    key = rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32)
+    got = _run_helper(tmp_path_factory, "philox", (*key, 0, counters.shape[0]), counters)
+    want = np.stack(stochastic.philox4x32_10(jnp.asarray(key), *jnp.asarray(counters.T)), axis=-1)
+    np.testing.assert_array_equal(got, np.asarray(want))
 
 
 @given(x=batched_tensors(rht=True))

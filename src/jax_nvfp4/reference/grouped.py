@@ -14,8 +14,9 @@ no group owns (at most G - 1, where boundaries fall on the grid) are zero codes 
 Group g's blocks are then exactly those of today's per-group copy of ``ragged_dot`` (the whole
 tensor with the other groups' rows zero, quantized columnwise), at other positions: the same RHT
 chunks (with the rows outside the group zero), the group's own global scale (``amax_t[b, g]``, or one
-per feature ``amax_t[b, g, n]`` when row-scaled), and with stochastic rounding the same random words,
-drawn with group g's seed at the element's index in the [B, N, M] copy, (b N + n) M + m, stream 1.
+per feature ``amax_t[b, g, n]`` when row-scaled), and with stochastic rounding the same random bytes,
+drawn with group g's seed for block j of row n of entry b of the [B, N, M] copy, stream 1
+(``reference.stochastic``).
 
 Group g's segment of the layout is blocks [e_(g-1), e_g), e_g = ceil(end_g / 16) + g for a group
 with rows (e_g = start_g // 16 + g for an empty one, e_(-1) = 0): every block it owns and possibly
@@ -27,7 +28,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import random as jex_random
 
 from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.codecs import e2m1_encode
@@ -35,6 +35,7 @@ from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.reference import four_over_six as _fos
 from jax_nvfp4.reference import kernels as core
+from jax_nvfp4.reference.stochastic import e2m1_encode_stochastic, philox4x32_10
 
 
 def grouped_blocks(rows: int, groups: int) -> int:
@@ -115,18 +116,20 @@ def grouped_amax_core(x, group_sizes, *, rht_amax: bool, per_row: bool) -> tuple
     return b.from_bits(core.max_magnitude_bits(u, (1, 2))), b.from_bits(b.canonical_nan(jnp.max(per_group, -1)))
 
 
-def _group_words(group_seeds, owner, block, shape: tuple[int, int, int], rows: int) -> jax.Array:
-    """Each element's random word of the grouped copy [B, N, Mp]: its owner's seed, at its index in [B, N, M]."""
+def _group_bytes(group_seeds, owner, shape: tuple[int, int, int]) -> jax.Array:
+    """Each value's random byte of the grouped copy [B, N, Mp]: block p (owner g) draws with g's seed as
+    block p - g (its place on the global grid of 16 rows) of the [B, N, M] copy's stream 1."""
     bsz, n, mp = shape
     groups = group_seeds.shape[0]
-    m = (block[:, None, :, None] * BLOCK + jnp.arange(BLOCK)).reshape(bsz, 1, mp).astype(jnp.uint32)
-    lead = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None] * n + jnp.arange(n, dtype=jnp.uint32)[:, None]
-    idx = lead * jnp.uint32(rows) + m  # [B, N, Mp]
-    seed = jnp.repeat(group_seeds[jnp.minimum(owner, groups - 1)], BLOCK, axis=1)  # [B, Mp, 2]
-    seed = jnp.broadcast_to(seed[:, None], (bsz, n, mp, 2)).reshape(-1, 2)
-    count = jnp.stack([idx.ravel() >> 1, jnp.ones(idx.size, jnp.uint32)], axis=-1)
-    words = jax.vmap(jex_random.threefry_2x32)(seed.astype(jnp.uint32), count)
-    return jnp.where((idx.ravel() & 1) == 1, words[:, 1], words[:, 0]).reshape(shape)
+    blocks = mp // BLOCK
+    seeds = group_seeds[jnp.minimum(owner, groups - 1)].astype(jnp.uint32)  # [B, P, 2]
+    j = (jnp.arange(blocks, dtype=jnp.uint32) - jnp.minimum(owner, groups - 1).astype(jnp.uint32))[:, None, :]
+    r = jnp.arange(n, dtype=jnp.uint32)[:, None]
+    bi = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None]
+    key = jnp.moveaxis(seeds[:, None], -1, 0)  # [2, B, 1, P]
+    words = jnp.stack(philox4x32_10(key, j, r, bi, jnp.uint32(1)), axis=-1)  # [B, N, P, 4]
+    shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
+    return ((words[..., None] >> shifts) & 0xFF).reshape(shape)
 
 
 def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec: QuantizeSpec):
@@ -165,9 +168,7 @@ def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, sp
         scale = core.block_scale(core.max_magnitude_bits(blocks, -1), g.encode_div6)
         v = b.mul(blocks, g.block_encode(scale)[..., None]).reshape(cols.shape)
         if spec.stochastic_rounding:
-            block = block_owners(group_sizes, rows)[1]
-            words = _group_words(group_seeds, owner, block, cols.shape, rows)
-            codes = core.e2m1_encode_stochastic(v, words)
+            codes = e2m1_encode_stochastic(v, _group_bytes(group_seeds, owner, cols.shape))
         else:
             codes = e2m1_encode(v)
     codes = jnp.where(used[:, None, :, None], codes.reshape(blocks.shape), 0).reshape(cols.shape)

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import random as jex_random
 
 from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.backend import Backend, amax_on_rows, quantize_on_rows
@@ -22,58 +21,12 @@ from jax_nvfp4.core.codecs import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_en
 from jax_nvfp4.core.formats import BLOCK, RHT_SIGNS
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.reference import four_over_six as _fos
+from jax_nvfp4.reference.stochastic import e2m1_encode_stochastic, random_bytes
 
 # float32 bit patterns of the constants the spec uses.
 _F32_ONE_SIXTH = int(np.float32(1.0 / 6.0).view(np.uint32))
 _F32_ONE = 0x3F800000
 _F32_448 = 0x43E00000
-
-
-def e2m1_encode_stochastic(u: jnp.ndarray, word: jnp.ndarray) -> jnp.ndarray:
-    """E2M1 code of float32 bits, clamped to +-6 and rounded stochastically by a random uint32 ``word``.
-
-    Between the neighbouring E2M1 values lo <= |v| < hi the code rounds up with
-    probability X / 2^24, X = ceil(2^24 (|v| - lo) / (hi - lo)): up iff
-    ``word >> 8`` < X. So the expected value is |v| (to 2^-24 of the step) and a
-    value on the grid never moves. Signs, -0.0, NaN and inf as ``e2m1_encode``.
-    """
-    mag = b.magnitude(u)
-    field = (mag >> 23).astype(jnp.int32)
-    mant = mag & 0x7FFFFF
-    # |v| in [1, 6): code 2 + 2e + (upper half of the binade); X from the 22 low mantissa bits.
-    big = mag >= 0x3F800000
-    lo_big = (2 + 2 * (field - 127) + (mant >> 22).astype(jnp.int32)).astype(jnp.uint32)
-    # |v| in [0.5, 1): code 1, step 0.5.
-    half = (mag >= 0x3F000000) & ~big
-    # |v| < 0.5: code 0, X = ceil(|v| * 2^25).
-    shift = jnp.clip(125 - field, 0, 24).astype(jnp.uint32)
-    sig = mant | 0x800000
-    x_small = jnp.where(field == 0, (mant != 0).astype(jnp.uint32), (sig + (b.u32(1) << shift) - 1) >> shift)
-    lo = jnp.where(big, lo_big, jnp.where(half, 1, 0)).astype(jnp.uint32)
-    x = jnp.where(big, (mant & 0x3FFFFF) << 2, jnp.where(half, mant << 1, x_small))
-    code = lo + ((word >> 8) < x).astype(jnp.uint32)
-    code = jnp.where(mag >= 0x40C00000, 7, code).astype(jnp.uint8)  # clamp to 6 (inf too)
-    negative = ((u >> 31) == 1) & (mag != 0)
-    code = jnp.where(negative, code | 8, code)
-    return jnp.where(b.is_nan(u), jnp.uint8(0), code)
-
-
-def random_words(seed: jnp.ndarray, shape: tuple[int, int, int], cols: int, stream: int) -> jnp.ndarray:
-    """The uint32 random word of each element of a copy [B, R, >= cols] (padding included, unused).
-
-    Counter-based: element (b, r, c) has index i = (b R + r) cols + c; Threefry-2x32 (20 rounds, JAX's) of
-    the counter (i // 2, stream) under the key ``seed`` (uint32 [2]) gives two words, the first for even i,
-    the second for odd i. ``stream`` is 0 for the rowwise copy and 1 for the columnwise one.
-    """
-    bsz, rows, width = shape
-    idx = (
-        (jnp.arange(bsz, dtype=jnp.uint32)[:, None, None] * rows + jnp.arange(rows, dtype=jnp.uint32)[:, None]) * cols
-        + jnp.arange(width, dtype=jnp.uint32)
-    ).ravel()
-    count = jnp.concatenate([idx >> 1, jnp.full(idx.shape, stream, jnp.uint32)])
-    words = jex_random.threefry_2x32(seed.astype(jnp.uint32), count)
-    n = idx.shape[0]
-    return jnp.where((idx & 1) == 1, words[n:], words[:n]).reshape(shape)
 
 
 def rht_columns(u: jnp.ndarray, dtype) -> jnp.ndarray:
@@ -171,11 +124,11 @@ def max_magnitude_bits(u: jnp.ndarray, axes) -> jnp.ndarray:
     return b.canonical_nan(jnp.max(b.magnitude(u), axis=axes))
 
 
-def _encode(v: jnp.ndarray, seed: jnp.ndarray | None, cols: int, stream: int) -> jnp.ndarray:
-    """E2M1 codes of scaled bits [B, R, width]: round to nearest even, or stochastically with ``seed``."""
+def _encode(v: jnp.ndarray, seed: jnp.ndarray | None, stream: int) -> jnp.ndarray:
+    """E2M1 codes of scaled bits [B, R, whole blocks]: round to nearest even, or stochastically with ``seed``."""
     if seed is None:
         return e2m1_encode(v)
-    return e2m1_encode_stochastic(v, random_words(seed, v.shape, cols, stream))
+    return e2m1_encode_stochastic(v, random_bytes(seed, v.shape, stream))
 
 
 def quantize_1d(u: jnp.ndarray, g: GlobalScales, seed=None, stream: int = 0, fos: tuple[str, bool] | None = None):
@@ -187,7 +140,7 @@ def quantize_1d(u: jnp.ndarray, g: GlobalScales, seed=None, stream: int = 0, fos
         return pack(codes.reshape(bsz, rows, -1), cols), scale
     scale = block_scale(max_magnitude_bits(blocks, -1), g.encode_div6)
     enc = g.block_encode(scale)
-    codes = _encode(b.mul(blocks, enc[..., None]).reshape(bsz, rows, -1), seed, cols, stream)
+    codes = _encode(b.mul(blocks, enc[..., None]).reshape(bsz, rows, -1), seed, stream)
     return pack(codes, cols), scale
 
 
@@ -219,7 +172,7 @@ def _quantize_2d(u: jnp.ndarray, g: GlobalScales, seed=None, fos: tuple[str, boo
         tiles = padded.reshape(bsz, padded.shape[1] // BLOCK, BLOCK, -1, BLOCK)
         scale = block_scale(max_magnitude_bits(tiles, (2, 4)), g.encode_div6)
         enc = g.block_encode(scale)
-        codes = _encode(b.mul(tiles, enc[:, :, None, :, None]).reshape(padded.shape), seed, cols, 0)
+        codes = _encode(b.mul(tiles, enc[:, :, None, :, None]).reshape(padded.shape), seed, 0)
         codes_t, scale_t = jnp.swapaxes(codes, 1, 2), jnp.swapaxes(scale, 1, 2)
     row_scale = jnp.repeat(scale, BLOCK, axis=1)[:, :rows]
     col_scale = jnp.repeat(scale_t, BLOCK, axis=1)[:, :cols]

@@ -1,0 +1,93 @@
+"""Stochastic rounding's spec: the random stream (Philox-4x32-10, one hash per 1x16 block) and the encode.
+
+**The stream.** A copy [B, R, W] (W = its padded width, whole blocks of 16) draws one 8-bit random
+number per value. Block j of row r of batch entry b of a copy's ``stream`` (0 rowwise, 1 columnwise)
+hashes the counter (j, r, b, stream) under the key ``seed`` (uint32 [2]) with Philox-4x32-10
+(Random123's, as cuRAND's ``curand_Philox4x32_10``); the 16 little-endian bytes of the four output
+words are its 16 values' random bytes, value k taking byte k % 4 of word k // 4. Philox, not JAX's
+Threefry: its rounds are two 32x32->64 multiplies and two XORs, which a GPU issues as 4
+instructions (Threefry-2x32 needs 20 rounds of add, rotate, xor for 64 bits), and one hash gives a
+whole block's 128 random bits. Counters hold positions, not a running index, so a copy's draws do
+not depend on its size and the CPU and CUDA kernels, however they split the work, give the same
+bytes. 16x16 blocks draw once per value, from the rowwise stream of the padded tile array.
+
+**The encode.** Between the neighbouring E2M1 magnitudes lo <= |v| < hi, with f = (|v| - lo) / (hi -
+lo), let X = floor(256 f + 1/2), 0..256. The code is lo's plus one iff X + rbyte >= 256, so it
+rounds up with probability X / 256 and E[q] - |v| = (hi - lo) (X / 256 - f), at most (hi - lo) / 512
+in magnitude (8 random bits; the rounding of f to X halves the 1/256 that truncation would give and
+leaves no sign to the error). A value on the grid (f = 0) never moves. In integers: T = 256 lo_index +
+X (``sr_position``) is 256 times |v|'s position on the E2M1 grid, rounded half up, and the code
+magnitude is min((T + rbyte) >> 8, 7). Saturation (6, inf too), signs (a negative value keeps the
+sign bit, -0.0 gives +0) and NaN (code 0) as with round-to-nearest.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_nvfp4.core import bits as b
+from jax_nvfp4.core.formats import BLOCK
+
+# Philox-4x32's multipliers and key increments (Salmon et al., SC'11; Random123).
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
+
+
+def _mulhilo(a: int, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``x``, in 16-bit halves (no uint64)."""
+    a_lo, a_hi = a & 0xFFFF, a >> 16
+    x_lo, x_hi = x & 0xFFFF, x >> 16
+    low = x_lo * jnp.uint32(a_lo)
+    m1, m2 = x_lo * jnp.uint32(a_hi), x_hi * jnp.uint32(a_lo)
+    mid = (low >> 16) + (m1 & 0xFFFF) + (m2 & 0xFFFF)
+    hi = x_hi * jnp.uint32(a_hi) + (m1 >> 16) + (m2 >> 16) + (mid >> 16)
+    return hi, x * jnp.uint32(a)
+
+
+def philox4x32_10(key: jnp.ndarray, c0, c1, c2, c3) -> tuple[jnp.ndarray, ...]:
+    """Philox-4x32-10 of counters (c0, c1, c2, c3) (uint32 arrays, broadcast) under ``key`` uint32 [2]."""
+    k0, k1 = key[0].astype(jnp.uint32), key[1].astype(jnp.uint32)
+    c = [jnp.asarray(v, jnp.uint32) for v in jnp.broadcast_arrays(c0, c1, c2, c3)]
+    for i in range(PHILOX_ROUNDS):
+        if i:
+            k0, k1 = k0 + jnp.uint32(PHILOX_W0), k1 + jnp.uint32(PHILOX_W1)
+        hi0, lo0 = _mulhilo(PHILOX_M0, c[0])
+        hi1, lo1 = _mulhilo(PHILOX_M1, c[2])
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+    return tuple(c)
+
+
+def random_bytes(seed: jnp.ndarray, shape: tuple[int, int, int], stream: int) -> jnp.ndarray:
+    """The random byte (uint32 0..255) of each value of a copy [B, R, W] (W whole blocks of 16) of ``stream``."""
+    bsz, rows, width = shape
+    j = jnp.arange(width // BLOCK, dtype=jnp.uint32)
+    r = jnp.arange(rows, dtype=jnp.uint32)[:, None]
+    bi = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None]
+    words = jnp.stack(philox4x32_10(seed, j, r, bi, jnp.uint32(stream)), axis=-1)  # [B, R, W/16, 4]
+    shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
+    return ((words[..., None] >> shifts) & 0xFF).reshape(shape)
+
+
+def sr_position(mag: jnp.ndarray) -> jnp.ndarray:
+    """T = floor(256 p + 1/2) for the E2M1 grid position p of magnitude bits ``mag`` (0 for 0, 2 for 1.0, 7 for 6).
+
+    From 1.0 up, p is the top 9 bits of the float's exponent and mantissa less 252, and T adds 8
+    more mantissa bits rounded half up; below 1.0, p = 2 |v| and T = floor(512 |v| + 1/2) from the
+    significand, shifted by the exponent (0 below 2^-10).
+    """
+    big = ((mag + 0x2000) >> 14) - 0xFC00
+    field = mag >> 23
+    sig = jnp.where(field == 0, mag & 0x7FFFFF, (mag & 0x7FFFFF) | 0x800000)
+    shift = jnp.clip(141 - field.astype(jnp.int32), 15, 25).astype(jnp.uint32)
+    small = (sig + (jnp.uint32(1) << (shift - 1))) >> shift
+    return jnp.where(mag >= 0x3F800000, big, small)
+
+
+def e2m1_encode_stochastic(u: jnp.ndarray, rbyte: jnp.ndarray) -> jnp.ndarray:
+    """E2M1 codes of float32 bits ``u`` (already scaled), rounded stochastically by random bytes ``rbyte``."""
+    mag = b.magnitude(u)
+    code = jnp.minimum((sr_position(mag) + rbyte) >> 8, 7)
+    negative = ((u >> 31) == 1) & (mag != 0)
+    code = jnp.where(negative, code | 8, code).astype(jnp.uint8)
+    return jnp.where(b.is_nan(u), jnp.uint8(0), code)
