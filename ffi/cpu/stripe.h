@@ -22,7 +22,7 @@ struct Stripe {
   std::vector<float> enc;        // [width]: encode scale of each column's block
   std::vector<uint8_t> scale;    // [width]: E4M3 scale of each column's block
   std::vector<uint64_t> word;    // [width]: a column's 8 packed bytes of the columnwise copy
-  std::vector<uint32_t> rand;    // [4][blocks]: each block's four random words (stochastic rounding)
+  std::vector<uint32_t> rand;    // random words of stochastic rounding: [blocks][4] or [4][blocks]
   std::vector<GlobalScales> g;   // [width]: the global scales of each block (4over6, row-scaled)
   std::vector<float> rowt;       // [16][blocks]: one row's 1x16 chunks as columns (4over6)
   std::vector<uint8_t> scale_t;  // [width]: the columnwise copy's scales (16x16 4over6)
@@ -103,13 +103,24 @@ inline void block_max(const float* __restrict v, uint32_t* __restrict mag, int64
   }
 }
 
-// The random words of n blocks (Philox counters (j0 + i dj, r0 + i dr, b, stream), i < n) into
-// w [4][n]: word q of block i at w[q n + i] (vectorizes over the blocks).
-inline void random_block_words(Seed seed, uint32_t j0, uint32_t dj, uint32_t r0, uint32_t dr,
-                               uint32_t b, uint32_t stream, uint32_t* __restrict w, int64_t n) {
+// The random bytes of the n blocks j = 0..n-1 of row r (Philox counters (j, r, b, stream)) in
+// value order: w [n][4] holds block j's words, so that byte 16 j + k of w is value k's (vectorizes).
+inline void random_row_bytes(Seed seed, uint32_t r, uint32_t b, uint32_t stream,
+                             uint32_t* __restrict w, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t out[4];
+    philox4x32_10(seed, uint32_t(j), r, b, stream, out);
+    for (int q = 0; q < 4; ++q) w[4 * j + q] = out[q];
+  }
+}
+
+// The random words of block j of the n rows r = 0..n-1 (Philox counters (j, r, b, stream)) into
+// w [4][n]: word q of row r's block at w[q n + r], for loops over the rows (vectorizes).
+inline void random_column_words(Seed seed, uint32_t j, uint32_t b, uint32_t stream,
+                                uint32_t* __restrict w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t out[4];
-    philox4x32_10(seed, j0 + uint32_t(i) * dj, r0 + uint32_t(i) * dr, b, stream, out);
+    philox4x32_10(seed, j, uint32_t(i), b, stream, out);
     w[i] = out[0];
     w[n + i] = out[1];
     w[2 * n + i] = out[2];
@@ -126,17 +137,16 @@ inline void encode_blocks(const float* __restrict v, const float* __restrict enc
   }
 }
 
-// Encodes runs of 16 values stochastically, each run with its own encode scale and random words
-// (w [4][nb], random_block_words).
+// Encodes runs of 16 values stochastically, each run with its own encode scale, value i with
+// random byte rbyte[i] (random_row_bytes).
 inline void encode_blocks_stochastic(const float* __restrict v, const float* __restrict enc,
-                                     const uint32_t* __restrict w, uint8_t* __restrict codes,
+                                     const uint8_t* __restrict rbyte, uint8_t* __restrict codes,
                                      int64_t nb) {
   for (int64_t b = 0; b < nb; ++b) {
     const float e = enc[b];
-    for (int k = 0; k < kBlock; ++k) {
-      const uint32_t rbyte = (w[(k >> 2) * nb + b] >> (8 * (k & 3))) & 0xFFu;
-      codes[b * kBlock + k] = quantize_value_stochastic(v[b * kBlock + k], e, rbyte);
-    }
+    for (int k = 0; k < kBlock; ++k)
+      codes[b * kBlock + k] =
+          quantize_value_stochastic(v[b * kBlock + k], e, rbyte[b * kBlock + k]);
   }
 }
 
@@ -170,8 +180,9 @@ inline void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, in
     else
       block_scales(st.mag.data(), nb, g, scale, st.enc.data());
     if (p.spec.stochastic_rounding) {
-      random_block_words(p.seed, 0, 1, uint32_t(m0 + r), 0, p.b, 0, st.rand.data(), nb);
-      encode_blocks_stochastic(v, st.enc.data(), st.rand.data(), st.code.data(), nb);
+      random_row_bytes(p.seed, uint32_t(m0 + r), p.b, 0, st.rand.data(), nb);
+      encode_blocks_stochastic(v, st.enc.data(), reinterpret_cast<const uint8_t*>(st.rand.data()),
+                               st.code.data(), nb);
     } else {
       encode_blocks(v, st.enc.data(), st.code.data(), nb);
     }
@@ -195,20 +206,17 @@ inline void encode_columns(Stripe& st, int64_t width, int64_t m0, const Options&
   if (p.spec.block_2d) {
     const int64_t nb = width / kBlock;
     st.rand.resize(4 * nb);
+    const uint8_t* __restrict rbyte = reinterpret_cast<const uint8_t*>(st.rand.data());
     for (int64_t r = 0; r < kBlock; ++r) {
-      random_block_words(p.seed, 0, 1, uint32_t(m0 + r), 0, p.b, 0, st.rand.data(), nb);
+      random_row_bytes(p.seed, uint32_t(m0 + r), p.b, 0, st.rand.data(), nb);
       const float* __restrict v = st.value.data() + r * width;
       uint8_t* __restrict code = st.code.data() + r * width;
-      for (int64_t c = 0; c < width; ++c) {
-        const int64_t j = c / kBlock, k = c % kBlock;
-        const uint32_t rbyte = (st.rand[(k >> 2) * nb + j] >> (8 * (k & 3))) & 0xFFu;
-        code[c] = quantize_value_stochastic(v[c], enc[c], rbyte);
-      }
+      for (int64_t c = 0; c < width; ++c) code[c] = quantize_value_stochastic(v[c], enc[c], rbyte[c]);
     }
     return;
   }
   st.rand.resize(4 * width);
-  random_block_words(p.seed, uint32_t(m0 / kBlock), 0, 0, 1, p.b, 1, st.rand.data(), width);
+  random_column_words(p.seed, uint32_t(m0 / kBlock), p.b, 1, st.rand.data(), width);
   for (int64_t r = 0; r < kBlock; ++r) {
     const uint32_t* __restrict w = st.rand.data() + (r >> 2) * width;
     const float* __restrict v = st.value.data() + r * width;

@@ -217,13 +217,12 @@ NVFP4_HD uint8_t float_to_e2m1(float v) {
 
 // 256 times the E2M1 grid position of magnitude bits `mag` (0 for 0, 2 for 1.0, 7 for 6), rounded
 // half up: from 1.0 on the top 9 bits of exponent and mantissa less 252 and 8 more mantissa bits;
-// below 1.0 floor(512 |v| + 1/2) from the significand (0 below 2^-10). Magnitudes from 6 (inf and
-// NaN too) give at least 7 * 256.
+// below 1.0 floor(512 |v| + 1/2) = (floor(1024 |v|) + 1) >> 1, 1024 |v| being exact and its
+// conversion a truncation. Magnitudes from 6 (inf and NaN too) give at least 7 * 256.
 NVFP4_HD uint32_t sr_position(uint32_t mag) {
-  const uint32_t field = mag >> 23, mant = mag & 0x7FFFFFu;
-  const uint32_t sig = field == 0u ? mant : mant | 0x800000u;
-  const uint32_t shift = field <= 116u ? 25u : 141u - field;  // 15..25 where used
-  const uint32_t small = (sig + (1u << ((shift - 1u) & 31u))) >> (shift & 31u);
+  const float a = bits_float(mag);
+  // (int32 conversion: it vectorizes on x86 without AVX-512.)
+  const uint32_t small = (uint32_t(int32_t(a < 1.0f ? a * 1024.0f : 0.0f)) + 1u) >> 1;
   return mag >= 0x3F800000u ? ((mag + 0x2000u) >> 14) - 0xFC00u : small;
 }
 
