@@ -12,8 +12,9 @@ The old kernel of --before has no loop: its whole entry point is counted. The bo
 thread-instructions/s against 3.35 TB/s of memory, about 25 instructions per element at ~3.1
 bytes per element.
 
-`--before REV` measures the kernel of git revision REV the same way (its one-column-per-thread
-stripe kernel: 16 values per thread), through a wrapper that this script writes for it.
+`--before REV` measures the quantize kernel of git revision REV the same way: through its own hook
+where REV has today's tile kernel, else (its one-column-per-thread stripe kernel: 16 values per
+thread) through a wrapper that this script writes for it.
 
 Tools: nvcc and cuobjdump from the `nvidia-cuda-nvcc`, `nvidia-cuda-cuobjdump` and
 `nvidia-cuda-nvdisasm` wheels when installed, else from PATH.
@@ -318,18 +319,23 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             source = budget_source(AFTER_WRAPPER, Path(tmp))
             result.setdefault(arch, {})["after"] = measure(source, ROOT / "ffi", arch, quantize_entries(AFTER_ELEMENTS))
+        tiled_before = False  # REV has today's tile kernel (its hook budget_tile), not the stripe kernel
         if args.before:
             print(f"building {args.before}'s kernel for {arch} ...", flush=True)
             with tempfile.TemporaryDirectory() as tmp:
                 include = before_ffi(args.before, Path(tmp))
-                source = budget_source(BEFORE_WRAPPER, Path(tmp))
-                result[arch]["before"] = measure(source, include, arch, quantize_entries(BEFORE_ELEMENTS))
+                tiled_before = "budget_tile" in (include / "cuda" / "quantize.cu").read_text()
+                wrapper, elements = (
+                    (AFTER_WRAPPER, AFTER_ELEMENTS) if tiled_before else (BEFORE_WRAPPER, BEFORE_ELEMENTS)
+                )
+                source = budget_source(wrapper, Path(tmp))
+                result[arch]["before"] = measure(source, include, arch, quantize_entries(elements))
         for kernel_source in sorted({src for src, *_ in OTHER_KERNELS.values()}):
             print(f"building {kernel_source}'s kernels for {arch} ...", flush=True)
             with tempfile.TemporaryDirectory() as tmp:
                 source, after, before = other_source(kernel_source, Path(tmp))
                 result[arch]["after"].update(measure(source, ROOT / "ffi", arch, after))
-                if args.before:
+                if args.before and not tiled_before:  # the element kernels: the stripe kernel's time
                     result[arch]["before"].update(measure(source, ROOT / "ffi", arch, before))
     plain = "rowwise_columnwise"  # "+": has a loop, the count is a lower bound
     for arch, tables in result.items():

@@ -104,7 +104,8 @@ inline void block_max(const float* __restrict v, uint32_t* __restrict mag, int64
 }
 
 // The random bytes of the n blocks j = 0..n-1 of row r (Philox counters (j, r, b, stream)) in
-// value order: w [n][4] holds block j's words, so that byte 16 j + k of w is value k's (vectorizes).
+// value order: w [n][4] holds block j's words, so that byte 16 j + k of w is value k's
+// (vectorizes).
 inline void random_row_bytes(Seed seed, uint32_t r, uint32_t b, uint32_t stream,
                              uint32_t* __restrict w, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
@@ -211,7 +212,8 @@ inline void encode_columns(Stripe& st, int64_t width, int64_t m0, const Options&
       random_row_bytes(p.seed, uint32_t(m0 + r), p.b, 0, st.rand.data(), nb);
       const float* __restrict v = st.value.data() + r * width;
       uint8_t* __restrict code = st.code.data() + r * width;
-      for (int64_t c = 0; c < width; ++c) code[c] = quantize_value_stochastic(v[c], enc[c], rbyte[c]);
+      for (int64_t c = 0; c < width; ++c)
+        code[c] = quantize_value_stochastic(v[c], enc[c], rbyte[c]);
     }
     return;
   }

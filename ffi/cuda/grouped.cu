@@ -314,7 +314,8 @@ __device__ __forceinline__ void quantize_column(const typename L::T* x, const Pa
   if (spec.columnwise_rht()) rht16_narrow<L>(v);
   const float amax_t =
       spec.row_scaled ? p.amax_t[(b * p.groups + o.g) * p.cols + n] : p.amax_t[b * p.groups + o.g];
-  // The block draws as block m0 / 16 of row n of the [B, N, M] copy, stream 1, with the group's key.
+  // The block draws as block m0 / 16 of row n of the [B, N, M] copy, stream 1, with the group's
+  // key.
   Seed key{0, 0};
   if constexpr (kMode == Mode::kStochastic)
     key = Seed{p.group_seeds[2 * o.g], p.group_seeds[2 * o.g + 1]};

@@ -327,13 +327,24 @@ __device__ __forceinline__ uint32_t nearest2(const uint8_t* lut, float enc, floa
   return lut_code<kSafe>(lut, v0, enc) + (lut_code<kSafe>(lut, v1, enc) << 4);
 }
 
+// The stochastic code of fp32(x * enc) (float_to_e2m1_stochastic) for a non-NaN product: + 0 turns
+// a -0.0 product into +0.0, so the sign bit alone marks a negative code, and with the position
+// clamped to 7 * 256 the sum (T + rbyte + sign 2^11) >> 8 is the code, clamp and sign included.
+__device__ __forceinline__ uint32_t stochastic_code(float x, float enc, uint32_t rbyte) {
+  const uint32_t u = float_bits(x * enc + 0.0f);
+  const uint32_t t = min(sr_position(u & 0x7FFFFFFFu), 7u * 256u);
+  return (t + rbyte + ((u >> 31) << 11)) >> 8;
+}
+
 // Codes of 8 values rounded stochastically by the random bytes of two words (value k: byte k % 4
-// of word k / 4).
+// of word k / 4). A NaN encode scale (a block with a NaN) gives code 0 throughout, as the
+// reference's NaN products do.
 template <typename Get>
 __device__ __forceinline__ uint32_t stochastic8(float enc, uint32_t w0, uint32_t w1, Get get) {
-  return pack8([&](int k) {
-    return quantize_value_stochastic(get(k), enc, ((k < 4 ? w0 : w1) >> (8 * (k % 4))) & 0xFFu);
+  const uint32_t word = pack8([&](int k) {
+    return stochastic_code(get(k), enc, ((k < 4 ? w0 : w1) >> (8 * (k % 4))) & 0xFFu);
   });
+  return enc == enc ? word : 0u;
 }
 
 // Codes of 8 values rounded to nearest by the scalar reference path (4over6's candidates).
@@ -977,6 +988,8 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   __shared__ Shared sh;
   p.spec = spec;
   p.vec_in = p.vec_rows = p.vec_cols = true;
+  __builtin_assume(p.rows % 2 == 0);  // whole tiles: even sizes
+  __builtin_assume(p.cols % 2 == 0);
   __builtin_assume(spec.rowwise == (p.o.data != nullptr));
   __builtin_assume(spec.columnwise == (p.o.data_t != nullptr));
   if (!spec.rowwise) p.o.data = nullptr;

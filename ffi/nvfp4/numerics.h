@@ -215,10 +215,10 @@ NVFP4_HD uint8_t float_to_e2m1(float v) {
 
 // ---- stochastic rounding (src/jax_nvfp4/reference/stochastic.py is the spec) ----
 
-// 256 times the E2M1 grid position of magnitude bits `mag` (0 for 0, 2 for 1.0, 7 for 6), rounded
-// half up: from 1.0 on the top 9 bits of exponent and mantissa less 252 and 8 more mantissa bits;
-// below 1.0 floor(512 |v| + 1/2) = (floor(1024 |v|) + 1) >> 1, 1024 |v| being exact and its
-// conversion a truncation. Magnitudes from 6 (inf and NaN too) give at least 7 * 256.
+// 256 times the E2M1 grid position of magnitude bits `mag` (the position: 0 for 0, 2 for 1.0, 7 for
+// 6), rounded half up: from 1.0 on the top 9 bits of exponent and mantissa less 252 and 8 more
+// mantissa bits; below 1.0 floor(512 |v| + 1/2) = (floor(1024 |v|) + 1) >> 1, 1024 |v| being exact
+// and its conversion a truncation. Magnitudes from 6 (inf and NaN too) give at least 7 * 256.
 NVFP4_HD uint32_t sr_position(uint32_t mag) {
   const float a = bits_float(mag);
   // (int32 conversion: it vectorizes on x86 without AVX-512.)

@@ -6,7 +6,7 @@ tests/ is on sys.path because tests/conftest.py lives there. The modules:
   program runs;
 - ``kernel_cases``: the cases that compare kernels with the reference and with each other (random tensors
   and options, the row-scaled and 4over6 option table, the recipe's options, the jitted reference);
-- ``golden``: the golden files (tests/golden/) and the check against one;
+- ``golden``: the golden files (tests/golden/) and the check against one, and the stochastic-rounding vectors;
 - ``gemm``: the GEMM's float64 oracle, hand-built operands, the dense layer's problem and gradients;
 - ``cuda_host``: the CUDA kernels on the CPU through the host model (``from helpers import cuda_host``; not
   imported here: only the CUDA tests load the host model's module and, under pytest-xdist, its thread setting).
@@ -35,7 +35,7 @@ from .core import (
     unpack,
 )
 from .gemm import DENSE, E2M1, dense_grads, dense_problem, rel_err, tensor_of_codes, values64
-from .golden import GOLDEN_DIR, assert_golden, cases, load, option_cases
+from .golden import GOLDEN_DIR, assert_golden, assert_sr_vector, cases, load, load_sr, option_cases, sr_cases
 from .kernel_cases import (
     COMBINATION_IDS,
     COMBINATIONS,
@@ -75,6 +75,7 @@ __all__ = [
     "assert_same_bytes",
     "assert_same_tensor",
     "assert_same_tree",
+    "assert_sr_vector",
     "canonical_zero_codes",
     "cases",
     "columnwise_as_rowwise",
@@ -84,6 +85,7 @@ __all__ = [
     "examples",
     "kernel_options",
     "load",
+    "load_sr",
     "needs_8_cpus",
     "normal",
     "option_cases",
@@ -97,6 +99,7 @@ __all__ = [
     "reference_amax",
     "reference_quantize",
     "rel_err",
+    "sr_cases",
     "stablehlo_functions",
     "tensor_of_codes",
     "tensors",

@@ -1,5 +1,7 @@
 """The golden files (tests/golden/, made by TransformerEngine's reference quantizer): their cases, loading, and
-the check of a quantization against one."""
+the check of a quantization against one. The project's own stochastic-rounding vectors (sr_*.npz, made by
+tests/golden/make_sr_vectors.py) have another layout: ``sr_cases`` lists them, and TransformerEngine's cases
+leave them out."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import pathlib
 
 import jax.numpy as jnp
 import numpy as np
+
+from jax_nvfp4 import QuantizeSpec
 
 GOLDEN_DIR = pathlib.Path(__file__).parents[1] / "golden"
 
@@ -17,7 +21,13 @@ def _plain(g) -> bool:
 
 
 def _input_files() -> list[str]:
-    return sorted(p.name for p in GOLDEN_DIR.glob("*.npz") if "x" in np.load(p))
+    """TransformerEngine's files with an input (not hadamard16.npz, nor the sr_* vectors)."""
+    return sorted(p.name for p in GOLDEN_DIR.glob("*.npz") if not p.name.startswith("sr_") and "x" in np.load(p))
+
+
+def sr_cases() -> list[str]:
+    """The stochastic-rounding vectors (tests/golden/make_sr_vectors.py)."""
+    return sorted(p.name for p in GOLDEN_DIR.glob("sr_*.npz"))
 
 
 def cases() -> list[str]:
@@ -69,3 +79,27 @@ def assert_golden(g, columnwise: bool, data, scale, amax, data_t=None, scale_t=N
         np.testing.assert_array_equal(_as_stored(data_t), g["data_t"])
         np.testing.assert_array_equal(_as_stored(scale_t), g["scale_t"][:n])
         assert np.asarray(amax_t, np.float32).tobytes() == g["amax_col"].astype(np.float32).tobytes()
+
+
+def load_sr(name: str):
+    """A stochastic-rounding vector: (the file, x [B, M, N] in its input dtype, amax [B], amax_t [B], the Philox
+    seed uint32 [2], its QuantizeSpec), the arguments of a backend's quantize (``core.backend.Backend``)."""
+    g = np.load(GOLDEN_DIR / name)
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[str(g["input_dtype"])]
+    flags = ("rowwise", "columnwise", "block_2d", "rht")
+    spec = QuantizeSpec(stochastic_rounding=True, **{k: bool(g[k]) for k in flags})
+    x = jnp.asarray(g["x"]).astype(dtype)
+    return g, x, jnp.asarray(g["amax"]), jnp.asarray(g["amax_t"]), jnp.asarray(g["seed"]), spec
+
+
+def assert_sr_vector(g, amaxes, outs):
+    """A backend's amaxes (``amax(x, rht_amax=spec.rht)``) and quantize outputs are vector ``g``'s, byte for byte."""
+    assert np.asarray(amaxes[0]).tobytes() == g["amax"].tobytes()
+    assert np.asarray(amaxes[-1]).tobytes() == g["amax_t"].tobytes()
+    names = ["data", "scale"] * bool(g["rowwise"]) + ["data_t", "scale_t"] * bool(g["columnwise"])
+    assert len(outs) == len(names)
+    for name, out in zip(names, outs, strict=True):
+        got = _as_stored(out)
+        assert got.shape == g[name].shape and got.dtype == g[name].dtype, (name, got.shape, g[name].shape)
+        diff = got != g[name]
+        assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"

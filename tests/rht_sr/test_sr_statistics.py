@@ -147,7 +147,7 @@ _CASES = [
     (2, 1 - 2.0**-12, 1),
 ]  # fmt: skip
 UNBIASED_VALUES = np.array([s * (GRID[i] + f * (GRID[i + 1] - GRID[i])) for i, f, s in _CASES] + [6.0], np.float32)
-# [512, 256]: value k of row r is UNBIASED_VALUES[(c - r) % 16], so every 1x16 block of a row, and every 16 rows
+# [512, 256]: x[r, c] = UNBIASED_VALUES[(c - r) % 16], so every 1x16 block of a row, and every 16 rows
 # of a column, hold each value once (and a 6): both copies have unit scales; each value is drawn 8192 times a copy.
 UNBIASED_X = UNBIASED_VALUES[(np.arange(256)[None, :] - np.arange(512)[:, None]) % 16]
 
@@ -156,7 +156,7 @@ UNBIASED_X = UNBIASED_VALUES[(np.arange(256)[None, :] - np.arange(512)[:, None])
 def test_mean_of_many_draws_is_the_input(impl):
     """Each value's mean over 32768 draws (both copies, two keys) is the input to within the bias bound and
     5 sigma of sampling; round-to-nearest misses by more wherever its error exceeds that."""
-    q = impl
+    q = impl  # jax_nvfp4 (the CPU kernels) or jax_nvfp4.reference
     x = jnp.asarray(UNBIASED_X)
     samples = []
     for key in (jax.random.key(11), jax.random.key(12)):
@@ -261,6 +261,10 @@ def test_decisions_are_uncorrelated(block_2d):
         np.testing.assert_array_equal(d_col.filled(9), d.filled(9))  # one draw per value, shared by both copies
     else:
         assert_uncorrelated(d, d_col, "rowwise and columnwise copy")
+        # The same (row, column) of the two copies' own arrays (x and x^T), whose random bytes would be the same
+        # were the stream index left out of the counter.
+        d_t = up_decisions(t.data_t, x.T)
+        assert_uncorrelated(d[:_COLS], d_t[:, :_COLS], "the same position of x and x^T")
         assert_uncorrelated(d_col[:-1], d_col[1:], "neighbouring values of a columnwise block")
     # (vi) another key
     d2 = up_decisions(quantize(jnp.asarray(x), jax.random.key(22)).data, x)
@@ -286,8 +290,7 @@ def test_shards_draw_uncorrelated_streams(spec):
         assert_uncorrelated(s[0], s[7], f"first and last shard over {spec}")
     # What the fold prevents: the first two shards' slices quantized apart with one key draw the same bytes.
     part = np.array_split(x, 8, axis=axis)
-    apart = [quantize(jnp.asarray(p)) for p in part[:2]]
-    same = [up_decisions(a.data, p) for a, p in zip(apart, part, strict=False)]
+    same = [up_decisions(quantize(jnp.asarray(p)).data, p) for p in part[:2]]
     assert pearson(same[0].compressed().astype(float), same[1].compressed().astype(float)) > 0.999
 
 
@@ -316,9 +319,12 @@ def test_random_bytes_are_uniform_and_uncorrelated():
     ]:
         r = pearson(a.ravel(), b.ravel())
         assert abs(r) < 5 / np.sqrt(a.size), (what, r)
-    # Each of the 16 bytes of a hash on its own (positions within a block), and each bit of the bytes.
+    # Every pair of the 16 bytes of a hash (positions within a block: bytes of one word, of different words).
     per_position = r0.reshape(-1, 16)
-    for k in range(15):
-        assert abs(pearson(per_position[:, k], per_position[:, k + 1])) < 5 / np.sqrt(per_position.shape[0])
+    for k in range(16):
+        for m in range(k + 1, 16):
+            r = pearson(per_position[:, k], per_position[:, m])
+            assert abs(r) < 5 / np.sqrt(per_position.shape[0]), (k, m, r)
+    # Each bit of the bytes is a fair coin.
     bits = (r0.astype(np.uint8)[..., None] >> np.arange(8, dtype=np.uint8)) & 1
     assert np.all(np.abs(bits.reshape(-1, 8).mean(axis=0) - 0.5) < 2.5 / np.sqrt(r0.size))

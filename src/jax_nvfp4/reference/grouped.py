@@ -141,7 +141,7 @@ def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, sp
     docstring, scaled by ``amax_t`` [B, G] ([B, G, N] row-scaled), rounding with ``group_seeds`` [G, 2].
     1x16 blocks only; every option of the columnwise 1x16 copy applies.
     """
-    bsz, rows, _ = x.shape
+    bsz = x.shape[0]
     groups = group_sizes.shape[-1]
     u = _valid_rows(b.to_bits(x), group_sizes)
     fos = None if spec.four_over_six_error is None else (spec.four_over_six_error, spec.four_over_six_fast_math)

@@ -14,9 +14,10 @@ bytes. 16x16 blocks draw once per value, from the rowwise stream of the padded t
 **The encode.** Between the neighbouring E2M1 magnitudes lo <= |v| < hi, with f = (|v| - lo) / (hi -
 lo), let X = floor(256 f + 1/2), 0..256. The code is lo's plus one iff X + rbyte >= 256, so it
 rounds up with probability X / 256 and E[q] - |v| = (hi - lo) (X / 256 - f), at most (hi - lo) / 512
-in magnitude (8 random bits; the rounding of f to X halves the 1/256 that truncation would give and
-leaves no sign to the error). A value on the grid (f = 0) never moves. In integers: T = 256 lo_index +
-X (``sr_position``) is 256 times |v|'s position on the E2M1 grid, rounded half up, and the code
+in magnitude (8 random bits; rounding f to X, not truncating it, halves the 1/256 that truncation
+would give and leaves the error no systematic sign). A value on the grid (f = 0) never moves. In
+integers: T = 256 lo_index + X (``sr_position``) is 256 times |v|'s position on the E2M1 grid, rounded
+half up, and the code
 magnitude is min((T + rbyte) >> 8, 7). Saturation (6, inf too), signs (a negative value keeps the
 sign bit, -0.0 gives +0) and NaN (code 0) as with round-to-nearest.
 """
@@ -70,7 +71,7 @@ def random_bytes(seed: jnp.ndarray, shape: tuple[int, int, int], stream: int) ->
 
 
 def sr_position(mag: jnp.ndarray) -> jnp.ndarray:
-    """T = floor(256 p + 1/2) for the E2M1 grid position p of magnitude bits ``mag`` (0 for 0, 2 for 1.0, 7 for 6).
+    """T = floor(256 p + 1/2) for the E2M1 grid position p of magnitude bits ``mag`` (p: 0 for 0, 2 for 1.0, 7 for 6).
 
     From 1.0 up, p is the top 9 bits of the float's exponent and mantissa less 252, and T adds 8
     more mantissa bits rounded half up; below 1.0, p = 2 |v| and T = floor(512 |v| + 1/2) from the
