@@ -110,7 +110,7 @@ inline void random_row_bytes(Seed seed, uint32_t r, uint32_t b, uint32_t stream,
                              uint32_t* __restrict w, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     uint32_t out[4];
-    philox4x32_10(seed, uint32_t(j), r, b, stream, out);
+    block_random(seed, uint32_t(j), r, b, stream, out);
     for (int q = 0; q < 4; ++q) w[4 * j + q] = out[q];
   }
 }
@@ -121,7 +121,7 @@ inline void random_column_words(Seed seed, uint32_t j, uint32_t b, uint32_t stre
                                 uint32_t* __restrict w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t out[4];
-    philox4x32_10(seed, j, uint32_t(i), b, stream, out);
+    block_random(seed, j, uint32_t(i), b, stream, out);
     w[i] = out[0];
     w[n + i] = out[1];
     w[2 * n + i] = out[2];

@@ -35,7 +35,7 @@ from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.reference import four_over_six as _fos
 from jax_nvfp4.reference import kernels as core
-from jax_nvfp4.reference.stochastic import e2m1_encode_stochastic, philox4x32_10
+from jax_nvfp4.reference.stochastic import block_bytes, e2m1_encode_stochastic
 
 
 def grouped_blocks(rows: int, groups: int) -> int:
@@ -127,9 +127,7 @@ def _group_bytes(group_seeds, owner, shape: tuple[int, int, int]) -> jax.Array:
     r = jnp.arange(n, dtype=jnp.uint32)[:, None]
     bi = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None]
     key = jnp.moveaxis(seeds[:, None], -1, 0)  # [2, B, 1, P]
-    words = jnp.stack(philox4x32_10(key, j, r, bi, jnp.uint32(1)), axis=-1)  # [B, N, P, 4]
-    shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
-    return ((words[..., None] >> shifts) & 0xFF).reshape(shape)
+    return block_bytes(key, j, r, bi, jnp.uint32(1), shape)
 
 
 def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec: QuantizeSpec):

@@ -17,8 +17,7 @@ rounds up with probability X / 256 and E[q] - |v| = (hi - lo) (X / 256 - f), at 
 in magnitude (8 random bits; rounding f to X, not truncating it, halves the 1/256 that truncation
 would give and leaves the error no systematic sign). A value on the grid (f = 0) never moves. In
 integers: T = 256 lo_index + X (``sr_position``) is 256 times |v|'s position on the E2M1 grid, rounded
-half up, and the code
-magnitude is min((T + rbyte) >> 8, 7). Saturation (6, inf too), signs (a negative value keeps the
+half up, and the code magnitude is min((T + rbyte) >> 8, 7). Saturation (6, inf too), signs (a negative value keeps the
 sign bit, -0.0 gives +0) and NaN (code 0) as with round-to-nearest.
 """
 
@@ -59,15 +58,21 @@ def philox4x32_10(key: jnp.ndarray, c0, c1, c2, c3) -> tuple[jnp.ndarray, ...]:
     return tuple(c)
 
 
+def block_bytes(key: jnp.ndarray, j, r, bi, stream, shape: tuple[int, ...]) -> jnp.ndarray:
+    """The random bytes (uint32 0..255) of the blocks at counters (j, r, bi, stream) (broadcast to [..., blocks]),
+    each block's 16 in value order, reshaped to ``shape`` ([..., 16 blocks])."""
+    words = jnp.stack(philox4x32_10(key, j, r, bi, stream), axis=-1)  # [..., blocks, 4]
+    shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
+    return ((words[..., None] >> shifts) & 0xFF).reshape(shape)
+
+
 def random_bytes(seed: jnp.ndarray, shape: tuple[int, int, int], stream: int) -> jnp.ndarray:
     """The random byte (uint32 0..255) of each value of a copy [B, R, W] (W whole blocks of 16) of ``stream``."""
     bsz, rows, width = shape
     j = jnp.arange(width // BLOCK, dtype=jnp.uint32)
     r = jnp.arange(rows, dtype=jnp.uint32)[:, None]
     bi = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None]
-    words = jnp.stack(philox4x32_10(seed, j, r, bi, jnp.uint32(stream)), axis=-1)  # [B, R, W/16, 4]
-    shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
-    return ((words[..., None] >> shifts) & 0xFF).reshape(shape)
+    return block_bytes(seed, j, r, bi, jnp.uint32(stream), shape)
 
 
 def sr_position(mag: jnp.ndarray) -> jnp.ndarray:
