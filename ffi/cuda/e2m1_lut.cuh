@@ -32,11 +32,16 @@ NVFP4_HD uint8_t lut_entry(uint32_t i) {
   return float_to_e2m1(bits_float(inf ? bits : bits | 1u));
 }
 
+// The tie-safe step on a product's bits: u - 1 where bit 22 is clear (the round-down ties, -0.0
+// and inf go one pattern down, into the chunk below), u where it is set (every quiet NaN too).
+// Any other pattern stays in its chunk of 2^21.
+NVFP4_HD uint32_t tie_safe_bits(uint32_t u) { return u + ((u >> 22) & 1u) - 1u; }
+
 // The E2M1 code of fp32(x * enc) from the table (the tie-safe index with kSafe).
 template <bool kSafe>
 NVFP4_HD uint32_t lut_code(const uint8_t* lut, float x, float enc) {
   const uint32_t u = float_bits(fma_rn(x, enc, 0.0f));
-  return lut[kSafe ? (u + ((u >> 22) & 1u) - 1u) >> kLutShift : u >> kLutShift];
+  return lut[(kSafe ? tie_safe_bits(u) : u) >> kLutShift];
 }
 
 // Whether fp32(x * enc) can be a round-down tie (0.25, 1.25, 2.5 or 5, either sign) or an
@@ -95,6 +100,17 @@ NVFP4_HD uint8_t pair_lut_entry(uint32_t i) {
 NVFP4_HD uint32_t pair_code(const uint8_t* pairs, float v0, float v1, float enc) {
   const uint32_t h = cvt_rz_f16x2(fma_rn(v1, enc, 0.0f), fma_rn(v0, enc, 0.0f));
   return pairs[byte_perm(h, 0, 0x4431)];  // the high bytes of lo and hi: the index
+}
+
+// pair_code for any product, the round-down ties and -0.0 included: the truncated float16 of
+// tie_safe_bits(product) (float16 classes are chunks of 2^21 float32 patterns as the code table's
+// are, and -0.0 becomes NaN, code 0). Three integer instructions a value more than pair_code,
+// against the code table's per-value index and packing.
+NVFP4_HD uint32_t pair_code_safe(const uint8_t* pairs, float v0, float v1, float enc) {
+  const uint32_t u0 = tie_safe_bits(float_bits(fma_rn(v0, enc, 0.0f)));
+  const uint32_t u1 = tie_safe_bits(float_bits(fma_rn(v1, enc, 0.0f)));
+  const uint32_t h = cvt_rz_f16x2(bits_float(u1), bits_float(u0));
+  return pairs[byte_perm(h, 0, 0x4431)];
 }
 
 }  // namespace nvfp4::cuda

@@ -111,10 +111,16 @@ struct Shared {
   Staging staged[2];
 };
 
+// How nearest rounding finds a copy's codes: kFast, by the E2M1 convert or the pair table, where
+// no product can be a round-down tie or -0.0 (tie_possible); else by the pair table on tie-safe
+// bits (kPairSafe), or without a pair table the code table's tie-safe index (kLutSafe). Ordered:
+// a pass serving two copies takes the later of their two.
+enum class Index { kFast, kPairSafe, kLutSafe };
+
 // What quantizing one copy needs of its batch entry.
 struct Copy {
   const float* enc;  // Shared::enc of the copy (unused when row-scaled: per-row scales)
-  bool safe;
+  Index index;
   GlobalScales g;  // the entry's global scales (unused when row-scaled)
 };
 
@@ -272,6 +278,20 @@ __device__ __forceinline__ GlobalScales row_scales(const QuantizeSpec& spec, con
   return spec.global_scales(i < n ? amax[i] : 0.0f);
 }
 
+// Row-scaled rowwise copies: lane l's global scales are those of the warp's row l % 16 (each lane
+// divides for one row); row_scales_of hands them to the lanes that quantize that row (every lane
+// of the warp calls both), rather than each lane dividing for all 16 or its own 8.
+__device__ __forceinline__ GlobalScales lane_row_scales(const QuantizeSpec& spec, const float* amax,
+                                                        int nrows) {
+  return row_scales(spec, amax, int(threadIdx.x % kBlock), nrows);
+}
+
+__device__ __forceinline__ GlobalScales row_scales_of(const GlobalScales& lane, int r) {
+  return GlobalScales{__shfl_sync(~0u, lane.encode, r), __shfl_sync(~0u, lane.encode_div6, r),
+                      __shfl_sync(~0u, lane.decode, r), __shfl_sync(~0u, lane.amax, r),
+                      lane.divisor};
+}
+
 // The codes code(0), ..., code(7) packed into a word, code k in nibble k. (Nibbles do not
 // overlap: + is |, and (word << 4) + code is one LEA.)
 template <typename Code>
@@ -285,11 +305,10 @@ __device__ __forceinline__ uint32_t pack8(Code code) {
 // The block's pair table (e2m1_lut.cuh), in its dynamic shared memory.
 __device__ __forceinline__ const uint8_t* pair_table() { return dynamic_shared(); }
 
-// Codes of 8 values rounded to nearest, value k in nibble k: the E2M1 convert where there is
-// one, else the pair table, or with kSafe the code table's tie-safe index.
-template <bool kSafe, typename Get>
+// Codes of 8 values rounded to nearest, value k in nibble k, found as kIndex says.
+template <Index kIndex, typename Get>
 __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get get) {
-  if (NVFP4_HAS_FP4_CVT() && !kSafe) {
+  if (NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast) {
     // x * enc + 0: no -0.0 (the convert keeps its sign). A NaN product comes only from a NaN
     // encode scale (a block with a NaN), whose codes are all 0.
     uint32_t word = 0;
@@ -300,31 +319,41 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get 
               << (4 * k);
     return enc == enc ? word : 0u;
   }
-  if (!kSafe) {  // by pairs: 4 code bytes
+  if (kIndex != Index::kLutSafe) {  // by pairs: 4 code bytes
     uint32_t word = 0;
 #pragma unroll
     for (int k = 6; k >= 0; k -= 2)
-      word = (word << 8) + pair_code(pair_table(), get(k), get(k + 1), enc);
+      word = (word << 8) + (kIndex == Index::kFast
+                                ? pair_code(pair_table(), get(k), get(k + 1), enc)
+                                : pair_code_safe(pair_table(), get(k), get(k + 1), enc));
     return word;
   }
-  return pack8([&](int k) { return lut_code<kSafe>(lut, get(k), enc); });
+  return pack8([&](int k) { return lut_code<true>(lut, get(k), enc); });
 }
 
 // nearest8 with the index chosen at run time.
 template <typename Get>
-__device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, bool safe, float enc, Get get) {
-  return safe ? nearest8<true>(lut, enc, get) : nearest8<false>(lut, enc, get);
+__device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, Index index, float enc, Get get) {
+  switch (index) {
+    case Index::kFast:
+      return nearest8<Index::kFast>(lut, enc, get);
+    case Index::kPairSafe:
+      return nearest8<Index::kPairSafe>(lut, enc, get);
+    default:
+      return nearest8<Index::kLutSafe>(lut, enc, get);
+  }
 }
 
 // The codes of two values rounded to nearest as the byte (code(v1) << 4) | code(v0), as nearest8
 // takes them; with the convert, a NaN encode scale's byte is garbage (the caller zeroes its
 // block).
-template <bool kSafe>
+template <Index kIndex>
 __device__ __forceinline__ uint32_t nearest2(const uint8_t* lut, float enc, float v0, float v1) {
-  if (NVFP4_HAS_FP4_CVT() && !kSafe)
+  if (NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast)
     return cvt_rn_satfinite_e2m1x2(fma_rn(v1, enc, 0.0f), fma_rn(v0, enc, 0.0f));
-  if (!kSafe) return pair_code(pair_table(), v0, v1, enc);
-  return lut_code<kSafe>(lut, v0, enc) + (lut_code<kSafe>(lut, v1, enc) << 4);
+  if (kIndex == Index::kFast) return pair_code(pair_table(), v0, v1, enc);
+  if (kIndex == Index::kPairSafe) return pair_code_safe(pair_table(), v0, v1, enc);
+  return lut_code<true>(lut, v0, enc) + (lut_code<true>(lut, v1, enc) << 4);
 }
 
 // The stochastic code of fp32(x * enc) (float_to_e2m1_stochastic) for a non-NaN product: + 0 turns
@@ -551,7 +580,7 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
       if constexpr (kMode == Mode::kStochastic) {
         words[r] = stochastic8(enc, rw[r].x, rw[r].y, [&](int k) { return v(r, k); });
       } else {
-        words[r] = nearest8(sh.lut, kr.safe, enc, [&](int k) { return v(r, k); });
+        words[r] = nearest8(sh.lut, kr.index, enc, [&](int k) { return v(r, k); });
       }
     }
   }
@@ -583,8 +612,8 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
 
 // 1x16 blocks, one pass over the rows: the rowwise copy's words and scales, and with `fused`
 // the columnwise copy's codes (nearest rounding of the values themselves: no rht) from the same
-// unpacked values. kSafe: the code table's tie-safe index, for both copies.
-template <typename L, Mode kMode, bool kSafe>
+// unpacked values. kIndex: how both copies find their codes.
+template <typename L, Mode kMode, Index kIndex>
 __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Staging& st,
                                               const Place& at, const Values<L>& w,
                                               const uint32_t (&col_mag)[kCols],
@@ -596,15 +625,17 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
   // Rowwise scales (4over6 chooses them row by row below): each lane of the pair computes those
   // of its own 8 rows and takes the other 8 from its partner.
   float enc_r[kBlock];
+  GlobalScales lane_g{};
+  if (spec.row_scaled && rows_on)
+    lane_g = lane_row_scales(spec, p.amax + at.b * p.rows + at.m0, at.nrows);
   if (kMode != Mode::kFourOverSix && rows_on) {
     float enc_own[kBlock / 2];
 #pragma unroll
     for (int i = 0; i < kBlock / 2; i += 2) {
       GlobalScales g0 = kr.g, g1 = kr.g;
       if (spec.row_scaled) {
-        const float* a = p.amax + at.b * p.rows + at.m0;
-        g0 = row_scales(spec, a, own + i, at.nrows);
-        g1 = row_scales(spec, a, own + i + 1, at.nrows);
+        g0 = row_scales_of(lane_g, own + i);
+        g1 = row_scales_of(lane_g, own + i + 1);
       }
       const uint32_t fixed =
           block_pair(spec, kr, own_magnitude<L>(row_mag, i + 1), own_magnitude<L>(row_mag, i), g1,
@@ -655,9 +686,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
         const auto get = [&](int k) { return v[j][k]; };
         uint32_t word;
         if constexpr (kMode == Mode::kFourOverSix) {
-          const GlobalScales g =
-              spec.row_scaled ? row_scales(spec, p.amax + at.b * p.rows + at.m0, r + j, at.nrows)
-                              : kr.g;
+          const GlobalScales g = spec.row_scaled ? row_scales_of(lane_g, r + j) : kr.g;
           const Candidate chosen =
               row_chunk(v[j], magnitude_value<L>(row_mag[r + j]), g, spec.four_over_six());
           word = reference8(chosen.enc, get);
@@ -666,7 +695,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
         } else if constexpr (kMode == Mode::kStochastic) {
           word = stochastic8(enc_r[r + j], rw[r + j].x, rw[r + j].y, get);
         } else {
-          word = nearest8<kSafe>(sh.lut, enc_r[r + j], get);
+          word = nearest8<kIndex>(sh.lut, enc_r[r + j], get);
         }
         stage_row(st, r + j, word);
       }
@@ -674,15 +703,42 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
     if (kMode == Mode::kNearest && fused) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c)
-        acc[c][r / 8] += nearest2<kSafe>(sh.lut, enc_c[c], v[0][c], v[1][c]) << (4 * (r % 8));
+        acc[c][r / 8] += nearest2<kIndex>(sh.lut, enc_c[c], v[0][c], v[1][c]) << (4 * (r % 8));
     }
   }
   if (kMode == Mode::kNearest && fused) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
-      if (NVFP4_HAS_FP4_CVT() && !kSafe && enc_c[c] != enc_c[c]) acc[c][0] = acc[c][1] = 0;
+      if (NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast && enc_c[c] != enc_c[c])
+        acc[c][0] = acc[c][1] = 0;
       stage_column(st, c, acc[c][0], acc[c][1], scale_c[c / 2] >> (8 * (c % 2)));
     }
+  }
+}
+
+// The RHT of a column's 16 values in place, rounded to the input dtype (rht16_narrow), and the
+// magnitude maximum of the result. 16-bit dtypes round two values a convert (store2) and take the
+// maximum on the packed pairs, as load_tile does.
+template <typename L>
+__device__ __forceinline__ float rht_column(float (&t)[kBlock]) {
+  if constexpr (kPacked<L>) {
+    using S = std::conditional_t<std::is_same_v<L, LoadBF16>, StoreBF16, StoreF16>;
+    rht16(t);
+    uint32_t m = 0;
+#pragma unroll
+    for (int r = 0; r < kBlock; r += 2) {
+      const uint32_t pair = store2<S>(t[r + 1], t[r]);
+      t[r] = L::load(uint16_t(pair));
+      t[r + 1] = L::load(uint16_t(pair >> 16));
+      m = r == 0 ? pair : max_magnitude<L>(m, pair);
+    }
+    return magnitude_value<L>(max_magnitude<L>(m, m >> 16));
+  } else {
+    rht16_narrow<L>(t);
+    uint32_t m = 0;
+#pragma unroll
+    for (int r = 0; r < kBlock; ++r) m = max(m, magnitude_bits(t[r]));
+    return bits_float(m);
   }
 }
 
@@ -705,13 +761,7 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
 #pragma unroll
       for (int r = 0; r < kBlock; ++r) t[j][r] = value<L>(w, r, c + j);
       bamax[j] = magnitude_value<L>(col_mag[c + j]);
-      if (rht) {
-        rht16_narrow<L>(t[j]);
-        uint32_t m = 0;
-#pragma unroll
-        for (int r = 0; r < kBlock; ++r) m = max(m, magnitude_bits(t[j][r]));
-        bamax[j] = bits_float(m);
-      }
+      if (rht) bamax[j] = rht_column<L>(t[j]);
     }
     GlobalScales g[2] = {kc.g, kc.g};
     if (spec.row_scaled) {
@@ -743,8 +793,8 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
           lo = stochastic8(enc[j], h[0], h[1], get);
           hi = stochastic8(enc[j], h[2], h[3], get_hi);
         } else {
-          lo = nearest8(sh.lut, kc.safe, enc[j], get);
-          hi = nearest8(sh.lut, kc.safe, enc[j], get_hi);
+          lo = nearest8(sh.lut, kc.index, enc[j], get);
+          hi = nearest8(sh.lut, kc.index, enc[j], get_hi);
         }
       }
       stage_column(st, c + j, lo, hi, scale);
@@ -778,10 +828,18 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
     quantize_2d<L, kMode>(p, sh, st, at, w, col_mag, kr, seed);
   } else {
     const bool fused = kMode == Mode::kNearest && p.o.data_t && !spec.columnwise_rht();
-    if (kMode == Mode::kNearest && (kr.safe || kc.safe))
-      quantize_rows<L, kMode, true>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused, seed);
+    const Index index = kMode != Mode::kNearest ? Index::kFast
+                        : kr.index > kc.index   ? kr.index
+                                                : kc.index;
+    if (index == Index::kLutSafe)
+      quantize_rows<L, kMode, Index::kLutSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
+                                               seed);
+    else if (index == Index::kPairSafe)
+      quantize_rows<L, kMode, Index::kPairSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
+                                                seed);
     else
-      quantize_rows<L, kMode, false>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused, seed);
+      quantize_rows<L, kMode, Index::kFast>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
+                                            seed);
     if (p.o.data_t && !fused) quantize_columns<L, kMode>(p, sh, st, at, w, col_mag, kc, seed);
   }
   // The whole tile inside the input (the steady state of a large input).
@@ -804,14 +862,17 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
   }
 }
 
-// The encode scales of batch entry b's 256 scale codes for both copies, and whether each copy
-// needs the tie-safe code index (always without `fast`, the fast codes' convert or pair table);
-// row-scaled copies have no table and always need it (every thread of the block calls).
+// The encode scales of batch entry b's 256 scale codes for both copies, and each copy's code
+// Index: kFast unless a tie is possible (tie_possible) or there is neither the convert nor the
+// pair table (`pairs`: built); row-scaled copies have no table and always take a tie-safe one
+// (every thread of the block calls).
 template <typename L, Mode kMode>
-__device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint32_t b, bool fast,
+__device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint32_t b, bool pairs,
                                               Copy& kr, Copy& kc) {
   const QuantizeSpec& spec = p.spec;
-  kr = Copy{nullptr, true, GlobalScales{}};
+  const Index safe = pairs ? Index::kPairSafe : Index::kLutSafe;
+  const bool fast = NVFP4_HAS_FP4_CVT() || pairs;
+  kr = Copy{nullptr, safe, GlobalScales{}};
   kc = kr;
   if (spec.row_scaled) return;
   kr.g = spec.global_scales(p.amax[b]);
@@ -828,8 +889,8 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   __syncthreads();
   kr.enc = sh.enc[0];
   kc.enc = sh.enc[1];
-  kr.safe = !fast || sh.safe[0] != 0;
-  kc.safe = !fast || sh.safe[1] != 0;
+  kr.index = fast && sh.safe[0] == 0 ? Index::kFast : safe;
+  kc.index = fast && sh.safe[1] == 0 ? Index::kFast : safe;
 }
 
 // Builds the pair table in the block's dynamic shared memory where nearest rounding of a 16-bit
@@ -860,7 +921,7 @@ template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p) {
   __shared__ Shared sh;
   for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
-  const bool fast = NVFP4_HAS_FP4_CVT() || build_pair_table<L, kMode>(sh);
+  const bool pairs = build_pair_table<L, kMode>(sh);
   __syncthreads();
   Seed seed{0, 0};
   if constexpr (kMode == Mode::kStochastic) seed = Seed{p.seed[0], p.seed[1]};
@@ -870,7 +931,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
   for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {
     if (tile.b != entry) {
       entry = tile.b;
-      prepare_entry<L, kMode>(p, sh, entry, fast, kr, kc);
+      prepare_entry<L, kMode>(p, sh, entry, pairs, kr, kc);
     }
     quantize_tile<L, kMode>(x, p, sh, sh.staged[k % 2], tile, kr, kc, seed);
   }
@@ -994,13 +1055,18 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   __builtin_assume(spec.columnwise == (p.o.data_t != nullptr));
   if (!spec.rowwise) p.o.data = nullptr;
   if (!spec.columnwise) p.o.data_t = nullptr;
-  // As prepare_entry leaves them: row-scaled copies have no table and the tie-safe index.
+  // As prepare_entry leaves them: row-scaled copies have no table and a tie-safe index (the
+  // pair table's, where there is one: 16-bit nearest rounding without the convert).
   const bool per_row = spec.row_scaled;
+  const Index index = !per_row ? Index::kFast
+                      : kPacked<L> && kMode == Mode::kNearest && !NVFP4_HAS_FP4_CVT()
+                          ? Index::kPairSafe
+                          : Index::kLutSafe;
   // The entry's global scales as the kernel keeps them in registers (here loaded, not computed:
   // prepare_entry's work is once per entry).
   const auto* g = reinterpret_cast<const GlobalScales*>(p.amax);
-  Copy kr{per_row ? nullptr : sh.enc[0], per_row, g[0]};
-  Copy kc{per_row ? nullptr : sh.enc[1], per_row, g[1]};
+  Copy kr{per_row ? nullptr : sh.enc[0], index, g[0]};
+  Copy kc{per_row ? nullptr : sh.enc[1], index, g[1]};
   const Seed seed{p.seed[0], p.seed[1]};
   TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
   uint32_t entry = tile.b;

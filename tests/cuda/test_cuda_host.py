@@ -19,6 +19,7 @@ from helpers import (
     DTYPES,
     OPTION_DTYPES,
     RECIPE_OPTIONS,
+    SEED,
     assert_golden,
     assert_same_bytes,
     assert_same_tensor,
@@ -41,6 +42,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_nvfp4
+from jax_nvfp4 import QuantizeSpec
 from jax_nvfp4.ops import KERNELS
 
 pytestmark = needs_module
@@ -104,12 +106,28 @@ def test_exact_ties_take_the_tie_safe_index(dtype, block_2d, sm):
     assert (codes[1] >> 4, codes[5] & 0xF) == (2, 12)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sm", SMS)
+def test_exact_ties_row_scaled(dtype, sm):
+    """Row-scaled copies take a tie-safe index always (pair_code_safe on sm_90): every row and column
+    amax 6 * 448 makes the products the values themselves, ties included."""
+    row = np.array(TIES, np.float32)
+    x = jnp.asarray(np.stack([np.roll(row, k) * (0.5 if k % 2 else 1.0) for k in range(32)])[None], dtype)
+    amax, amax_t = jnp.full((1, 32), 6.0 * 448, jnp.float32), jnp.full((1, 16), 6.0 * 448, jnp.float32)
+    spec = QuantizeSpec(columnwise=True, row_scaled=True)
+    got, want = both_kernels(lambda backend, x: backend.quantize(x, amax, amax_t, SEED, spec=spec), x, sm=sm)
+    assert_same_tree(got, want)
+    codes = np.asarray(want[0][0, 0]).view(np.uint8)
+    assert (codes[1] >> 4, codes[5] & 0xF) == (2, 12)  # 1.25 -> 1.0, -2.5 -> -2: the ties were hit
+
+
 def test_e2m1_tables_are_exhaustively_right():
     """Over every float32 bit pattern but signalling NaNs (arithmetic makes none), in one pass:
     the tie-safe index of the E2M1 code table gives float_to_e2m1's code; the fast index and the
     pair table's code of the float16 truncation do too but for the round-down ties and -0.0, the
-    cases the kernel rules out before taking them (cuda/e2m1_lut.cuh)."""
-    assert cuda_host.module.e2m1_tables_mismatches() == (0, 0, 0, 9)
+    cases the kernel rules out before taking them (cuda/e2m1_lut.cuh), and the pair table's code
+    of the truncated tie-safe bits (pair_code_safe) with no exception."""
+    assert cuda_host.module.e2m1_tables_mismatches() == (0, 0, 0, 9, 0)
 
 
 @given(x=tensors(), out_dtype=st.sampled_from(DTYPES), block_2d=st.booleans())

@@ -104,16 +104,18 @@ bool fast_index_excluded(uint32_t u) {
 // Counts, in one pass over the float32 bit patterns, those whose E2M1 code from the quantize
 // kernel's tables differs from float_to_e2m1's: the code table by the tie-safe index, by the fast
 // index and the pair table's class of the truncated float16 (both outside the cases they are not
-// used for, counted as excluded).
+// used for, counted as excluded), and the pair table's class of the truncated tie-safe bits.
 nb::tuple e2m1_tables_mismatches() {
   uint8_t lut[nvfp4::cuda::kLutSize];
   for (uint32_t i = 0; i < uint32_t(nvfp4::cuda::kLutSize); ++i) lut[i] = nvfp4::cuda::lut_entry(i);
   uint8_t codes[256];
   for (uint32_t b = 0; b < 256; ++b) codes[b] = nvfp4::cuda::f16_class_code(b);
-  const auto [safe, fast, pair, excluded] =
-      count_over_floats<4>([&](uint32_t u, float v, std::array<uint64_t, 4>& c) {
+  const auto [safe, fast, pair, excluded, pair_safe] =
+      count_over_floats<5>([&](uint32_t u, float v, std::array<uint64_t, 5>& c) {
         const uint8_t want = nvfp4::float_to_e2m1(v);
-        c[0] += lut[(u + ((u >> 22) & 1u) - 1u) >> nvfp4::cuda::kLutShift] != want;
+        const uint32_t safe_bits = nvfp4::cuda::tie_safe_bits(u);
+        c[0] += lut[safe_bits >> nvfp4::cuda::kLutShift] != want;
+        c[4] += codes[nvfp4::f16_rz_bits(nvfp4::bits_float(safe_bits)) >> 8] != want;
         if (fast_index_excluded(u)) {
           ++c[3];
         } else {
@@ -121,7 +123,7 @@ nb::tuple e2m1_tables_mismatches() {
           c[2] += codes[nvfp4::f16_rz_bits(v) >> 8] != want;
         }
       });
-  return nb::make_tuple(safe, fast, pair, excluded);
+  return nb::make_tuple(safe, fast, pair, excluded, pair_safe);
 }
 
 nb::bytes f16_rz(Floats x) {
@@ -147,7 +149,8 @@ NB_MODULE(_nvfp4_cuda_host, m) {
   m.def("e2m1_tables_mismatches", &e2m1_tables_mismatches,
         "Exhaustive check of the quantize kernel's E2M1 tables (cuda/e2m1_lut.cuh), one pass: "
         "(code table mismatches by the tie-safe index, by the fast index, pair table class "
-        "mismatches, cases excluded from the fast index and the pair table).");
+        "mismatches, cases excluded from the fast index and the pair table, pair table class "
+        "mismatches of the tie-safe bits).");
   m.def("f16_rz", &f16_rz, nb::arg("x"),
         "The float16 bits cvt.rz.f16x2.f32 gives for a float32 array (host equivalent).");
   m.def("probe", &nvfp4::cuda::probes::probe, nb::arg("name"), nb::arg("size"), nb::arg("a") = 0,
