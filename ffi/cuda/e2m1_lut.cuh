@@ -22,6 +22,12 @@
 
 namespace nvfp4::cuda {
 
+// How a kernel finds a copy's nearest-rounding codes: kFast, by the E2M1 convert or the pair
+// table, where no product can be a round-down tie or -0.0 (tie_possible); else by the pair table
+// on tie-safe bits (kPairSafe), or without a pair table the code table's tie-safe index
+// (kLutSafe). Ordered: a pass serving two copies takes the later of their two.
+enum class Index { kFast, kPairSafe, kLutSafe };
+
 constexpr int kLutShift = 21;
 constexpr int kLutSize = 1 << (32 - kLutShift);
 

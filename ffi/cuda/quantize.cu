@@ -105,23 +105,20 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
 // table (e2m1_lut.cuh) in dynamic shared memory, built from f16_codes.
 struct Shared {
   uint8_t lut[kLutSize];
+  float class_value[256];              // 4over6: f16_class_value
+  float scale_value[256];              // 4over6: e4m3_to_float
   alignas(16) uint8_t f16_codes[256];  // f16_class_code
   float enc[2][kCodes];                // [rowwise, columnwise][scale code]: block_encode_scale
   int safe[2];                         // whether that copy needs the tie-safe code index
   Staging staged[2];
 };
 
-// How nearest rounding finds a copy's codes: kFast, by the E2M1 convert or the pair table, where
-// no product can be a round-down tie or -0.0 (tie_possible); else by the pair table on tie-safe
-// bits (kPairSafe), or without a pair table the code table's tie-safe index (kLutSafe). Ordered:
-// a pass serving two copies takes the later of their two.
-enum class Index { kFast, kPairSafe, kLutSafe };
-
 // What quantizing one copy needs of its batch entry.
 struct Copy {
   const float* enc;  // Shared::enc of the copy (unused when row-scaled: per-row scales)
   Index index;
   GlobalScales g;  // the entry's global scales (unused when row-scaled)
+  bool exact;      // 4over6: units_always_exact(g.amax) (false when row-scaled)
 };
 
 // ---- loading: 16 rows x 8 columns, their column and row maxima ----
@@ -628,6 +625,16 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
   GlobalScales lane_g{};
   if (spec.row_scaled && rows_on)
     lane_g = lane_row_scales(spec, p.amax + at.b * p.rows + at.m0, at.nrows);
+  // 4over6: the candidates of this lane's own 8 rows (its partner takes them by shuffles).
+  FastCandidate own_c6[kBlock / 2], own_c4[kBlock / 2];
+  if (kMode == Mode::kFourOverSix && rows_on) {
+#pragma unroll
+    for (int i = 0; i < kBlock / 2; ++i)
+      fast_candidates(own_magnitude<L>(row_mag, i),
+                      spec.row_scaled ? row_scales_of(lane_g, own + i) : kr.g,
+                      spec.row_scaled ? nullptr : kr.enc, sh.scale_value,
+                      spec.four_over_six().fast_math, own_c6[i], own_c4[i]);
+  }
   if (kMode != Mode::kFourOverSix && rows_on) {
     float enc_own[kBlock / 2];
 #pragma unroll
@@ -687,9 +694,14 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
         uint32_t word;
         if constexpr (kMode == Mode::kFourOverSix) {
           const GlobalScales g = spec.row_scaled ? row_scales_of(lane_g, r + j) : kr.g;
-          const Candidate chosen =
-              row_chunk(v[j], magnitude_value<L>(row_mag[r + j]), g, spec.four_over_six());
-          word = reference8(chosen.enc, get);
+          // Row r + j's candidates, computed by the lane that stages its scale (own_c6, own_c4).
+          const int i = (r + j) % (kBlock / 2);
+          const bool mine = (r + j >= kBlock / 2) == (own != 0);
+          const FastCandidate c6 = pick_candidate(mine, own_c6[i]);
+          const FastCandidate c4 = pick_candidate(mine, own_c4[i]);
+          const Candidate chosen = row_choice<kIndex != Index::kFast>(
+              sh.class_value, v[j], c6, c4, g, spec.four_over_six(), kr.exact);
+          word = nearest8<kIndex>(sh.lut, chosen.enc, get);
           if ((r + j >= kBlock / 2) == (own != 0))
             stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
         } else if constexpr (kMode == Mode::kStochastic) {
@@ -780,9 +792,15 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
       const auto get = [&](int k) { return t[j][k]; };
       const auto get_hi = [&](int k) { return t[j][k + 8]; };
       if constexpr (kMode == Mode::kFourOverSix) {
-        const Candidate chosen = column_chunk(t[j], bamax[j], g[j], spec.four_over_six());
-        lo = reference8(chosen.enc, get);
-        hi = reference8(chosen.enc, get_hi);
+        const float* enc_table = spec.row_scaled ? nullptr : kc.enc;
+        const Candidate chosen =
+            kc.index == Index::kFast
+                ? column_choice<false>(sh.class_value, t[j], bamax[j], g[j], enc_table,
+                                       sh.scale_value, spec.four_over_six(), kc.exact)
+                : column_choice<true>(sh.class_value, t[j], bamax[j], g[j], enc_table,
+                                      sh.scale_value, spec.four_over_six(), kc.exact);
+        lo = nearest8(sh.lut, kc.index, chosen.enc, get);
+        hi = nearest8(sh.lut, kc.index, chosen.enc, get_hi);
         scale = fix_nan_scales(chosen.scale);
       } else {
         scale = pair >> (8 * j);
@@ -828,9 +846,9 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
     quantize_2d<L, kMode>(p, sh, st, at, w, col_mag, kr, seed);
   } else {
     const bool fused = kMode == Mode::kNearest && p.o.data_t && !spec.columnwise_rht();
-    const Index index = kMode != Mode::kNearest ? Index::kFast
-                        : kr.index > kc.index   ? kr.index
-                                                : kc.index;
+    const Index index = kMode == Mode::kStochastic ? Index::kFast
+                        : kr.index > kc.index      ? kr.index
+                                                   : kc.index;
     if (index == Index::kLutSafe)
       quantize_rows<L, kMode, Index::kLutSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
                                                seed);
@@ -872,11 +890,13 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   const QuantizeSpec& spec = p.spec;
   const Index safe = pairs ? Index::kPairSafe : Index::kLutSafe;
   const bool fast = NVFP4_HAS_FP4_CVT() || pairs;
-  kr = Copy{nullptr, safe, GlobalScales{}};
+  kr = Copy{nullptr, safe, GlobalScales{}, false};
   kc = kr;
   if (spec.row_scaled) return;
   kr.g = spec.global_scales(p.amax[b]);
   kc.g = spec.global_scales(p.amax_t[b]);
+  kr.exact = units_always_exact(kr.g.amax);
+  kc.exact = units_always_exact(kc.g.amax);
   __syncthreads();  // the previous entry's tables are no longer read
   if (threadIdx.x < 2) sh.safe[threadIdx.x] = 0;
   __syncthreads();
@@ -884,7 +904,7 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
     const int copy = i / kCodes, s = i % kCodes;
     const float enc = block_encode_scale(uint8_t(s), copy ? kc.g : kr.g);
     sh.enc[copy][s] = enc;
-    if (kMode == Mode::kNearest && tie_possible<L>(enc)) sh.safe[copy] = 1;
+    if (kMode != Mode::kStochastic && tie_possible<L>(enc)) sh.safe[copy] = 1;
   }
   __syncthreads();
   kr.enc = sh.enc[0];
@@ -899,7 +919,7 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
 // thread of the block calls.
 template <typename L, Mode kMode>
 __device__ __forceinline__ bool build_pair_table(Shared& sh) {
-  if constexpr (kPacked<L> && kMode == Mode::kNearest) {
+  if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
     if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize) return false;
     for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
     __syncthreads();
@@ -921,6 +941,11 @@ template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p) {
   __shared__ Shared sh;
   for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
+  if (kMode == Mode::kFourOverSix)
+    for (int i = threadIdx.x; i < 256; i += kThreads) {
+      sh.class_value[i] = f16_class_value(i);
+      sh.scale_value[i] = e4m3_to_float(uint8_t(i));
+    }
   const bool pairs = build_pair_table<L, kMode>(sh);
   __syncthreads();
   Seed seed{0, 0};
@@ -958,7 +983,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <auto K, typename L, Mode kMode>
 ffi::Error dynamic_bytes(size_t& bytes) {
   bytes = kPacked<L> ? 0 : kValuesBytes;
-  if constexpr (kPacked<L> && kMode == Mode::kNearest) {
+  if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
     cudaFuncAttributes attr{};
     if (const cudaError_t err = cudaFuncGetAttributes(&attr, K); err != cudaSuccess)
       return cuda_error("cudaFuncGetAttributes", err);
@@ -1059,14 +1084,15 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   // pair table's, where there is one: 16-bit nearest rounding without the convert).
   const bool per_row = spec.row_scaled;
   const Index index = !per_row ? Index::kFast
-                      : kPacked<L> && kMode == Mode::kNearest && !NVFP4_HAS_FP4_CVT()
+                      : kPacked<L> && kMode != Mode::kStochastic && !NVFP4_HAS_FP4_CVT()
                           ? Index::kPairSafe
                           : Index::kLutSafe;
   // The entry's global scales as the kernel keeps them in registers (here loaded, not computed:
   // prepare_entry's work is once per entry).
   const auto* g = reinterpret_cast<const GlobalScales*>(p.amax);
-  Copy kr{per_row ? nullptr : sh.enc[0], index, g[0]};
-  Copy kc{per_row ? nullptr : sh.enc[1], index, g[1]};
+  // 4over6's exact units hold for every block (units_always_exact): an amax in [2^-104, 2^116].
+  Copy kr{per_row ? nullptr : sh.enc[0], index, g[0], !per_row};
+  Copy kc{per_row ? nullptr : sh.enc[1], index, g[1], !per_row};
   const Seed seed{p.seed[0], p.seed[1]};
   TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
   uint32_t entry = tile.b;

@@ -121,6 +121,28 @@ def test_exact_ties_row_scaled(dtype, sm):
     assert (codes[1] >> 4, codes[5] & 0xF) == (2, 12)  # 1.25 -> 1.0, -2.5 -> -2: the ties were hit
 
 
+FOS = [("mse", False, 256), ("mse", True, 256), ("mae", False, 448), ("mae", True, 448)]
+
+
+@pytest.mark.parametrize("fos", FOS, ids=["-".join(map(str, f)) for f in FOS])
+@pytest.mark.parametrize("sm", SMS)
+def test_4over6_at_extreme_and_tie_amaxes(fos, sm):
+    """4over6's faster path (four_over_six.cuh: class values, per-block units of the exact error)
+    against the CPU at amaxes that take it (1, 6 E: products on the E2M1 ties) and that leave it for
+    the reference path (tiny, huge, inf), one batch entry each."""
+    mode, fast_math, e4m3_max = fos
+    row = np.array(TIES, np.float32)
+    ties = np.stack([np.roll(row, k) * (0.5 if k % 2 else 1.0) for k in range(32)])
+    rng = np.random.default_rng(7)
+    wide = (rng.standard_normal((32, 16)) * np.exp(rng.uniform(-8, 8, (32, 16)))).astype(np.float32)
+    amaxes = [1.0, 6.0 * e4m3_max, 1e-36, 3e-33, 1e33, 3e38, np.inf]
+    x = jnp.asarray(np.stack([ties if i % 2 else wide for i in range(len(amaxes))]), jnp.bfloat16)
+    amax = jnp.asarray(amaxes, jnp.float32)
+    spec = QuantizeSpec(columnwise=True, four_over_six_error=mode, four_over_six_fast_math=fast_math, e4m3_max=e4m3_max)
+    got, want = both_kernels(lambda backend, x: backend.quantize(x, amax, amax, SEED, spec=spec), x, sm=sm)
+    assert_same_tree(got, want)
+
+
 def test_e2m1_tables_are_exhaustively_right():
     """Over every float32 bit pattern but signalling NaNs (arithmetic makes none), in one pass:
     the tie-safe index of the E2M1 code table gives float_to_e2m1's code; the fast index and the
