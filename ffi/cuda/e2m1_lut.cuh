@@ -102,20 +102,31 @@ NVFP4_HD uint8_t pair_lut_entry(uint32_t i) {
   return uint8_t(f16_class_code(i & 0xFFu) | (f16_class_code(i >> 8) << 4));
 }
 
+// The products fp32(v0 * enc) and fp32(v1 * enc) truncated to float16 by one convert (v1's in the
+// high half), whose high bytes are their classes. kSafe: the truncations of their tie_safe_bits,
+// right for any product, the round-down ties and -0.0 included (float16 classes are chunks of
+// 2^21 float32 patterns as the code table's are, and -0.0 becomes NaN, code 0): three integer
+// instructions a value more.
+template <bool kSafe>
+NVFP4_HD uint32_t truncated_pair(float v0, float v1, float enc) {
+  uint32_t u0 = float_bits(fma_rn(v0, enc, 0.0f)), u1 = float_bits(fma_rn(v1, enc, 0.0f));
+  if (kSafe) {
+    u0 = tie_safe_bits(u0);
+    u1 = tie_safe_bits(u1);
+  }
+  return cvt_rz_f16x2(bits_float(u1), bits_float(u0));
+}
+
 // The byte (code(v1) << 4) | code(v0) of fp32(v * enc) for both, by the pair table.
 NVFP4_HD uint32_t pair_code(const uint8_t* pairs, float v0, float v1, float enc) {
-  const uint32_t h = cvt_rz_f16x2(fma_rn(v1, enc, 0.0f), fma_rn(v0, enc, 0.0f));
+  const uint32_t h = truncated_pair<false>(v0, v1, enc);
   return pairs[byte_perm(h, 0, 0x4431)];  // the high bytes of lo and hi: the index
 }
 
-// pair_code for any product, the round-down ties and -0.0 included: the truncated float16 of
-// tie_safe_bits(product) (float16 classes are chunks of 2^21 float32 patterns as the code table's
-// are, and -0.0 becomes NaN, code 0). Three integer instructions a value more than pair_code,
-// against the code table's per-value index and packing.
+// pair_code for any product (truncated_pair's kSafe), against the code table's per-value index
+// and packing.
 NVFP4_HD uint32_t pair_code_safe(const uint8_t* pairs, float v0, float v1, float enc) {
-  const uint32_t u0 = tie_safe_bits(float_bits(fma_rn(v0, enc, 0.0f)));
-  const uint32_t u1 = tie_safe_bits(float_bits(fma_rn(v1, enc, 0.0f)));
-  const uint32_t h = cvt_rz_f16x2(bits_float(u1), bits_float(u0));
+  const uint32_t h = truncated_pair<true>(v0, v1, enc);
   return pairs[byte_perm(h, 0, 0x4431)];
 }
 

@@ -76,7 +76,7 @@ NVFP4_HD bool units_always_exact(float amax) { return amax >= 0x1p-104f && amax 
 __device__ __forceinline__ void fast_candidates(float bamax, const GlobalScales& g,
                                                 const float* enc, const float* dec, bool fast_math,
                                                 FastCandidate& c6, FastCandidate& c4) {
-  const float base = (bamax / kE2M1Max) * g.encode;
+  const float base = candidate_base(bamax, g);
   const uint32_t codes = e4m3x2_satfinite(base * 1.5f, base);
   const auto one = [&](uint32_t code) {
     const Candidate c{uint8_t(code), enc ? enc[code] : block_encode_scale(uint8_t(code), g),
@@ -104,12 +104,7 @@ __device__ __forceinline__ FastCandidate pick_candidate(bool mine, const FastCan
 template <bool kSafe>
 __device__ __forceinline__ void rounded2(const float* values, float v0, float v1, float enc,
                                          float& r0, float& r1) {
-  uint32_t u0 = float_bits(fma_rn(v0, enc, 0.0f)), u1 = float_bits(fma_rn(v1, enc, 0.0f));
-  if (kSafe) {
-    u0 = tie_safe_bits(u0);
-    u1 = tie_safe_bits(u1);
-  }
-  const uint32_t h = cvt_rz_f16x2(bits_float(u1), bits_float(u0));
+  const uint32_t h = truncated_pair<kSafe>(v0, v1, enc);
   r0 = values[byte_perm(h, 0, 0x4441)];
   r1 = values[byte_perm(h, 0, 0x4443)];
 }
@@ -171,19 +166,6 @@ __device__ __forceinline__ bool pair_decision(bool odd_lane_decides) {
   return (threadIdx.x & 1u) ? odd_lane_decides : other;
 }
 
-// The chosen candidate of a rowwise 1x16 chunk: this lane's 8 values (columns 0-7 of the
-// block in the even lane, 8-15 in the odd one).
-__device__ __forceinline__ Candidate row_chunk(const float (&v)[8], float bamax,
-                                               const GlobalScales& g, FourOverSix fos) {
-  Candidate c6, c4;
-  candidates(bamax, g, c6, c4);
-  float t6[8], t4[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) error_terms(v[k], c6, c4, g, fos, t6[k], t4[k]);
-  const float err6 = pair_sequential_sum(t6), err4 = pair_sequential_sum(t4);
-  return choose(pair_decision(prefer_map4(err4, err6)), c6, c4);
-}
-
 // The chosen candidate of a columnwise 1x16 chunk: this thread's 16 values.
 __device__ __forceinline__ Candidate column_chunk(const float (&v)[kBlock], float bamax,
                                                   const GlobalScales& g, FourOverSix fos) {
@@ -200,8 +182,9 @@ __device__ __forceinline__ Candidate column_chunk(const float (&v)[kBlock], floa
   return choose(prefer_map4(err4, err6), c6, c4);
 }
 
-// row_chunk by the faster path, given the row's candidates (fast_candidates; both lanes of the
-// pair pass the same).
+// The chosen candidate of a rowwise 1x16 chunk by the faster path: this lane's 8 values (columns
+// 0-7 of the block in the even lane, 8-15 in the odd one) and the row's candidates
+// (fast_candidates; both lanes of the pair pass the same).
 template <bool kSafe>
 __device__ __forceinline__ Candidate row_choice(const float* values, const float (&v)[8],
                                                 const FastCandidate& c6, const FastCandidate& c4,

@@ -11,15 +11,15 @@
 //   - A block's scale is computed once, two at a time by cvt.rn.satfinite.e4m3x2; its encode
 //     scale 1 / (s * gds) comes from a per-entry table of the 256 E4M3 codes.
 //   - Codes of nearest rounding come two at a time: on sm_90 from a 64 KB table indexed by the
-//     two products truncated to float16 (e2m1_lut.cuh; where a round-down tie is possible, a
-//     2048-entry table a code), from the E2M1 convert on sm_100a/sm_120a. One pass over the rows
-//     unpacks each value once and gives both copies' codes: a row's 4 code bytes pack into a
-//     word, a column's into its two words.
+//     two products truncated to float16 (e2m1_lut.cuh; where a round-down tie is possible, as in
+//     every row-scaled copy, of their tie-safe bits), from the E2M1 convert on sm_100a/sm_120a. One
+//     pass over the rows unpacks each value once and gives both copies' codes: a row's 4 code bytes
+//     pack into a word, a column's into its two words.
 //   - The columnwise copy goes through a shared-memory tile (double-buffered, one barrier a
 //     tile) and is written 16 bytes a store.
 // Stochastic rounding draws one Philox hash per 1x16 block (a lane pair splits its rows' hashes);
-// 4over6 decides each chunk in registers (four_over_six.cuh); row-scaled copies take per-row
-// global scales.
+// 4over6 decides each chunk in registers (four_over_six.cuh), its 1x16 candidates' rounded values
+// from the float16 classes of their products; row-scaled copies take per-row global scales.
 #include "cuda/common.cuh"
 #include "cuda/e2m1_lut.cuh"
 #include "cuda/four_over_six.cuh"
@@ -101,8 +101,8 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
 
 // Per CUDA block: the code tables, the current batch entry's encode scales, and two staged
 // tiles (a tile stages into one while the last one's stores may still read the other, so one
-// barrier a tile suffices). Nearest rounding without the E2M1 convert also takes the 64 KB pair
-// table (e2m1_lut.cuh) in dynamic shared memory, built from f16_codes.
+// barrier a tile suffices). Nearest rounding and 4over6 without the E2M1 convert also take the
+// 64 KB pair table (e2m1_lut.cuh) in dynamic shared memory, built from f16_codes.
 struct Shared {
   uint8_t lut[kLutSize];
   float class_value[256];              // 4over6: f16_class_value
@@ -702,8 +702,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
           const Candidate chosen = row_choice<kIndex != Index::kFast>(
               sh.class_value, v[j], c6, c4, g, spec.four_over_six(), kr.exact);
           word = nearest8<kIndex>(sh.lut, chosen.enc, get);
-          if ((r + j >= kBlock / 2) == (own != 0))
-            stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
+          if (mine) stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
         } else if constexpr (kMode == Mode::kStochastic) {
           word = stochastic8(enc_r[r + j], rw[r + j].x, rw[r + j].y, get);
         } else {
@@ -913,10 +912,10 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   kc.index = fast && sh.safe[1] == 0 ? Index::kFast : safe;
 }
 
-// Builds the pair table in the block's dynamic shared memory where nearest rounding of a 16-bit
-// dtype (float32 keeps its values there) has no E2M1 convert and the launch gave it the room;
-// whether it did (else the kernel takes the tie-safe code index: slower, the same bytes). Every
-// thread of the block calls.
+// Builds the pair table in the block's dynamic shared memory where nearest rounding or 4over6 of a
+// 16-bit dtype (float32 keeps its values there) has no E2M1 convert and the launch gave it the
+// room; whether it did (else the kernel takes the tie-safe code index: slower, the same bytes).
+// Every thread of the block calls.
 template <typename L, Mode kMode>
 __device__ __forceinline__ bool build_pair_table(Shared& sh) {
   if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
@@ -977,9 +976,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #if !defined(NVFP4_SASS_BUDGET)
 // The dynamic shared memory of kernel K (dtype L, mode kMode), its attribute set: float32's
-// values (Values), or with nearest rounding of a 16-bit dtype the pair table where K's code was
-// built without the E2M1 convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code
-// also runs).
+// values (Values), or with nearest rounding or 4over6 of a 16-bit dtype the pair table where K's
+// code was built without the E2M1 convert (PTX for sm_90, which a GPU newer than our
+// sm_100a/sm_120a code also runs).
 template <auto K, typename L, Mode kMode>
 ffi::Error dynamic_bytes(size_t& bytes) {
   bytes = kPacked<L> ? 0 : kValuesBytes;

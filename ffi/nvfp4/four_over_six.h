@@ -36,8 +36,13 @@ struct Candidates {
   uint8_t s6, s4;
 };
 
+// The map-6 candidate's scale before rounding: fp32(bamax / 6) * ges.
+NVFP4_HD float candidate_base(float bamax, const GlobalScales& g) {
+  return (bamax / kE2M1Max) * g.encode;
+}
+
 NVFP4_HD Candidates candidate_scales(float bamax, const GlobalScales& g) {
-  const float base = (bamax / kE2M1Max) * g.encode;
+  const float base = candidate_base(bamax, g);
   return Candidates{float_to_e4m3(clamp_e4m3(base)), float_to_e4m3(clamp_e4m3(base * 1.5f))};
 }
 
