@@ -122,26 +122,40 @@ __device__ __forceinline__ float fast_term(float r, float x, float xg, const Fas
   return fos.mse() ? d * d : fabsf(d);
 }
 
-// Both candidates' terms of n values (pairs), by the faster path where both candidates allow it
-// (`exact`: all blocks of the copy do), else by error_terms.
+// Both candidates' terms of n values (pairs) by the faster path.
 template <bool kSafe, int kN, typename Get>
+__device__ __forceinline__ void class_terms(const float* values, Get x, const FastCandidate& c6,
+                                            const FastCandidate& c4, const GlobalScales& g,
+                                            FourOverSix fos, float (&t6)[kN], float (&t4)[kN]) {
+#pragma unroll
+  for (int k = 0; k < kN; k += 2) {
+    float r6[2], r4[2];
+    rounded2<kSafe>(values, x(k), x(k + 1), c6.c.enc, r6[0], r6[1]);
+    rounded2<kSafe>(values, x(k), x(k + 1), c4.c.enc, r4[0], r4[1]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float xg = fos.fast_math ? x(k + i) * g.encode : 0.0f;
+      t6[k + i] = fast_term(r6[i], x(k + i), xg, c6, fos);
+      t4[k + i] = fast_term(r4[i], x(k + i), xg, c4, fos);
+    }
+  }
+}
+
+// Both candidates' terms of n values (pairs): by the faster path where both candidates allow it
+// (`exact`: all blocks of the copy do), with tie-safe products where `safe` (rounded2), else by
+// error_terms. The choices are arguments, not template parameters, so that each call site
+// compiles the reference path once (the kernel's build time); every caller's values of them are
+// uniform across a warp.
+template <int kN, typename Get>
 __device__ __forceinline__ void fast_terms(const float* values, Get x, const FastCandidate& c6,
                                            const FastCandidate& c4, const GlobalScales& g,
-                                           FourOverSix fos, bool exact, float (&t6)[kN],
+                                           FourOverSix fos, bool exact, bool safe, float (&t6)[kN],
                                            float (&t4)[kN]) {
   if (exact || (c6.exact && c4.exact)) {
-#pragma unroll
-    for (int k = 0; k < kN; k += 2) {
-      float r6[2], r4[2];
-      rounded2<kSafe>(values, x(k), x(k + 1), c6.c.enc, r6[0], r6[1]);
-      rounded2<kSafe>(values, x(k), x(k + 1), c4.c.enc, r4[0], r4[1]);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float xg = fos.fast_math ? x(k + i) * g.encode : 0.0f;
-        t6[k + i] = fast_term(r6[i], x(k + i), xg, c6, fos);
-        t4[k + i] = fast_term(r4[i], x(k + i), xg, c4, fos);
-      }
-    }
+    if (safe)
+      class_terms<true>(values, x, c6, c4, g, fos, t6, t4);
+    else
+      class_terms<false>(values, x, c6, c4, g, fos, t6, t4);
   } else {
 #pragma unroll
     for (int k = 0; k < kN; ++k) error_terms(x(k), c6.c, c4.c, g, fos, t6[k], t4[k]);
@@ -184,28 +198,27 @@ __device__ __forceinline__ Candidate column_chunk(const float (&v)[kBlock], floa
 
 // The chosen candidate of a rowwise 1x16 chunk by the faster path: this lane's 8 values (columns
 // 0-7 of the block in the even lane, 8-15 in the odd one) and the row's candidates
-// (fast_candidates; both lanes of the pair pass the same).
-template <bool kSafe>
+// (fast_candidates; both lanes of the pair pass the same); `exact`, `safe`: as fast_terms takes
+// them.
 __device__ __forceinline__ Candidate row_choice(const float* values, const float (&v)[8],
                                                 const FastCandidate& c6, const FastCandidate& c4,
-                                                const GlobalScales& g, FourOverSix fos,
-                                                bool exact) {
+                                                const GlobalScales& g, FourOverSix fos, bool exact,
+                                                bool safe) {
   float t6[8], t4[8];
-  fast_terms<kSafe>(values, [&](int k) { return v[k]; }, c6, c4, g, fos, exact, t6, t4);
+  fast_terms(values, [&](int k) { return v[k]; }, c6, c4, g, fos, exact, safe, t6, t4);
   const float err6 = pair_sequential_sum(t6), err4 = pair_sequential_sum(t4);
   return choose(pair_decision(prefer_map4(err4, err6)), c6.c, c4.c);
 }
 
 // column_chunk by the faster path (`enc`, `dec`: as fast_candidates takes them).
-template <bool kSafe>
 __device__ __forceinline__ Candidate column_choice(const float* values, const float (&v)[kBlock],
                                                    float bamax, const GlobalScales& g,
                                                    const float* enc, const float* dec,
-                                                   FourOverSix fos, bool exact) {
+                                                   FourOverSix fos, bool exact, bool safe) {
   FastCandidate c6, c4;
   fast_candidates(bamax, g, enc, dec, fos.fast_math, c6, c4);
   float t6[kBlock], t4[kBlock];
-  fast_terms<kSafe>(values, [&](int k) { return v[k]; }, c6, c4, g, fos, exact, t6, t4);
+  fast_terms(values, [&](int k) { return v[k]; }, c6, c4, g, fos, exact, safe, t6, t4);
   float err6 = 0.0f, err4 = 0.0f;
 #pragma unroll
   for (int r = 0; r < kBlock; ++r) {

@@ -609,7 +609,8 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
 
 // 1x16 blocks, one pass over the rows: the rowwise copy's words and scales, and with `fused`
 // the columnwise copy's codes (nearest rounding of the values themselves: no rht) from the same
-// unpacked values. kIndex: how both copies find their codes.
+// unpacked values. kIndex: how both copies find their codes (nearest rounding; 4over6 reads its
+// copy's index at run time).
 template <typename L, Mode kMode, Index kIndex>
 __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Staging& st,
                                               const Place& at, const Values<L>& w,
@@ -699,9 +700,10 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
           const bool mine = (r + j >= kBlock / 2) == (own != 0);
           const FastCandidate c6 = pick_candidate(mine, own_c6[i]);
           const FastCandidate c4 = pick_candidate(mine, own_c4[i]);
-          const Candidate chosen = row_choice<kIndex != Index::kFast>(
-              sh.class_value, v[j], c6, c4, g, spec.four_over_six(), kr.exact);
-          word = nearest8<kIndex>(sh.lut, chosen.enc, get);
+          // The copy's index at run time: one instantiation of this pass per dtype (build time).
+          const Candidate chosen = row_choice(sh.class_value, v[j], c6, c4, g, spec.four_over_six(),
+                                              kr.exact, kr.index != Index::kFast);
+          word = nearest8(sh.lut, kr.index, chosen.enc, get);
           if (mine) stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
         } else if constexpr (kMode == Mode::kStochastic) {
           word = stochastic8(enc_r[r + j], rw[r + j].x, rw[r + j].y, get);
@@ -793,11 +795,8 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
       if constexpr (kMode == Mode::kFourOverSix) {
         const float* enc_table = spec.row_scaled ? nullptr : kc.enc;
         const Candidate chosen =
-            kc.index == Index::kFast
-                ? column_choice<false>(sh.class_value, t[j], bamax[j], g[j], enc_table,
-                                       sh.scale_value, spec.four_over_six(), kc.exact)
-                : column_choice<true>(sh.class_value, t[j], bamax[j], g[j], enc_table,
-                                      sh.scale_value, spec.four_over_six(), kc.exact);
+            column_choice(sh.class_value, t[j], bamax[j], g[j], enc_table, sh.scale_value,
+                          spec.four_over_six(), kc.exact, kc.index != Index::kFast);
         lo = nearest8(sh.lut, kc.index, chosen.enc, get);
         hi = nearest8(sh.lut, kc.index, chosen.enc, get_hi);
         scale = fix_nan_scales(chosen.scale);
@@ -845,9 +844,11 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
     quantize_2d<L, kMode>(p, sh, st, at, w, col_mag, kr, seed);
   } else {
     const bool fused = kMode == Mode::kNearest && p.o.data_t && !spec.columnwise_rht();
-    const Index index = kMode == Mode::kStochastic ? Index::kFast
-                        : kr.index > kc.index      ? kr.index
-                                                   : kc.index;
+    // Nearest rounding takes its index as a template argument; the other modes, whose passes
+    // are larger, read it at run time (4over6) or need none (stochastic rounding).
+    const Index index = kMode != Mode::kNearest ? Index::kFast
+                        : kr.index > kc.index   ? kr.index
+                                                : kc.index;
     if (index == Index::kLutSafe)
       quantize_rows<L, kMode, Index::kLutSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
                                                seed);
