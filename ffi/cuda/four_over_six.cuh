@@ -141,11 +141,34 @@ __device__ __forceinline__ void class_terms(const float* values, Get x, const Fa
   }
 }
 
+// Up to 16 values of a chunk and both candidates' error terms of them, by value: reference_terms'
+// arguments and result.
+struct ChunkValues {
+  float v[kBlock];
+};
+struct ChunkTerms {
+  float t6[kBlock], t4[kBlock];
+};
+
+// error_terms of the first n values, out of line: the rare blocks without exact units take it, and
+// every call site of every kernel shares one copy of its code (the kernels' build time).
+#if defined(__CUDACC__)
+#define NVFP4_OUT_OF_LINE __device__ __noinline__
+#else  // the host model: CUDA's keyword is not a GCC attribute there
+#define NVFP4_OUT_OF_LINE inline __attribute__((noinline))
+#endif
+NVFP4_OUT_OF_LINE ChunkTerms reference_terms(ChunkValues x, int n, Candidate c6, Candidate c4,
+                                             GlobalScales g, FourOverSix fos) {
+  ChunkTerms t{};
+  for (int k = 0; k < n; ++k) error_terms(x.v[k], c6, c4, g, fos, t.t6[k], t.t4[k]);
+  return t;
+}
+
 // Both candidates' terms of n values (pairs): by the faster path where both candidates allow it
 // (`exact`: all blocks of the copy do), with tie-safe products where `safe` (rounded2), else by
-// error_terms. The choices are arguments, not template parameters, so that each call site
-// compiles the reference path once (the kernel's build time); every caller's values of them are
-// uniform across a warp.
+// reference_terms. The choices are arguments, not template parameters, so that each call site
+// compiles the faster path twice, not four times; every caller's values of them are uniform
+// across a warp.
 template <int kN, typename Get>
 __device__ __forceinline__ void fast_terms(const float* values, Get x, const FastCandidate& c6,
                                            const FastCandidate& c4, const GlobalScales& g,
@@ -157,8 +180,15 @@ __device__ __forceinline__ void fast_terms(const float* values, Get x, const Fas
     else
       class_terms<false>(values, x, c6, c4, g, fos, t6, t4);
   } else {
+    ChunkValues xs;
 #pragma unroll
-    for (int k = 0; k < kN; ++k) error_terms(x(k), c6.c, c4.c, g, fos, t6[k], t4[k]);
+    for (int k = 0; k < kN; ++k) xs.v[k] = x(k);
+    const ChunkTerms t = reference_terms(xs, kN, c6.c, c4.c, g, fos);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      t6[k] = t.t6[k];
+      t4[k] = t.t4[k];
+    }
   }
 }
 

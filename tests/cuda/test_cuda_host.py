@@ -136,7 +136,10 @@ def test_4over6_at_extreme_and_tie_amaxes(fos, sm):
     rng = np.random.default_rng(7)
     wide = (rng.standard_normal((32, 16)) * np.exp(rng.uniform(-8, 8, (32, 16)))).astype(np.float32)
     amaxes = [1.0, 6.0 * e4m3_max, 1e-36, 3e-33, 1e33, 3e38, np.inf]
-    x = jnp.asarray(np.stack([ties if i % 2 else wide for i in range(len(amaxes))]), jnp.bfloat16)
+    # Even entries: the wide values scaled to the entry's amax, so that tiny and huge amaxes give
+    # finite errors on the reference path.
+    scaled = [wide * np.float32(a / np.abs(wide).max()) if np.isfinite(a) else wide for a in amaxes]
+    x = jnp.asarray(np.stack([ties if i % 2 else scaled[i] for i in range(len(amaxes))]), jnp.bfloat16)
     amax = jnp.asarray(amaxes, jnp.float32)
     spec = QuantizeSpec(columnwise=True, four_over_six_error=mode, four_over_six_fast_math=fast_math, e4m3_max=e4m3_max)
     got, want = both_kernels(lambda backend, x: backend.quantize(x, amax, amax, SEED, spec=spec), x, sm=sm)
