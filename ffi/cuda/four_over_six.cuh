@@ -153,7 +153,7 @@ struct ChunkTerms {
 // error_terms of the first n values, out of line: the rare blocks without exact units take it, and
 // every call site of every kernel shares one copy of its code (the kernels' build time).
 #if defined(__CUDACC__)
-#define NVFP4_OUT_OF_LINE __device__ __noinline__
+#define NVFP4_OUT_OF_LINE inline __device__ __noinline__
 #else  // the host model: CUDA's keyword is not a GCC attribute there
 #define NVFP4_OUT_OF_LINE inline __attribute__((noinline))
 #endif
