@@ -7,7 +7,9 @@
 #include "cuda/handlers.h"
 #define NVFP4_MODULE_NAME _nvfp4_cuda
 #else
+#include "cpu/e2m1.h"
 #include "cpu/handlers.h"
+#include "nvfp4/subnormal_guard.h"
 #define NVFP4_MODULE_NAME _nvfp4_cpu
 #endif
 
@@ -36,9 +38,28 @@ nb::dict registrations() {
   return d;
 }
 
+#if !defined(NVFP4_CUDA_MODULE)
+// How many of the 2^32 float32 bit patterns the CPU loops' E2M1 encode (cpu/e2m1.h) gives
+// another code than the reference float_to_e2m1: the check that lets them use it.
+uint64_t e2m1_code_mismatches() {
+  nvfp4::SubnormalGuard guard;
+  uint64_t mismatches = 0;
+  for (uint64_t u = 0; u <= 0xFFFFFFFFull; ++u) {
+    const float v = nvfp4::bits_float(uint32_t(u));
+    mismatches += nvfp4::cpu::e2m1_code(v) != nvfp4::float_to_e2m1(v);
+  }
+  return mismatches;
+}
+#endif
+
 }  // namespace
 
 NB_MODULE(NVFP4_MODULE_NAME, m) {
   m.doc() = "NVFP4 XLA FFI handlers";
   m.def("registrations", &registrations);
+#if !defined(NVFP4_CUDA_MODULE)
+  m.def("e2m1_code_mismatches", &e2m1_code_mismatches,
+        "Exhaustive check of the CPU kernels' E2M1 encode against float_to_e2m1: the number of "
+        "float32 bit patterns on which they differ.");
+#endif
 }

@@ -37,17 +37,17 @@ void stripe_rht_max(const typename L::T* x, int64_t cols, std::vector<float>& v,
 // Per-row amax of one [rows, cols] matrix: the max of each row (amax_rows)
 // and of each column, or with rht_amax of each column's transformed chunks (amax_cols).
 template <typename L>
-void per_row_amax(const typename L::T* x, int64_t rows, int64_t cols, bool rht_amax,
-                  float* amax_rows, float* amax_cols) {
+void per_row_amax(ffi::ThreadPool& pool, const typename L::T* x, int64_t rows, int64_t cols,
+                  bool rht_amax, float* amax_rows, float* amax_cols) {
   const int64_t cost = rows * cols * int64_t(sizeof(typename L::T)) * (rht_amax ? 8 : 1);
-  parallel_for(rows, cost, [&](int64_t lo, int64_t hi) {
+  parallel_for(pool, rows, cost, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r)
       amax_rows[r] = amax_from_bits(max_magnitude_bits<L>(x + r * cols, cols));
   });
   // Columns in chunks of kWidth, each chunk down all the rows (16 at a time with rht_amax).
   constexpr int64_t kWidth = 256;
   const int64_t chunks = (cols + kWidth - 1) / kWidth;
-  parallel_for(chunks, cost, [&](int64_t lo, int64_t hi) {
+  parallel_for(pool, chunks, cost, [&](int64_t lo, int64_t hi) {
     std::vector<uint32_t> m(kWidth);
     std::vector<float> v(kBlock * kWidth);
     for (int64_t chunk = lo; chunk < hi; ++chunk) {
@@ -74,9 +74,10 @@ void per_row_amax(const typename L::T* x, int64_t rows, int64_t cols, bool rht_a
   });
 }
 
-ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax, bool per_row) {
+ffi::Error amax_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax,
+                     bool per_row) {
   int64_t batch = 0, rows = 0, cols = 0;
-  float *amax, *amax_t;
+  float *amax = nullptr, *amax_t = nullptr;
   if (auto e = check_amax(x, outs, rht_amax, per_row, batch, rows, cols, amax, amax_t); e.failure())
     return e;
   const int64_t per_batch = rows * cols;
@@ -85,7 +86,7 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax, b
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     for (int64_t b = 0; b < batch; ++b) {
       if (per_row) {
-        per_row_amax<L>(data + b * per_batch, rows, cols, rht_amax, amax + b * rows,
+        per_row_amax<L>(pool, data + b * per_batch, rows, cols, rht_amax, amax + b * rows,
                         amax_t + b * cols);
         continue;
       }
@@ -98,7 +99,7 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax, b
         // Chunks of whole 16-row stripes.
         const int64_t stripes = rows / kBlock;
         const int64_t chunk = (stripes + kChunks - 1) / kChunks;
-        parallel_for(kChunks, cost, [&](int64_t lo, int64_t hi) {
+        parallel_for(pool, kChunks, cost, [&](int64_t lo, int64_t hi) {
           std::vector<float> v;
           for (int64_t c = lo; c < hi; ++c) {
             const int64_t end = std::min(stripes, (c + 1) * chunk);
@@ -108,7 +109,7 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax, b
         });
       } else {
         const int64_t chunk = (per_batch + kChunks - 1) / kChunks;
-        parallel_for(kChunks, cost, [&](int64_t lo, int64_t hi) {
+        parallel_for(pool, kChunks, cost, [&](int64_t lo, int64_t hi) {
           for (int64_t c = lo; c < hi; ++c) {
             const int64_t begin = std::min(per_batch, c * chunk);
             const int64_t end = std::min(per_batch, begin + chunk);
@@ -133,6 +134,7 @@ ffi::Error amax_impl(ffi::AnyBuffer x, ffi::RemainingRets outs, bool rht_amax, b
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4AmaxCpu, nvfp4::cpu::amax_impl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .RemainingRets()
                                   .Attr<bool>("rht_amax")

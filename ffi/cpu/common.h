@@ -1,9 +1,13 @@
-// Helpers of the CPU FFI handlers: a small parallel-for
-// (the loaders, dispatch and buffer checks are in nvfp4/ffi_common.h).
+// Helpers of the CPU FFI handlers: a parallel-for over XLA's intra-op thread
+// pool (the loaders, dispatch and buffer checks are in nvfp4/ffi_common.h).
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -12,32 +16,65 @@
 
 namespace nvfp4::cpu {
 
-// Runs body(begin, end) over [0, n) split across hardware threads when the
-// work (`cost`, roughly bytes touched) is large enough to pay for the threads.
+// The work of one parallel_for: chunks claimed one at a time by the caller and
+// by the tasks it schedules. Shared (shared_ptr) with the tasks, since a task
+// may start after the call has returned, when every chunk is done: it then
+// finds none to claim and touches nothing else.
+struct ParallelWork {
+  int64_t n = 0, chunks = 0;
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  // Runs chunks until none is left; body(begin, end) under a SubnormalGuard.
+  template <typename Body>
+  void run(Body& body) {
+    SubnormalGuard guard;
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      body(c * n / chunks, (c + 1) * n / chunks);
+      if (done.fetch_add(1) + 1 == chunks) {
+        std::lock_guard<std::mutex> lock(mu);
+        all_done.notify_all();
+      }
+    }
+  }
+};
+
+// Runs body(begin, end) over [0, n) in chunks across threads when the work
+// (`cost`, roughly bytes touched) is large enough to pay for them: on XLA's
+// intra-op thread pool (the handler's ffi::ThreadPool context) where the
+// runtime has one, else on threads of our own. The caller works on chunks too,
+// and waits only for chunks that a task has started, so a busy pool (whose
+// tasks start late, or run inline when XLA has no pool) costs parallelism,
+// never progress. Chunks are claimed dynamically, several per thread, so that
+// a thread slowed by other work on the machine takes fewer.
 template <typename Body>
-void parallel_for(int64_t n, int64_t cost, Body&& body) {
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t cost, Body&& body) {
   constexpr int64_t kMinCostPerThread = int64_t(1) << 20;
-  const int64_t hw = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  constexpr int64_t kChunksPerThread = 8;
+  const int64_t pool_threads = pool.num_threads();
+  const int64_t hw =
+      pool_threads > 0 ? pool_threads : std::max<int64_t>(1, std::thread::hardware_concurrency());
   const int64_t threads = std::min({hw, n, std::max<int64_t>(1, cost / kMinCostPerThread)});
   if (threads <= 1) {
     SubnormalGuard guard;
     body(int64_t(0), n);
     return;
   }
-  std::vector<std::thread> pool;
-  const int64_t chunk = (n + threads - 1) / threads;
-  for (int64_t t = 1; t < threads; ++t) {
-    const int64_t begin = std::min(n, t * chunk), end = std::min(n, begin + chunk);
-    pool.emplace_back([&body, begin, end] {
-      SubnormalGuard guard;
-      body(begin, end);
-    });
+  auto work = std::make_shared<ParallelWork>();
+  work->n = n;
+  work->chunks = std::min(n, threads * kChunksPerThread);
+  if (pool_threads > 0) {
+    for (int64_t t = 1; t < threads; ++t) pool.Schedule([work, &body] { work->run(body); });
+    work->run(body);
+    std::unique_lock<std::mutex> lock(work->mu);
+    work->all_done.wait(lock, [&] { return work->done.load() == work->chunks; });
+    return;
   }
-  {
-    SubnormalGuard guard;
-    body(int64_t(0), std::min(n, chunk));
-  }
-  for (auto& th : pool) th.join();
+  std::vector<std::thread> own;
+  for (int64_t t = 1; t < threads; ++t) own.emplace_back([&work, &body] { work->run(body); });
+  work->run(body);
+  for (auto& th : own) th.join();
 }
 
 // The RHT (rht16, before rounding to the input dtype) of every column of a

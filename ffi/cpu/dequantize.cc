@@ -33,7 +33,7 @@ void dequantize_rows(const uint8_t* data, const uint8_t* scale, const float* ama
   }
 }
 
-ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
+ffi::Error dequantize_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
                            ffi::Buffer<ffi::F32> amax, ffi::Result<ffi::AnyBuffer> out,
                            DequantizeSpec spec) {
   int64_t batch = 0, rows = 0, cols = 0;
@@ -48,7 +48,7 @@ ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
       dispatch_float<StoreF32, StoreBF16, StoreF16>(out->element_type(), [&](auto storer) {
         using S = decltype(storer);
         auto* o = static_cast<typename S::T*>(out->untyped_data());
-        parallel_for(batch * rows, batch * rows * cols * int64_t(sizeof(typename S::T)),
+        parallel_for(pool, batch * rows, batch * rows * cols * int64_t(sizeof(typename S::T)),
                      [&](int64_t lo, int64_t hi) {
                        // Row index i spans batches; split it per batch entry.
                        for (int64_t i = lo; i < hi;) {
@@ -71,6 +71,7 @@ ffi::Error dequantize_impl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4DequantizeCpu, nvfp4::cpu::dequantize_impl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()

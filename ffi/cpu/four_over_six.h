@@ -4,10 +4,12 @@
 // while each chunk's error is still summed in element order.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
+#include "cpu/e2m1.h"
 #include "nvfp4/four_over_six.h"
 
 namespace nvfp4::cpu {
@@ -20,6 +22,8 @@ struct FosScratch {
   std::vector<float> ges, amax;       // [n] the blocks' global encode scales and amaxes
   std::vector<float> e6, e4;          // [16][n] element error terms
   std::vector<float> err6, err4;      // [n] column sums: chunk errors
+  std::vector<float> q6, q4, h6, h4;  // [n] exact error: the quotients d1, d1.5 (choose_1d)
+  std::vector<uint8_t> safe;          // [n] whether errors_1d takes the block (choose_1d)
   std::vector<GlobalScales> g;        // [n] one set of global scales, repeated (16x16)
   std::vector<uint8_t> tile6, tile4;  // [tiles] 16x16 candidates before spreading
   std::vector<float> tile_enc6, tile_enc4;
@@ -91,16 +95,119 @@ inline void column_sums(const std::vector<float>& e, int64_t n, std::vector<floa
   }
 }
 
+// The exact error term's dequantized magnitude fp32(fp32(q s amax) / divisor) of the grid value
+// q of a block's candidate scale s, from two quotients of the block: q = 2^k m with m 1 or 1.5
+// (0.5, 1, 2, 4 and 1.5, 3, 6), and q s amax and its quotient scale by 2^k exactly while every
+// such value is a finite normal float, so the value is 2^k d_m, d_m = fp32(fp32(m s amax) /
+// divisor): 2^k is q's exponent bits, m is 1.5 where q's top mantissa bit is set. (q = 0 gives
+// 0.) exact_units marks the blocks where that range does not hold.
+inline float dequantized(float q, float d1, float d15) {
+  const uint32_t u = float_bits(q);
+  return bits_float(u & 0x7F800000u) * ((u & 0x00400000u) ? d15 : d1);
+}
+
+// Whether a candidate scale s of a block keeps dequantized exact: s = 0 with a finite amax (every
+// value 0), or its smallest nonzero value d1 / 2 normal and its largest product 4 fp32(1.5 s
+// amax) finite (the quotients are smaller: the divisor is over 1). NaNs fail.
+inline uint32_t scaling_exact(float s, float amax, float r15, float d1) {
+  constexpr float kFloatMin = 1.17549435082228750797e-38f;
+  const uint32_t finite_amax = amax <= kFloatMax ? 1u : 0u;
+  const uint32_t zero = s == 0.0f ? 1u : 0u;
+  const uint32_t normal = d1 >= 2.0f * kFloatMin ? 1u : 0u;
+  const uint32_t finite = r15 <= kFloatMax * 0.25f ? 1u : 0u;
+  return finite_amax & (zero | (normal & finite));
+}
+
+// The quotients d1 and d1.5 of dequantized for both candidates of n blocks (after candidates),
+// and whether errors_1d takes each block (with fast math, every block).
+inline void exact_units(int64_t n, float divisor, bool fast_math, FosScratch& f) {
+  for (auto* v : {&f.q6, &f.q4, &f.h6, &f.h4}) v->resize(n);
+  f.safe.resize(n);
+  const float* __restrict dec6 = f.dec6.data();
+  const float* __restrict dec4 = f.dec4.data();
+  const float* __restrict amax = f.amax.data();
+  float* __restrict q6 = f.q6.data();
+  float* __restrict q4 = f.q4.data();
+  float* __restrict h6 = f.h6.data();
+  float* __restrict h4 = f.h4.data();
+  uint8_t* __restrict safe = f.safe.data();
+  for (int64_t j = 0; j < n; ++j) {
+    const float r15_6 = (dec6[j] * 1.5f) * amax[j], r15_4 = (dec4[j] * 1.5f) * amax[j];
+    q6[j] = (dec6[j] * amax[j]) / divisor;
+    q4[j] = (dec4[j] * amax[j]) / divisor;
+    h6[j] = r15_6 / divisor;
+    h4[j] = r15_4 / divisor;
+    safe[j] = uint8_t(fast_math | (scaling_exact(dec6[j], amax[j], r15_6, q6[j]) &
+                                   scaling_exact(dec4[j], amax[j], r15_4, q4[j])));
+  }
+}
+
+// Both candidates' errors of n blocks, the columns of v [16][n], summed in element order (from
+// 0, row 0 first) into f.err6 and f.err4, each element's code, dequantized value and error term
+// made in registers. Exact mode: d = dequantized - |x| (the term of the code of x: its sign is
+// x's, so d is negated or kept, which |d| and d d do not see); fast math: d = q s - |x| ges.
+template <bool kMse, bool kFast>
+void errors_row(const float* __restrict x, int64_t n, const float* __restrict enc6,
+                const float* __restrict enc4, const float* __restrict a6,
+                const float* __restrict a4, const float* __restrict b6, const float* __restrict b4,
+                float* __restrict err6, float* __restrict err4) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float ax = std::fabs(x[j]);
+    const float q6 = e2m1_grid(e2m1_position(ax * enc6[j]));
+    const float q4 = e2m1_grid(e2m1_position(ax * enc4[j]));
+    float d6, d4;
+    if (kFast) {
+      const float xg = ax * b6[j];
+      d6 = q6 * a6[j] - xg;
+      d4 = q4 * a4[j] - xg;
+    } else {
+      d6 = dequantized(q6, a6[j], b6[j]) - ax;
+      d4 = dequantized(q4, a4[j], b4[j]) - ax;
+    }
+    err6[j] = err6[j] + (kMse ? d6 * d6 : std::fabs(d6));
+    err4[j] = err4[j] + (kMse ? d4 * d4 : std::fabs(d4));
+  }
+}
+
+template <bool kMse, bool kFast>
+void errors_1d(const float* v, int64_t n, FosScratch& f) {
+  f.err6.assign(n, 0.0f);
+  f.err4.assign(n, 0.0f);
+  for (int k = 0; k < kBlock; ++k)
+    errors_row<kMse, kFast>(v + k * n, n, f.enc6.data(), f.enc4.data(),
+                            kFast ? f.dec6.data() : f.q6.data(),
+                            kFast ? f.dec4.data() : f.q4.data(), kFast ? f.ges.data() : f.h6.data(),
+                            kFast ? f.ges.data() : f.h4.data(), f.err6.data(), f.err4.data());
+}
+
+// The errors of block j (a column of v [16][n]) as element_error gives them, for the blocks
+// that errors_1d cannot take.
+inline void exact_errors(const float* v, int64_t n, int64_t j, const GlobalScales& g, float divisor,
+                         FourOverSix fos, FosScratch& f) {
+  const float sc6 = f.dec6[j], sc4 = f.dec4[j];
+  float e6 = 0.0f, e4 = 0.0f;
+  for (int k = 0; k < kBlock; ++k) {
+    const float x = v[k * n + j];
+    e6 = e6 + element_error(quantize_value(x, f.enc6[j]), sc6, x, g.encode, g.amax, divisor,
+                            fos.mse(), fos.fast_math);
+    e4 = e4 + element_error(quantize_value(x, f.enc4[j]), sc4, x, g.encode, g.amax, divisor,
+                            fos.mse(), fos.fast_math);
+  }
+  f.err6[j] = e6;
+  f.err4[j] = e4;
+}
+
 // 4over6 of n 1x16 blocks, the columns of v [16][n], with max magnitudes mag
 // and global scales g: the chosen scale and element encode scale of each.
 inline void choose_1d(const float* v, int64_t n, const uint32_t* mag, const GlobalScales* g,
                       FourOverSix fos, FosScratch& f, uint8_t* __restrict scale,
                       float* __restrict enc) {
-  candidates(mag, g, n, f);
   const float divisor = n > 0 ? g[0].divisor : 0.0f;  // one range E per call
-  with_error_mode(fos, [&](auto mse, auto fast) { error_terms<mse, fast>(v, n, divisor, f); });
-  column_sums(f.e6, n, f.err6);
-  column_sums(f.e4, n, f.err4);
+  candidates(mag, g, n, f);
+  exact_units(n, divisor, fos.fast_math, f);
+  with_error_mode(fos, [&](auto mse, auto fast) { errors_1d<mse, fast>(v, n, f); });
+  for (int64_t j = 0; j < n; ++j)
+    if (!f.safe[j]) exact_errors(v, n, j, g[j], divisor, fos, f);
   for (int64_t j = 0; j < n; ++j) {
     const bool map4 = prefer_map4(f.err4[j], f.err6[j]);
     scale[j] = map4 ? f.s4[j] : f.s6[j];

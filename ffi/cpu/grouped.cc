@@ -93,10 +93,11 @@ void grouped_stripe(const typename L::T* x, const GroupedCall& c, const Groups& 
   }
 }
 
-ffi::Error grouped_quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
-                                 ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
-                                 ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::U32> group_seeds,
-                                 ffi::RemainingRets outs, QuantizeSpec spec) {
+ffi::Error grouped_quantize_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                 ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::F32> amax,
+                                 ffi::Buffer<ffi::F32> amax_t, ffi::Buffer<ffi::U32> seed,
+                                 ffi::Buffer<ffi::U32> group_seeds, ffi::RemainingRets outs,
+                                 QuantizeSpec spec) {
   GroupedShape s;
   QuantizeOutputs o;
   if (auto e = check_grouped_quantize(x, sizes, amax, amax_t, seed, group_seeds, outs, spec, s, o);
@@ -126,7 +127,7 @@ ffi::Error grouped_quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     const int64_t cost = c.batch * c.rows * c.cols * int64_t(sizeof(typename L::T)) *
                          (spec.stochastic_rounding || spec.four_over_six().on() ? 8 : 2);
-    parallel_for(c.batch * stripes, cost, [&](int64_t lo, int64_t hi) {
+    parallel_for(pool, c.batch * stripes, cost, [&](int64_t lo, int64_t hi) {
       Stripe st;
       std::vector<float> all;
       for (int64_t i = lo; i < hi; ++i) {
@@ -142,15 +143,15 @@ ffi::Error grouped_quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
 // Each group's column maxima of one batch entry, plain and (with rht) of the transform, as
 // magnitude bits [G][N]: work items of one group and 256 columns, each down its group's stripes.
 template <typename L>
-void group_column_maxima(const typename L::T* x, int64_t rows, int64_t cols, const Groups& gr,
-                         bool rht, std::vector<uint32_t>& plain,
+void group_column_maxima(ffi::ThreadPool& pool, const typename L::T* x, int64_t rows, int64_t cols,
+                         const Groups& gr, bool rht, std::vector<uint32_t>& plain,
                          std::vector<uint32_t>& transformed) {
   constexpr int64_t kWidth = 256;
   const int64_t chunks = (cols + kWidth - 1) / kWidth, groups = gr.count();
   plain.assign(groups * cols, 0);
   transformed.assign(groups * cols, 0);
   const int64_t cost = rows * cols * int64_t(sizeof(typename L::T)) * (rht ? 8 : 1);
-  parallel_for(groups * chunks, cost, [&](int64_t lo, int64_t hi) {
+  parallel_for(pool, groups * chunks, cost, [&](int64_t lo, int64_t hi) {
     std::vector<float> v(kBlock * kWidth);
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t g = item / chunks, c0 = (item % chunks) * kWidth;
@@ -177,8 +178,8 @@ void group_column_maxima(const typename L::T* x, int64_t rows, int64_t cols, con
   });
 }
 
-ffi::Error grouped_amax_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes, ffi::RemainingRets outs,
-                             bool rht_amax, bool per_row) {
+ffi::Error grouped_amax_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
+                             ffi::RemainingRets outs, bool rht_amax, bool per_row) {
   GroupedShape s;
   float* ptrs[2] = {nullptr, nullptr};
   if (auto e = check_grouped_amax(x, sizes, outs, rht_amax, per_row, s, ptrs); e.failure())
@@ -191,7 +192,7 @@ ffi::Error grouped_amax_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes, ffi:
     for (int64_t b = 0; b < batch; ++b) {
       const auto* xb = data + b * rows * cols;
       const Groups gr(sizes.typed_data() + b * groups, groups, rows);
-      group_column_maxima<L>(xb, rows, cols, gr, rht_amax, plain, transformed);
+      group_column_maxima<L>(pool, xb, rows, cols, gr, rht_amax, plain, transformed);
       const std::vector<uint32_t>& cols_max = rht_amax ? transformed : plain;
       if (per_row) {
         float* row_amax = ptrs[0] + b * rows;
@@ -227,6 +228,7 @@ ffi::Error grouped_amax_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes, ffi:
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4GroupedAmaxCpu, nvfp4::cpu::grouped_amax_impl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .RemainingRets()
@@ -235,6 +237,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4GroupedAmaxCpu, nvfp4::cpu::grouped_amax_impl
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4GroupedQuantizeCpu, nvfp4::cpu::grouped_quantize_impl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()

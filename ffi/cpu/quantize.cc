@@ -11,11 +11,12 @@
 namespace nvfp4::cpu {
 namespace {
 
-// Quantizes the 16-row stripe starting at row m0 of one [rows, cols] matrix.
+// Quantizes the 16-row stripe starting at row m0 of one [rows, cols] matrix, stripe `slot` of
+// its band: its columnwise copy is kept for store_band.
 // Columnwise 1x16 blocks (16 rows of one column) and 16x16 blocks both take
 // one encode scale per column of the stripe, so they share one vector loop.
 template <typename L>
-void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t m0,
+void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t m0, int64_t slot,
                      const Options& p, const QuantizeOutputs& o, Stripe& st) {
   const bool block_2d = p.spec.block_2d;
   const int64_t nrows = std::min<int64_t>(kBlock, rows - m0);
@@ -43,11 +44,12 @@ void quantize_stripe(const typename L::T* x, int64_t rows, int64_t cols, int64_t
     st.enc.swap(st.enc_t);
     encode_columns(st, width, m0, p);
   }
-  store_columns(st, rows, cols, width, m0, o);
+  band_columns(st, width, slot);
 }
 
-ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> amax_t,
-                         ffi::Buffer<ffi::U32> seed, ffi::RemainingRets outs, QuantizeSpec spec) {
+ffi::Error quantize_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
+                         ffi::Buffer<ffi::F32> amax_t, ffi::Buffer<ffi::U32> seed,
+                         ffi::RemainingRets outs, QuantizeSpec spec) {
   int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs all;
   if (auto e = check_quantize(x, amax, amax_t, seed, outs, spec, batch, rows, cols, all);
@@ -57,16 +59,17 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buff
   const float* amax_t_data = amax_t.typed_data();
   const Seed key{seed.typed_data()[0], seed.typed_data()[1]};
   const int64_t stripes = num_blocks(rows);
+  const int64_t bands = (stripes + kBandStripes - 1) / kBandStripes;
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     const int64_t cost = batch * rows * cols * int64_t(sizeof(typename L::T)) *
                          (spec.stochastic_rounding || spec.four_over_six().on() ? 8 : 1) *
                          (spec.rht ? 2 : 1);
-    parallel_for(batch * stripes, cost, [&](int64_t lo, int64_t hi) {
+    parallel_for(pool, batch * bands, cost, [&](int64_t lo, int64_t hi) {
       Stripe st;
       for (int64_t i = lo; i < hi; ++i) {
-        const int64_t b = i / stripes, stripe = i % stripes;
+        const int64_t b = i / bands, band = i % bands;
         Options p{spec, GlobalScales{}, GlobalScales{}, nullptr, nullptr, key, uint32_t(b)};
         if (spec.row_scaled) {
           p.amax_rows = amax_data + b * rows;
@@ -75,8 +78,13 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buff
           p.g = spec.global_scales(amax_data[b]);
           p.g_t = spec.global_scales(amax_t_data[b]);
         }
-        quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock, p,
-                           all.entry(b, rows, cols), st);
+        const QuantizeOutputs o = all.entry(b, rows, cols);
+        const int64_t first = band * kBandStripes;
+        const int64_t last = std::min(stripes, first + kBandStripes);
+        for (int64_t stripe = first; stripe < last; ++stripe)
+          quantize_stripe<L>(data + b * rows * cols, rows, cols, stripe * kBlock, stripe - first, p,
+                             o, st);
+        if (o.data_t) store_band(st, rows, cols, first * kBlock, o);
       }
     });
   });
@@ -89,6 +97,7 @@ ffi::Error quantize_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, ffi::Buff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCpu, nvfp4::cpu::quantize_impl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()

@@ -14,6 +14,29 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 
 namespace nvfp4::cpu {
 
+// The encode scales of all 256 E4M3 scale codes under one global decode scale (block_encode_scale
+// depends on nothing else): a block's encode scale looked up instead of computed. Two tables
+// (the rowwise and the columnwise copy's), each kept while its global scales stay.
+struct EncodeTables {
+  uint32_t key[2] = {0, 0};
+  bool valid[2] = {false, false};
+  float enc[2][256];
+  int next = 0;
+
+  const float* get(const GlobalScales& g) {
+    const uint32_t k = float_bits(g.decode);
+    for (int t = 0; t < 2; ++t)
+      if (valid[t] && key[t] == k) return enc[t];
+    const int t = next;
+    next ^= 1;
+    float* __restrict e = enc[t];
+    for (int c = 0; c < 256; ++c) e[c] = block_encode_scale(uint8_t(c), g);
+    key[t] = k;
+    valid[t] = true;
+    return e;
+  }
+};
+
 // Per-thread scratch for one 16-row stripe, reused across stripes.
 struct Stripe {
   std::vector<float> value;      // [16][width]: the stripe as float32, zero-padded
@@ -21,12 +44,17 @@ struct Stripe {
   std::vector<uint32_t> mag;     // [width]: column max magnitude (bits)
   std::vector<float> enc;        // [width]: encode scale of each column's block
   std::vector<uint8_t> scale;    // [width]: E4M3 scale of each column's block
-  std::vector<uint64_t> word;    // [width]: a column's 8 packed bytes of the columnwise copy
+  std::vector<uint32_t> word;    // [2][width]: a column's 8 packed bytes of the columnwise copy,
+                                 // bytes 0-3 (rows 0-7) then bytes 4-7 (rows 8-15)
   std::vector<uint32_t> rand;    // random words of stochastic rounding: [blocks][4] or [4][blocks]
   std::vector<GlobalScales> g;   // [width]: the global scales of each block (4over6, row-scaled)
   std::vector<float> rowt;       // [16][blocks]: one row's 1x16 chunks as columns (4over6)
   std::vector<uint8_t> scale_t;  // [width]: the columnwise copy's scales (16x16 4over6)
   std::vector<float> enc_t;      // [width]: the columnwise copy's encode scales (16x16 4over6)
+  std::vector<uint64_t> band_word;  // [width][8]: the band's columnwise words (store_band)
+  std::vector<uint8_t> band_scale;  // [width][8]: the band's columnwise scales
+  std::vector<float> enc8;          // [8 nb]: a row's encode scales, one per byte
+  EncodeTables tables;
   FosScratch fos;
 };
 
@@ -54,10 +82,18 @@ inline void pack(const uint8_t* __restrict codes, uint8_t* __restrict dst, int64
   for (int64_t k = 0; k < nbytes; ++k) dst[k] = uint8_t(codes[2 * k] | (codes[2 * k + 1] << 4));
 }
 
-// Encodes n values with one encode scale per value (vectorizes over n).
-inline void encode(const float* __restrict v, const float* __restrict enc,
-                   uint8_t* __restrict codes, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) codes[k] = quantize_value(v[k], enc[k]);
+// Encodes and packs n pairs of values, pair k (values 2k and 2k + 1) with encode scale enc[k]:
+// byte k (vectorizes over k).
+inline void encode_pack(const float* __restrict v, const float* __restrict enc,
+                        uint8_t* __restrict out, int64_t n) {
+  for (int64_t k = 0; k < n; ++k)
+    out[k] = uint8_t(encode_pair(v[2 * k], enc[k], v[2 * k + 1], enc[k]));
+}
+
+// Each of n values repeated 8 times (an encode scale per byte of a block's 8).
+inline void spread8(const float* __restrict in, float* __restrict out, int64_t n) {
+  for (int64_t b = 0; b < n; ++b)
+    for (int i = 0; i < 8; ++i) out[8 * b + i] = in[b];
 }
 
 template <typename L>
@@ -75,13 +111,13 @@ inline void load_stripe(const typename L::T* x, int64_t cols, int64_t nrows, int
   }
 }
 
-// Scales and encode scales of blocks from their max magnitudes (vectorizes).
+// Scales and encode scales of blocks from their max magnitudes: the scales in a vector loop,
+// the encode scales from the table of g (EncodeTables).
 inline void block_scales(const uint32_t* __restrict mag, int64_t n, const GlobalScales& g,
-                         uint8_t* __restrict scale, float* __restrict enc) {
-  for (int64_t i = 0; i < n; ++i) {
-    scale[i] = block_scale(amax_from_bits(mag[i]), g);
-    enc[i] = block_encode_scale(scale[i], g);
-  }
+                         const float* __restrict table, uint8_t* __restrict scale,
+                         float* __restrict enc) {
+  for (int64_t i = 0; i < n; ++i) scale[i] = block_scale(amax_from_bits(mag[i]), g);
+  for (int64_t i = 0; i < n; ++i) enc[i] = table[scale[i]];
 }
 
 // Scales and encode scales of blocks, block i with global scales g[i] (vectorizes).
@@ -129,26 +165,14 @@ inline void random_column_words(Seed seed, uint32_t j, uint32_t b, uint32_t stre
   }
 }
 
-// Encodes runs of 16 values, each run with its own encode scale.
-inline void encode_blocks(const float* __restrict v, const float* __restrict enc,
-                          uint8_t* __restrict codes, int64_t nb) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const float e = enc[b];
-    for (int k = 0; k < kBlock; ++k) codes[b * kBlock + k] = quantize_value(v[b * kBlock + k], e);
-  }
-}
-
-// Encodes runs of 16 values stochastically, each run with its own encode scale, value i with
-// random byte rbyte[i] (random_row_bytes).
-inline void encode_blocks_stochastic(const float* __restrict v, const float* __restrict enc,
-                                     const uint8_t* __restrict rbyte, uint8_t* __restrict codes,
-                                     int64_t nb) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const float e = enc[b];
-    for (int k = 0; k < kBlock; ++k)
-      codes[b * kBlock + k] =
-          quantize_value_stochastic(v[b * kBlock + k], e, rbyte[b * kBlock + k]);
-  }
+// Encodes and packs n pairs of values stochastically, pair k with encode scale enc[k], value i
+// with random byte rbyte[i] (random_row_bytes): byte k (vectorizes over k).
+inline void encode_pack_stochastic(const float* __restrict v, const float* __restrict enc,
+                                   const uint8_t* __restrict rbyte, uint8_t* __restrict out,
+                                   int64_t n) {
+  for (int64_t k = 0; k < n; ++k)
+    out[k] = uint8_t(quantize_value_stochastic(v[2 * k], enc[k], rbyte[2 * k]) |
+                     (quantize_value_stochastic(v[2 * k + 1], enc[k], rbyte[2 * k + 1]) << 4));
 }
 
 // 4over6 scales and encode scales of one row's nb 1x16 chunks: the chunks are
@@ -164,12 +188,12 @@ inline void row_4over6(Stripe& st, const float* v, int64_t nb, const GlobalScale
 
 // Rowwise 1x16: each row's blocks get their own scale. Block j of row m draws the
 // random words of counter (j, m, b, 0).
-inline void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, int64_t width,
+inline void rowwise_1d(Stripe& st, int64_t /*rows*/, int64_t nrows, int64_t cols, int64_t width,
                        int64_t m0, const Options& p, const QuantizeOutputs& o) {
   const int64_t data_cols = packed_size(cols), nb = num_blocks(cols);
-  st.code.resize(width);
   st.mag.resize(nb);
   st.enc.resize(nb);
+  st.enc8.resize(8 * nb);
   if (p.spec.stochastic_rounding) st.rand.resize(4 * nb);
   for (int64_t r = 0; r < nrows; ++r) {
     const float* v = st.value.data() + r * width;
@@ -179,53 +203,89 @@ inline void rowwise_1d(Stripe& st, int64_t rows, int64_t nrows, int64_t cols, in
     if (p.spec.four_over_six().on())
       row_4over6(st, v, nb, g, p.spec.four_over_six(), scale);
     else
-      block_scales(st.mag.data(), nb, g, scale, st.enc.data());
+      block_scales(st.mag.data(), nb, g, st.tables.get(g), scale, st.enc.data());
+    // The row's bytes, the last one cut by an odd row (data_cols < 8 nb).
+    spread8(st.enc.data(), st.enc8.data(), nb);
+    uint8_t* out = o.data + (m0 + r) * data_cols;
     if (p.spec.stochastic_rounding) {
       random_row_bytes(p.seed, uint32_t(m0 + r), p.b, 0, st.rand.data(), nb);
-      encode_blocks_stochastic(v, st.enc.data(), reinterpret_cast<const uint8_t*>(st.rand.data()),
-                               st.code.data(), nb);
+      encode_pack_stochastic(v, st.enc8.data(), reinterpret_cast<const uint8_t*>(st.rand.data()),
+                             out, data_cols);
     } else {
-      encode_blocks(v, st.enc.data(), st.code.data(), nb);
+      encode_pack(v, st.enc8.data(), out, data_cols);
     }
-    pack(st.code.data(), o.data + (m0 + r) * data_cols, data_cols);
   }
 }
 
-// Codes of the stripe st.value [16][width] with one encode scale per column
-// (st.enc): the columnwise 1x16 or 16x16 codes. Stochastic rounding: a 16x16
-// stripe draws from the rowwise stream (block j of row m0 + r: counter (j, m0 + r,
-// b, 0)); a columnwise one from stream 1, column n's block of the stripe's 16
-// rows being block m0 / 16 of row n of the copy [B, N, M]: counter (m0 / 16, n, b, 1).
+// The columnwise words st.word [2][width] from the codes st.code [16][width]: byte k of column c
+// packs the codes of rows 2k and 2k+1.
+inline void pack_words(Stripe& st, int64_t width) {
+  st.word.assign(2 * width, 0u);
+  for (int k = 0; k < kBlock / 2; ++k) {
+    const uint8_t* __restrict lo = st.code.data() + 2 * k * width;
+    const uint8_t* __restrict hi = lo + width;
+    uint32_t* __restrict word = st.word.data() + (k >> 2) * width;
+    const int shift = 8 * (k & 3);
+    for (int64_t c = 0; c < width; ++c) word[c] |= uint32_t(lo[c] | (hi[c] << 4)) << shift;
+  }
+}
+
+// Encodes the stripe st.value [16][width] with one encode scale per column (st.enc): the
+// columnwise 1x16 copy's packed words st.word (rows 0-7 and 8-15 of each column), each column's
+// 16 codes made in registers; 16x16 blocks also keep the codes st.code [16][width] for the
+// rowwise copy. Stochastic rounding: a 16x16 stripe draws from the rowwise stream (block j of
+// row m0 + r: counter (j, m0 + r, b, 0)); a columnwise one from stream 1, column n's block of
+// the stripe's 16 rows being block m0 / 16 of row n of the copy [B, N, M]: counter (m0 / 16, n,
+// b, 1).
 inline void encode_columns(Stripe& st, int64_t width, int64_t m0, const Options& p) {
-  st.code.resize(kBlock * width);
-  if (!p.spec.stochastic_rounding) {
-    for (int64_t r = 0; r < kBlock; ++r)
-      encode(st.value.data() + r * width, st.enc.data(), st.code.data() + r * width, width);
-    return;
-  }
   const float* __restrict enc = st.enc.data();
+  const float* __restrict v = st.value.data();
   if (p.spec.block_2d) {
-    const int64_t nb = width / kBlock;
-    st.rand.resize(4 * nb);
-    const uint8_t* __restrict rbyte = reinterpret_cast<const uint8_t*>(st.rand.data());
-    for (int64_t r = 0; r < kBlock; ++r) {
-      random_row_bytes(p.seed, uint32_t(m0 + r), p.b, 0, st.rand.data(), nb);
-      const float* __restrict v = st.value.data() + r * width;
-      uint8_t* __restrict code = st.code.data() + r * width;
-      for (int64_t c = 0; c < width; ++c)
-        code[c] = quantize_value_stochastic(v[c], enc[c], rbyte[c]);
+    st.code.resize(kBlock * width);
+    if (!p.spec.stochastic_rounding) {
+      for (int64_t r = 0; r < kBlock; ++r) {
+        const float* __restrict vr = v + r * width;
+        uint8_t* __restrict code = st.code.data() + r * width;
+        for (int64_t c = 0; c < width; ++c) code[c] = uint8_t(e2m1_code(vr[c] * enc[c]));
+      }
+    } else {
+      const int64_t nb = width / kBlock;
+      st.rand.resize(4 * nb);
+      const uint8_t* __restrict rbyte = reinterpret_cast<const uint8_t*>(st.rand.data());
+      for (int64_t r = 0; r < kBlock; ++r) {
+        random_row_bytes(p.seed, uint32_t(m0 + r), p.b, 0, st.rand.data(), nb);
+        const float* __restrict vr = v + r * width;
+        uint8_t* __restrict code = st.code.data() + r * width;
+        for (int64_t c = 0; c < width; ++c)
+          code[c] = quantize_value_stochastic(vr[c], enc[c], rbyte[c]);
+      }
     }
+    pack_words(st, width);
     return;
   }
-  st.rand.resize(4 * width);
-  random_column_words(p.seed, uint32_t(m0 / kBlock), p.b, 1, st.rand.data(), width);
-  for (int64_t r = 0; r < kBlock; ++r) {
-    const uint32_t* __restrict w = st.rand.data() + (r >> 2) * width;
-    const float* __restrict v = st.value.data() + r * width;
-    uint8_t* __restrict code = st.code.data() + r * width;
-    const int shift = 8 * (r & 3);
+  // Byte k % 4 of word k / 4 of column c packs rows 2k and 2k + 1, row r's random byte being
+  // byte r % 4 of word r / 4 of the column's block.
+  st.word.assign(2 * width, 0u);
+  if (p.spec.stochastic_rounding) {
+    st.rand.resize(4 * width);
+    random_column_words(p.seed, uint32_t(m0 / kBlock), p.b, 1, st.rand.data(), width);
+  }
+  for (int k = 0; k < kBlock / 2; ++k) {
+    const float* __restrict v0 = v + 2 * k * width;
+    const float* __restrict v1 = v0 + width;
+    uint32_t* __restrict word = st.word.data() + (k >> 2) * width;
+    const int shift = 8 * (k & 3);
+    if (!p.spec.stochastic_rounding) {
+      for (int64_t c = 0; c < width; ++c)
+        word[c] |= encode_pair(v0[c], enc[c], v1[c], enc[c]) << shift;
+      continue;
+    }
+    const uint32_t* __restrict rw = st.rand.data() + (k >> 1) * width;
+    const int r0 = 16 * (k & 1);  // rows 2k and 2k + 1: bytes 2 (k % 2) and 2 (k % 2) + 1
     for (int64_t c = 0; c < width; ++c)
-      code[c] = quantize_value_stochastic(v[c], enc[c], (w[c] >> shift) & 0xFFu);
+      word[c] |= (quantize_value_stochastic(v0[c], enc[c], (rw[c] >> r0) & 0xFFu) |
+                  (quantize_value_stochastic(v1[c], enc[c], (rw[c] >> (r0 + 8)) & 0xFFu) << 4))
+                 << shift;
   }
 }
 
@@ -240,23 +300,54 @@ inline void store_rows_2d(const Stripe& st, int64_t nrows, int64_t cols, int64_t
   }
 }
 
-// Writes the stripe's codes st.code and per-column scales st.scale to the columnwise copy.
+// Writes the stripe's packed words st.word and per-column scales st.scale to the columnwise copy.
 inline void store_columns(Stripe& st, int64_t rows, int64_t cols, int64_t width, int64_t m0,
                           const QuantizeOutputs& o) {
   const int64_t data_t_cols = packed_size(rows), scale_t_cols = num_blocks(rows);
   const int64_t nbytes = std::min<int64_t>(kBlock / 2, data_t_cols - m0 / 2);
-  // Byte k of column c packs the codes of rows 2k and 2k+1: build each
-  // column's 8 bytes as one little-endian word, row pair by row pair.
-  st.word.assign(width, 0);
-  uint64_t* __restrict word = st.word.data();
-  for (int64_t k = 0; k < kBlock / 2; ++k) {
-    const uint8_t* __restrict lo = st.code.data() + 2 * k * width;
-    const uint8_t* __restrict hi = lo + width;
-    for (int64_t c = 0; c < width; ++c) word[c] |= uint64_t(lo[c] | (hi[c] << 4)) << (8 * k);
-  }
+  const uint32_t* lo = st.word.data();
+  const uint32_t* hi = lo + width;
+  uint8_t* data = o.data_t + m0 / 2;
+  uint8_t* scale = o.scale_t + m0 / kBlock;
   for (int64_t c = 0; c < cols; ++c) {
-    std::memcpy(o.data_t + c * data_t_cols + m0 / 2, &word[c], size_t(nbytes));
-    o.scale_t[c * scale_t_cols + m0 / kBlock] = st.scale[c];
+    const uint64_t word = uint64_t(lo[c]) | uint64_t(hi[c]) << 32;
+    std::memcpy(data + c * data_t_cols, &word, size_t(nbytes));
+    scale[c * scale_t_cols] = st.scale[c];
+  }
+}
+
+// A band: up to kBandStripes consecutive stripes, whose columnwise copy is gathered in
+// st.band_word / st.band_scale and written once, 8 bytes per stripe and column side by side:
+// one whole 64-byte line of a column's codes instead of 8 scattered stores over 8 stripes.
+constexpr int64_t kBandStripes = 8;
+
+// Keeps the stripe's packed words st.word and per-column scales st.scale as stripe `slot` of the
+// band (store_band writes them).
+inline void band_columns(Stripe& st, int64_t width, int64_t slot) {
+  st.band_word.resize(kBandStripes * width);
+  st.band_scale.resize(kBandStripes * width);
+  const uint32_t* __restrict lo = st.word.data();
+  const uint32_t* __restrict hi = lo + width;
+  const uint8_t* __restrict scale = st.scale.data();
+  uint64_t* __restrict word = st.band_word.data() + slot;
+  uint8_t* __restrict band_scale = st.band_scale.data() + slot;
+  for (int64_t c = 0; c < width; ++c) {
+    word[c * kBandStripes] = uint64_t(lo[c]) | uint64_t(hi[c]) << 32;
+    band_scale[c * kBandStripes] = scale[c];
+  }
+}
+
+// Writes the band starting at row m0 (a multiple of 16 kBandStripes) to the columnwise copy.
+inline void store_band(const Stripe& st, int64_t rows, int64_t cols, int64_t m0,
+                       const QuantizeOutputs& o) {
+  const int64_t data_t_cols = packed_size(rows), scale_t_cols = num_blocks(rows);
+  const size_t nbytes = size_t(std::min<int64_t>(kBandStripes * 8, data_t_cols - m0 / 2));
+  const size_t nscales = size_t(std::min<int64_t>(kBandStripes, scale_t_cols - m0 / kBlock));
+  uint8_t* data = o.data_t + m0 / 2;
+  uint8_t* scale = o.scale_t + m0 / kBlock;
+  for (int64_t c = 0; c < cols; ++c) {
+    std::memcpy(data + c * data_t_cols, st.band_word.data() + c * kBandStripes, nbytes);
+    std::memcpy(scale + c * scale_t_cols, st.band_scale.data() + c * kBandStripes, nscales);
   }
 }
 
@@ -279,7 +370,7 @@ inline void tile_scales(Stripe& st, int64_t width, const Options& p) {
     spread_tiles(st.scale_t, nb);
     spread_tiles(st.enc_t, nb);
   } else {
-    block_scales(st.mag.data(), nb, p.g, st.scale.data(), st.enc.data());
+    block_scales(st.mag.data(), nb, p.g, st.tables.get(p.g), st.scale.data(), st.enc.data());
   }
   spread_tiles(st.scale, nb);
   spread_tiles(st.enc, nb);
@@ -289,7 +380,7 @@ inline void tile_scales(Stripe& st, int64_t width, const Options& p) {
 // stripe) from the column maxima st.mag.
 inline void column_scales(Stripe& st, int64_t cols, int64_t width, const Options& p) {
   if (!p.spec.four_over_six().on() && !p.spec.row_scaled) {
-    block_scales(st.mag.data(), width, p.g_t, st.scale.data(), st.enc.data());
+    block_scales(st.mag.data(), width, p.g_t, st.tables.get(p.g_t), st.scale.data(), st.enc.data());
     return;
   }
   st.g.resize(width);

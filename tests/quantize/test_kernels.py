@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jax_nvfp4
-from jax_nvfp4 import reference
+from jax_nvfp4 import _nvfp4_cpu, reference
 
 
 def quantize_both(x, **opts):
@@ -72,3 +72,9 @@ def test_large_tensor_uses_threads_and_matches_reference():
         assert_same_tensor(got, want)
     t = got
     assert_same_bytes(jax.jit(jax_nvfp4.dequantize)(t), jax.jit(reference.dequantize)(t))
+
+
+def test_cpu_e2m1_encode_is_exhaustively_right():
+    """The CPU loops' E2M1 encode (cpu/e2m1.h: three roundings, no compare chain) gives float_to_e2m1's code
+    for every float32 bit pattern."""
+    assert _nvfp4_cpu.e2m1_code_mismatches() == 0
