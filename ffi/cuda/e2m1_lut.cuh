@@ -74,6 +74,17 @@ NVFP4_HD bool tie_possible(float enc) {
   }
 }
 
+// Whether fp32(x * enc) can underflow to 0 for a nonzero x of loader L's dtype, so that
+// fma_rn(x, enc, 0) can be -0.0 where x * enc + 0 is +0.0 (stochastic rounding's kFast index takes
+// the FFMA). |x * enc| grows with |x|: the smallest subnormal decides. float32 inputs: always.
+template <typename L>
+NVFP4_HD bool underflow_possible(float enc) {
+  if constexpr (sizeof(typename L::T) == 4)
+    return true;
+  else
+    return fma_rn(L::load(uint16_t(1)), enc, 0.0f) == 0.0f;
+}
+
 // ---- Codes two at a time, for the fast index (no round-down tie, no -0.0 product) ----
 //
 // The two products of a pair, truncated to float16 by one cvt.rz.f16x2, give a 16-bit index into
@@ -128,6 +139,50 @@ NVFP4_HD uint32_t pair_code(const uint8_t* pairs, float v0, float v1, float enc)
 NVFP4_HD uint32_t pair_code_safe(const uint8_t* pairs, float v0, float v1, float enc) {
   const uint32_t h = truncated_pair<true>(v0, v1, enc);
   return pairs[byte_perm(h, 0, 0x4431)];
+}
+
+// ---- Stochastic rounding's positions, for 16-bit dtypes ----
+//
+// sr_position of a product (not NaN, not -0.0), clamped to 7 * 256 as float_to_e2m1_stochastic's
+// code is, depends only on its float16 truncation's magnitude: from 1.0 on, on float32 bits 13 and
+// up, which float16 keeps (to 65504); below 1.0, on floor(1024 |v|), which a truncation to a
+// multiple of 2^-24 (float16's finest step) keeps; below 2^-10 it is 0, where float16's subnormals
+// and 0 lie. Truncation saturates at 65504 and keeps inf, both past 6. So a table of 32K uint16
+// indexed by those 15 bits (64 KB of dynamic shared memory, where nearest rounding keeps its pair
+// table) gives the position; a NaN's entry is never used (its block's codes are all 0).
+// tests/cuda/test_cuda_host.py checks the table over every float32 magnitude and the codes over
+// every float16 value and random byte.
+
+constexpr int kSrLutEntries = 1 << 15;
+
+// Entry m: the clamped position of float16 magnitude m.
+NVFP4_HD uint16_t sr_lut_entry(uint32_t m) {
+  const uint32_t t = sr_position(float_bits(f16_to_float(uint16_t(m))));
+  return uint16_t(t < 7u * 256u ? t : 7u * 256u);
+}
+
+// The word of sums (T + rbyte + sign 2^11) of two products q0 = fp32(v0 * enc) + 0 and q1 (the
+// high half), from their float16 truncations h (q1's in the high half) and the random bytes in
+// bytes b and b + 1 of `random` (sel: 0xF1D0 for bytes 0-1, 0xF3D2 for 2-3): prmt's
+// sign-replicating selector nibbles 0xD and 0xF turn the float16 signs into bytes 0x00 or 0xFF,
+// of which 0x08FF08FF keeps bit 11 (no -0.0, so the sign bit alone marks a negative code). Each
+// half is below 2^12, its byte 1 the code (T + rbyte + sign 2^11) >> 8.
+NVFP4_HD uint32_t sr_pair_sums(const uint16_t* table, uint32_t h, uint32_t random, uint32_t sel) {
+  const uint32_t rs = prmt_b32(random, h, sel) & 0x08FF08FFu;
+  // Both byte offsets 2m from one IMAD.WIDE, h * 2^17: the low word's top half, and the high word
+  // (h >> 15) less the low half's sign in bit 0 (written as PTX: nvcc makes a shift of it two
+  // shifts and two masks).
+#if defined(__CUDA_ARCH__)
+  uint64_t d;
+  asm("mul.wide.u32 %0, %1, 131072;" : "=l"(d) : "r"(h));
+#else
+  const uint64_t d = uint64_t(h) << 17;
+#endif
+  const uint32_t lo = uint32_t(d) >> 16, hi = uint32_t(d >> 32) & 0xFFFEu;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(table);
+  const uint32_t t_lo = *reinterpret_cast<const uint16_t*>(bytes + lo);
+  const uint32_t t_hi = *reinterpret_cast<const uint16_t*>(bytes + hi);
+  return (t_lo | (t_hi << 16)) + rs;
 }
 
 }  // namespace nvfp4::cuda

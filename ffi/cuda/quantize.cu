@@ -18,6 +18,8 @@
 //   - The columnwise copy goes through a shared-memory tile (double-buffered, one barrier a
 //     tile) and is written 16 bytes a store.
 // Stochastic rounding draws one Philox hash per 1x16 block (a lane pair splits its rows' hashes);
+// for 16-bit dtypes it reads each value's position from a 64 KB table by the product's float16
+// truncation, two values a convert (e2m1_lut.cuh), and adds random byte and sign two a word;
 // 4over6 decides each chunk in registers (four_over_six.cuh), its 1x16 candidates' rounded values
 // from the float16 classes of their products; row-scaled copies take per-row global scales.
 #include "cuda/common.cuh"
@@ -102,7 +104,8 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
 // Per CUDA block: the code tables, the current batch entry's encode scales, and two staged
 // tiles (a tile stages into one while the last one's stores may still read the other, so one
 // barrier a tile suffices). Nearest rounding and 4over6 without the E2M1 convert also take the
-// 64 KB pair table (e2m1_lut.cuh) in dynamic shared memory, built from f16_codes.
+// 64 KB pair table (e2m1_lut.cuh) in dynamic shared memory, built from f16_codes; stochastic
+// rounding of a 16-bit dtype takes its 64 KB position table there (sr_table).
 struct Shared {
   uint8_t lut[kLutSize];
   float class_value[256];              // 4over6: f16_class_value
@@ -362,15 +365,56 @@ __device__ __forceinline__ uint32_t stochastic_code(float x, float enc, uint32_t
   return (t + rbyte + ((u >> 31) << 11)) >> 8;
 }
 
+// The block's stochastic-rounding position table (e2m1_lut.cuh), in its dynamic shared memory.
+__device__ __forceinline__ const uint16_t* sr_table() {
+  return reinterpret_cast<const uint16_t*>(dynamic_shared());
+}
+
+// sr_pair_sums of values v0 and v1 (the high half) under encode scale enc, their random bytes
+// bytes 2 half and 2 half + 1 of `random`. kFast: the products x * enc + 0 in one FFMA each, for
+// an encode scale where no product underflows to -0.0 (underflow_possible).
+template <bool kFast>
+__device__ __forceinline__ uint32_t stochastic2(float enc, float v0, float v1, uint32_t random,
+                                                int half) {
+  const auto product = [&](float v) { return kFast ? fma_rn(v, enc, 0.0f) : v * enc + 0.0f; };
+  return sr_pair_sums(sr_table(), cvt_rz_f16x2(product(v1), product(v0)), random,
+                      half ? 0xF3D2u : 0xF1D0u);
+}
+
+// The codes of 8 values packed from their 4 sr_pair_sums words (codes 2j and 2j + 1 in bytes 1
+// and 3 of x[j]): gathered by byte, codes 0, 2, 4, 6 and 1, 3, 5, 7, then merged by nibble.
+__device__ __forceinline__ uint32_t pack_sums(const uint32_t (&x)[4]) {
+  const uint32_t a = byte_perm(x[0], x[1], 0x7351), b = byte_perm(x[2], x[3], 0x7351);
+  return byte_perm(a, b, 0x5410) + (byte_perm(a, b, 0x7632) << 4);
+}
+
 // Codes of 8 values rounded stochastically by the random bytes of two words (value k: byte k % 4
-// of word k / 4). A NaN encode scale (a block with a NaN) gives code 0 throughout, as the
-// reference's NaN products do.
-template <typename Get>
+// of word k / 4). kTable (16-bit dtypes): the positions from sr_table(), two values a float16
+// truncation (stochastic2, pack_sums). A NaN encode scale (a block with a NaN) gives code 0
+// throughout, as the reference's NaN products do.
+template <bool kTable, bool kFast, typename Get>
 __device__ __forceinline__ uint32_t stochastic8(float enc, uint32_t w0, uint32_t w1, Get get) {
-  const uint32_t word = pack8([&](int k) {
-    return stochastic_code(get(k), enc, ((k < 4 ? w0 : w1) >> (8 * (k % 4))) & 0xFFu);
-  });
+  uint32_t word;
+  if constexpr (kTable) {
+    uint32_t x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      x[j] = stochastic2<kFast>(enc, get(2 * j), get(2 * j + 1), j < 2 ? w0 : w1, j % 2);
+    word = pack_sums(x);
+  } else {
+    word = pack8([&](int k) {
+      return stochastic_code(get(k), enc, ((k < 4 ? w0 : w1) >> (8 * (k % 4))) & 0xFFu);
+    });
+  }
   return enc == enc ? word : 0u;
+}
+
+// stochastic8 with the copy's index read at run time (kFast or not).
+template <bool kTable, typename Get>
+__device__ __forceinline__ uint32_t stochastic8(Index index, float enc, uint32_t w0, uint32_t w1,
+                                                Get get) {
+  if (kTable && index == Index::kFast) return stochastic8<kTable, true>(enc, w0, w1, get);
+  return stochastic8<kTable, false>(enc, w0, w1, get);
 }
 
 // Codes of 8 values rounded to nearest by the scalar reference path (4over6's candidates).
@@ -575,7 +619,8 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
 #pragma unroll
     for (int r = 0; r < kBlock; ++r) {
       if constexpr (kMode == Mode::kStochastic) {
-        words[r] = stochastic8(enc, rw[r].x, rw[r].y, [&](int k) { return v(r, k); });
+        words[r] = stochastic8<kPacked<L>>(kr.index, enc, rw[r].x, rw[r].y,
+                                           [&](int k) { return v(r, k); });
       } else {
         words[r] = nearest8(sh.lut, kr.index, enc, [&](int k) { return v(r, k); });
       }
@@ -609,8 +654,8 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
 
 // 1x16 blocks, one pass over the rows: the rowwise copy's words and scales, and with `fused`
 // the columnwise copy's codes (nearest rounding of the values themselves: no rht) from the same
-// unpacked values. kIndex: how both copies find their codes (nearest rounding; 4over6 reads its
-// copy's index at run time).
+// unpacked values. kIndex: how both copies find their codes (nearest rounding; stochastic
+// rounding's rows; 4over6 reads its copy's index at run time).
 template <typename L, Mode kMode, Index kIndex>
 __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Staging& st,
                                               const Place& at, const Values<L>& w,
@@ -706,7 +751,8 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
           word = nearest8(sh.lut, kr.index, chosen.enc, get);
           if (mine) stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
         } else if constexpr (kMode == Mode::kStochastic) {
-          word = stochastic8(enc_r[r + j], rw[r + j].x, rw[r + j].y, get);
+          word = stochastic8<kPacked<L>, kIndex == Index::kFast>(enc_r[r + j], rw[r + j].x,
+                                                                 rw[r + j].y, get);
         } else {
           word = nearest8<kIndex>(sh.lut, enc_r[r + j], get);
         }
@@ -806,8 +852,8 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
           // Column n's block (rows m0..m0 + 15) is block m0 / 16 of row n of the copy [B, N, M].
           uint32_t h[4];
           block_random(seed, at.m0 / kBlock, at.n0 + c + j, at.b, 1, h);
-          lo = stochastic8(enc[j], h[0], h[1], get);
-          hi = stochastic8(enc[j], h[2], h[3], get_hi);
+          lo = stochastic8<kPacked<L>>(kc.index, enc[j], h[0], h[1], get);
+          hi = stochastic8<kPacked<L>>(kc.index, enc[j], h[2], h[3], get_hi);
         } else {
           lo = nearest8(sh.lut, kc.index, enc[j], get);
           hi = nearest8(sh.lut, kc.index, enc[j], get_hi);
@@ -846,13 +892,14 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
     const bool fused = kMode == Mode::kNearest && p.o.data_t && !spec.columnwise_rht();
     // Nearest rounding takes its index as a template argument; the other modes, whose passes
     // are larger, read it at run time (4over6) or need none (stochastic rounding).
-    const Index index = kMode != Mode::kNearest ? Index::kFast
-                        : kr.index > kc.index   ? kr.index
-                                                : kc.index;
-    if (index == Index::kLutSafe)
+    const Index index = kMode == Mode::kStochastic ? kr.index  // not fused: the rows alone
+                        : kMode != Mode::kNearest  ? Index::kFast
+                        : kr.index > kc.index      ? kr.index
+                                                   : kc.index;
+    if (index == Index::kLutSafe || (kMode == Mode::kStochastic && index != Index::kFast))
       quantize_rows<L, kMode, Index::kLutSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
                                                seed);
-    else if (index == Index::kPairSafe)
+    else if (kMode != Mode::kStochastic && index == Index::kPairSafe)
       quantize_rows<L, kMode, Index::kPairSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
                                                 seed);
     else
@@ -883,13 +930,14 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
 // The encode scales of batch entry b's 256 scale codes for both copies, and each copy's code
 // Index: kFast unless a tie is possible (tie_possible) or there is neither the convert nor the
 // pair table (`pairs`: built); row-scaled copies have no table and always take a tie-safe one
-// (every thread of the block calls).
+// (every thread of the block calls). Stochastic rounding: kFast unless a product can underflow to
+// -0.0 (underflow_possible), else kLutSafe.
 template <typename L, Mode kMode>
 __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint32_t b, bool pairs,
                                               Copy& kr, Copy& kc) {
   const QuantizeSpec& spec = p.spec;
   const Index safe = pairs ? Index::kPairSafe : Index::kLutSafe;
-  const bool fast = NVFP4_HAS_FP4_CVT() || pairs;
+  const bool fast = kMode == Mode::kStochastic || NVFP4_HAS_FP4_CVT() || pairs;
   kr = Copy{nullptr, safe, GlobalScales{}, false};
   kc = kr;
   if (spec.row_scaled) return;
@@ -904,7 +952,8 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
     const int copy = i / kCodes, s = i % kCodes;
     const float enc = block_encode_scale(uint8_t(s), copy ? kc.g : kr.g);
     sh.enc[copy][s] = enc;
-    if (kMode != Mode::kStochastic && tie_possible<L>(enc)) sh.safe[copy] = 1;
+    if (kMode == Mode::kStochastic ? underflow_possible<L>(enc) : tie_possible<L>(enc))
+      sh.safe[copy] = 1;
   }
   __syncthreads();
   kr.enc = sh.enc[0];
@@ -916,10 +965,16 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
 // Builds the pair table in the block's dynamic shared memory where nearest rounding or 4over6 of a
 // 16-bit dtype (float32 keeps its values there) has no E2M1 convert and the launch gave it the
 // room; whether it did (else the kernel takes the tie-safe code index: slower, the same bytes).
-// Every thread of the block calls.
+// Stochastic rounding of a 16-bit dtype builds its position table there instead (its launch
+// always gives the room). Every thread of the block calls.
 template <typename L, Mode kMode>
 __device__ __forceinline__ bool build_pair_table(Shared& sh) {
-  if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
+  if constexpr (kPacked<L> && kMode == Mode::kStochastic) {  // the position table instead
+    auto* table = reinterpret_cast<uint32_t*>(dynamic_shared());
+    for (int i = threadIdx.x; i < kSrLutEntries / 2; i += kThreads)
+      table[i] = sr_lut_entry(2 * i) | (uint32_t(sr_lut_entry(2 * i + 1)) << 16);
+    return false;
+  } else if constexpr (kPacked<L>) {
     if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize) return false;
     for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
     __syncthreads();
@@ -977,13 +1032,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #if !defined(NVFP4_SASS_BUDGET)
 // The dynamic shared memory of kernel K (dtype L, mode kMode), its attribute set: float32's
-// values (Values), or with nearest rounding or 4over6 of a 16-bit dtype the pair table where K's
-// code was built without the E2M1 convert (PTX for sm_90, which a GPU newer than our
-// sm_100a/sm_120a code also runs).
+// values (Values), with stochastic rounding of a 16-bit dtype the position table, or with nearest
+// rounding or 4over6 of a 16-bit dtype the pair table where K's code was built without the E2M1
+// convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also runs).
 template <auto K, typename L, Mode kMode>
 ffi::Error dynamic_bytes(size_t& bytes) {
   bytes = kPacked<L> ? 0 : kValuesBytes;
-  if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
+  if constexpr (kPacked<L> && kMode == Mode::kStochastic) {
+    bytes = kSrLutEntries * sizeof(uint16_t);
+  } else if constexpr (kPacked<L>) {
     cudaFuncAttributes attr{};
     if (const cudaError_t err = cudaFuncGetAttributes(&attr, K); err != cudaSuccess)
       return cuda_error("cudaFuncGetAttributes", err);

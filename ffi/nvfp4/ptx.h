@@ -79,6 +79,24 @@ NVFP4_PTX_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
 #endif
 }
 
+// prmt.b32 d, a, b, sel in its default mode: byte_perm, but where bit 3 of a selector nibble is
+// set, the selected byte's sign bit replicated over the result byte (0x00 or 0xFF).
+NVFP4_PTX_HD uint32_t prmt_b32(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+#else
+  const uint64_t bytes = (uint64_t(b) << 32) | a;
+  uint32_t out = 0;
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t s = (sel >> (4 * k)) & 0xFu, byte = uint32_t(bytes >> (8 * (s & 7))) & 0xFFu;
+    out |= (s & 8u ? (byte & 0x80u ? 0xFFu : 0u) : byte) << (8 * k);
+  }
+  return out;
+#endif
+}
+
 // float16 bits of x rounded toward zero (IEEE): a magnitude at or above 65520 becomes the largest
 // finite 65504, inf stays inf, a NaN becomes the canonical 0x7FFF with x's sign; float16
 // subnormals are kept.

@@ -121,6 +121,29 @@ def test_exact_ties_row_scaled(dtype, sm):
     assert (codes[1] >> 4, codes[5] & 0xF) == (2, 12)  # 1.25 -> 1.0, -2.5 -> -2: the ties were hit
 
 
+# Stochastic rounding's zero and tiny products: -0.0 gives code 0, a tiny negative product code 8.
+# Each block holds `big`, so that with amax 3e38 its encode scale is about 2^-125 and the small
+# bfloat16 values' products underflow: x * enc + 0 is +0.0 (code 0) where one FFMA would give -0.0
+# (code 8), so the kernel must leave its fast index (cuda/e2m1_lut.cuh, underflow_possible).
+SMALL = [-0.0, 0.0, -(2.0**-133), 2.0**-133, -1e-30, -6e-8, -1e-38, -(2.0**-24), -0.3, 1.0]
+
+
+@pytest.mark.parametrize("amax", [6.0 * 448, 1e30, 3e38])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_2d", [False, True])
+@pytest.mark.parametrize("sm", SMS)
+def test_stochastic_rounding_of_zeros_and_underflows(amax, dtype, block_2d, sm):
+    big = min(amax, float(ml_dtypes.finfo(dtype).max))
+    row = np.array(SMALL + [big] * (16 - len(SMALL)), np.float32)
+    x = jnp.asarray(np.stack([np.roll(row, k) * (-1.0 if k % 3 else 1.0) for k in range(32)]), dtype)
+
+    def quantize(api, x):
+        return api.quantize(x, columnwise=True, block_2d=block_2d, amax=jnp.float32(amax), rng_key=jax.random.key(11))
+
+    got, want = both(quantize, x, sm=sm)
+    assert_same_tensor(got, want)
+
+
 FOS = [("mse", False, 256), ("mse", True, 256), ("mae", False, 448), ("mae", True, 448)]
 
 
@@ -153,6 +176,14 @@ def test_e2m1_tables_are_exhaustively_right():
     cases the kernel rules out before taking them (cuda/e2m1_lut.cuh), and the pair table's code
     of the truncated tie-safe bits (pair_code_safe) with no exception."""
     assert cuda_host.module.e2m1_tables_mismatches() == (0, 0, 0, 9, 0)
+
+
+def test_sr_table_is_exhaustively_right():
+    """Stochastic rounding's position from the table entry of the product's float16 truncation is
+    sr_position's, clamped to 7 * 256, for every float32 magnitude; and sr_pair_sums' codes in both halves
+    are float_to_e2m1_stochastic's for every float16 value and random byte, which covers every (position,
+    random byte, sign) a product can have (cuda/e2m1_lut.cuh)."""
+    assert cuda_host.module.sr_table_mismatches() == (0, 0)
 
 
 @given(x=tensors(), out_dtype=st.sampled_from(DTYPES), block_2d=st.booleans())

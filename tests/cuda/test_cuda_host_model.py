@@ -216,6 +216,29 @@ def test_float16_truncation_equivalent():
     assert np.isnan(got[nan].view(np.float16)).all()
 
 
+def _prmt_documented(a: int, b: int, sel: int) -> int:
+    """prmt.b32 in its default mode (PTX ISA): result byte k is byte (sel >> 4k) & 7 of b:a, or with
+    bit 3 of that selector nibble set, the sign bit of that byte replicated over the byte."""
+    source = a | (b << 32)
+    out = 0
+    for k in range(4):
+        s = (sel >> (4 * k)) & 0xF
+        byte = (source >> (8 * (s & 7))) & 0xFF
+        out |= ((0xFF if byte & 0x80 else 0) if s & 8 else byte) << (8 * k)
+    return out
+
+
+def test_prmt_equivalent():
+    """Random words under random selectors, the sign-replicating nibbles included."""
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 1 << 32, 256, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 1 << 32, 256, dtype=np.uint64).astype(np.uint32)
+    for sel in [0x3210, 0x7654, 0xF1D0, 0xF3D2, 0x7351, 0x5410, *rng.integers(0, 1 << 16, 30).tolist()]:
+        got = np.frombuffer(module.prmt(a.tobytes(), b.tobytes(), sel), np.uint32)
+        want = [_prmt_documented(int(x), int(y), sel) for x, y in zip(a, b, strict=True)]
+        np.testing.assert_array_equal(got, want)
+
+
 def test_the_tests_run_the_cuda_kernels():
     """cuda_host's ops lower to the CUDA handlers' custom calls, not to the CPU kernels or the reference."""
     x = jnp.ones((32, 48), jnp.bfloat16)

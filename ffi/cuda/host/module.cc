@@ -9,10 +9,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "cuda/e2m1_lut.cuh"
 #include "cuda/handlers.h"
@@ -126,6 +128,57 @@ nb::tuple e2m1_tables_mismatches() {
   return nb::make_tuple(safe, fast, pair, excluded, pair_safe);
 }
 
+// Checks the quantize kernel's stochastic-rounding table (cuda/e2m1_lut.cuh) in two parts. The
+// position: over every float32 magnitude up to inf, the table's entry of its float16 truncation
+// against sr_position clamped to 7 * 256. The codes, which then depend only on (position, random
+// byte, sign): over every float16 value h but NaNs (every position a float can have is some such
+// value's, since the position is a function of the truncation), both halves of sr_pair_sums
+// against float_to_e2m1_stochastic for every random byte; the kernel's products are never -0.0,
+// so the float16 -0.0 stands for a tiny negative product. Returns (position mismatches, code
+// mismatches).
+nb::tuple sr_table_mismatches() {
+  std::vector<uint16_t> table(nvfp4::cuda::kSrLutEntries);
+  for (uint32_t m = 0; m < table.size(); ++m) table[m] = nvfp4::cuda::sr_lut_entry(m);
+  const auto [position] =
+      count_over_floats<1>([&](uint32_t u, float v, std::array<uint64_t, 1>& c) {
+        if (u > 0x7F800000u) return;  // NaNs and negative values: the table takes magnitudes
+        const uint32_t want = std::min(nvfp4::sr_position(u), 7u * 256u);
+        c[0] += table[nvfp4::cvt_rz_f16x2(v, v) & 0x7FFFu] != want;
+      });
+  uint64_t codes = 0;
+  nvfp4::SubnormalGuard guard;
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    if ((h & 0x7FFFu) > 0x7C00u) continue;  // float16 NaNs
+    const float v = h == 0x8000u ? -0x1p-40f : nvfp4::f16_to_float(uint16_t(h));
+    const uint32_t pair = h * 0x10001u;  // h in both halves
+    for (uint32_t r = 0; r < 256; ++r) {
+      // Four different random bytes, each over all 256 values: halves read their own byte.
+      const uint32_t bytes[4] = {r, r ^ 0xA5u, r ^ 0x3Cu, r ^ 0xFFu};
+      const uint32_t random = bytes[0] | bytes[1] << 8 | bytes[2] << 16 | bytes[3] << 24;
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t x =
+            nvfp4::cuda::sr_pair_sums(table.data(), pair, random, half ? 0xF3D2u : 0xF1D0u);
+        codes += ((x >> 8) & 0xFu) != nvfp4::float_to_e2m1_stochastic(v, bytes[2 * half]);
+        codes += ((x >> 24) & 0xFu) != nvfp4::float_to_e2m1_stochastic(v, bytes[2 * half + 1]);
+      }
+    }
+  }
+  return nb::make_tuple(position, codes);
+}
+
+nb::bytes prmt(nb::bytes a, nb::bytes b, uint32_t sel) {
+  if (a.size() != b.size() || a.size() % 4) throw std::invalid_argument("a and b: equal uint32");
+  std::string out(a.size(), '\0');
+  for (size_t i = 0; i < a.size(); i += 4) {
+    uint32_t x, y;
+    std::memcpy(&x, a.c_str() + i, 4);
+    std::memcpy(&y, b.c_str() + i, 4);
+    const uint32_t d = nvfp4::prmt_b32(x, y, sel);
+    std::memcpy(&out[i], &d, 4);
+  }
+  return nb::bytes(out.data(), out.size());
+}
+
 nb::bytes f16_rz(Floats x) {
   std::string out(x.shape(0) * 2, '\0');
   for (size_t i = 0; i < x.shape(0); ++i) {
@@ -151,6 +204,12 @@ NB_MODULE(_nvfp4_cuda_host, m) {
         "(code table mismatches by the tie-safe index, by the fast index, pair table class "
         "mismatches, cases excluded from the fast index and the pair table, pair table class "
         "mismatches of the tie-safe bits).");
+  m.def("sr_table_mismatches", &sr_table_mismatches,
+        "Exhaustive check of the quantize kernel's stochastic-rounding position table "
+        "(cuda/e2m1_lut.cuh): (position mismatches over the float32 magnitudes, code mismatches "
+        "over the float16 values and random bytes).");
+  m.def("prmt", &prmt, nb::arg("a"), nb::arg("b"), nb::arg("sel"),
+        "prmt.b32 of uint32 arrays a and b (bytes) under selector sel (host equivalent).");
   m.def("f16_rz", &f16_rz, nb::arg("x"),
         "The float16 bits cvt.rz.f16x2.f32 gives for a float32 array (host equivalent).");
   m.def("probe", &nvfp4::cuda::probes::probe, nb::arg("name"), nb::arg("size"), nb::arg("a") = 0,
