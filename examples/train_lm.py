@@ -17,6 +17,10 @@ one global scale per token for x and dy instead of one per tensor), full-keep-la
 converted by rules, ``jax_nvfp4.flax.quantize_model``: the full recipe everywhere but the last block).
 Stochastic rounding draws a fresh key every step from the layers' ``"nvfp4"`` RNG stream.
 
+`--switch-at F --switch-to RUN` is a precision schedule: every other run trains its first F of the steps as
+itself and the rest as RUN (e.g. ``--switch-at 0.8 --switch-to bf16``), keeping the parameters and the optimizer
+state (the runs' models have the same parameters); the results record the step of the switch.
+
 `--seeds N` trains every run with the seeds --seed .. --seed+N-1 (initial weights and batch order) and
 reports the mean and standard deviation of the losses and of each seed's gap to its bf16 run.
 
@@ -56,8 +60,8 @@ import jax.numpy as jnp
 import jax_nvfp4
 from examples.lm.data import prepare_data
 from examples.lm.mesh import make_mesh, mesh_name, parse_mesh
-from examples.lm.model import MOE_TOP_K, RULE_RUNS, RUNS, build_model, describe
-from examples.lm.report import plot, plot_seeds, print_seed_table
+from examples.lm.model import MOE_TOP_K, RULE_RUNS, RUNS, build_model
+from examples.lm.report import describe_result, plot, plot_seeds, print_seed_table
 from examples.lm.training import train
 
 
@@ -110,6 +114,20 @@ def make_parser() -> argparse.ArgumentParser:
         default=("full", "bf16"),
         help=f"comma-separated runs of {', '.join(RUNS)}, or 'all' (default: full,bf16)",
     )
+    parser.add_argument(
+        "--switch-at",
+        type=float,
+        default=None,
+        metavar="F",
+        help="a precision schedule: after this fraction of the steps, train on as --switch-to (same parameters and "
+        "optimizer state)",
+    )
+    parser.add_argument(
+        "--switch-to",
+        choices=RUNS,
+        default=None,
+        help="--switch-at: the run (bf16 or a recipe) every other run switches to",
+    )
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--out", default="train_lm.png", help="where to write the loss plot")
     parser.add_argument("--json", default=None, help="optionally, where to write the results as JSON")
@@ -146,6 +164,10 @@ def main() -> None:
             parser.error(f"--moe --capacity-factor must be a positive number, got {args.capacity_factor}")
     elif args.dispatch != "ragged":
         parser.error("--dispatch needs --moe")
+    if (args.switch_at is None) != (args.switch_to is None):
+        parser.error("--switch-at and --switch-to go together")
+    if args.switch_at is not None and (not 0 < args.switch_at < 1 or args.steps < 2):
+        parser.error(f"--switch-at must be in (0, 1) with --steps at least 2, got {args.switch_at}")
     try:
         mesh = make_mesh(args.mesh, args) if args.mesh else None
     except ValueError as e:
@@ -188,7 +210,7 @@ def main() -> None:
             if run != "bf16" and "bf16" in results:
                 gap = f"{100 * (r['final_val_loss'] / results['bf16']['final_val_loss'] - 1):+.2f}%"
             losses = f"{r['final_train_loss']:.4f} | {r['final_val_loss']:.4f}"
-            print(f"| {run} | {describe(run, args)} | {losses} | {gap} | {r['ms_per_step']:.1f} |")
+            print(f"| {run} | {describe_result(run, r, args)} | {losses} | {gap} | {r['ms_per_step']:.1f} |")
     else:
         print_seed_table(by_seed, args)
         plot_seeds(by_seed, args)

@@ -72,6 +72,14 @@ def val_gaps(by_seed: dict[int, dict[str, dict[str, Any]]], run: str) -> np.ndar
     )
 
 
+def describe_result(run: str, result: dict[str, Any], args: argparse.Namespace) -> str:
+    """What a run's linear layers did, its precision schedule's switch included."""
+    text = describe(run, args)
+    if result.get("switch") is not None:
+        text += f"; from step {result['switch']['step']} {describe(result['switch']['to'], args)}"
+    return text
+
+
 def print_seed_table(by_seed: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
     """Mean and sample standard deviation over the seeds of each run's final losses and gap to bf16."""
     n = len(by_seed)
@@ -88,7 +96,8 @@ def print_seed_table(by_seed: dict[int, dict[str, dict[str, Any]]], args: argpar
             final = val_gaps(by_seed, run)[:, -1]
             gap = f"{final.mean():+.2f}% ± {final.std(ddof=1):.2f}%"
         losses = f"{train_loss.mean():.4f} ± {train_loss.std(ddof=1):.4f} | {val.mean():.4f} ± {val.std(ddof=1):.4f}"
-        print(f"| {run} | {describe(run, args)} | {losses} | {gap} | {ms:.1f} |")
+        recipe = describe_result(run, by_seed[next(iter(by_seed))][run], args)
+        print(f"| {run} | {recipe} | {losses} | {gap} | {ms:.1f} |")
 
 
 def plot_seeds(by_seed: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:

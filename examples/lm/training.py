@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from examples.lm.data import windows
 from examples.lm.mesh import BATCH, mesh_name, shard_state, sharded_params
-from examples.lm.model import MODEL_ARGS, RECIPES, TransformerLM, build_model, next_byte_loss
+from examples.lm.model import MODEL_ARGS, RECIPES, TransformerLM, build_model, describe, next_byte_loss
 from jax_nvfp4 import checkpoint
 from jax_nvfp4.flax.linen.layers import quantize_params
 
@@ -83,6 +83,7 @@ def train(
     """Train one model (bf16 or an NVFP4 recipe of RECIPES) from the shared seed on the shared batches, sharded
     over mesh if one is given; return its losses and timing. ``on_eval(step, params)`` runs at each evaluation."""
     model = build_model(run, args, mesh)
+    switch_step, switch_to = switch_of(run, args)
 
     loss_fn = functools.partial(next_byte_loss, model)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
@@ -100,13 +101,18 @@ def train(
 
     rounding_key = jax.random.key(args.seed + 1)  # stochastic rounding: a fresh key each step, folded in below
 
-    @jit_step
-    def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
-        key = jax.random.fold_in(rounding_key, state.step)
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key, LOAD_BALANCE)
-        return state.apply_gradients(grads=grads), loss
+    def make_steps(loss_fn: Callable[..., jax.Array]) -> tuple[Callable, Callable]:
+        """The jitted training step and evaluation of a model's loss."""
 
-    eval_step = jax.jit(loss_fn)
+        @jit_step
+        def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
+            key = jax.random.fold_in(rounding_key, state.step)
+            loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key, LOAD_BALANCE)
+            return state.apply_gradients(grads=grads), loss
+
+        return train_step, jax.jit(loss_fn)
+
+    train_step, eval_step = make_steps(loss_fn)
 
     def evaluate(params: Any) -> float:
         return float(np.mean([eval_step(params, put(b)) for b in data["val_batches"]]))
@@ -114,8 +120,19 @@ def train(
     label = f"{run:>8}"
     progress, losses, val, eval_time = Progress(label, args.steps), [], [], 0.0
     for step in range(1, args.steps + 1):
+        if step == switch_step:  # the precision schedule: the same parameters and optimizer state from here on
+            jax.block_until_ready(state)
+            t_switch = time.perf_counter()
+            model = build_model(switch_to, args, mesh)
+            train_step, eval_step = make_steps(functools.partial(next_byte_loss, model))
+            progress.clear()
+            print(f"{label} step {step:5d}  switched to {describe(switch_to, args)}", flush=True)
         state, loss = train_step(state, put(windows(data["train"], train_starts[step - 1], args.seq_len)))
         losses.append(loss)
+        if step == switch_step:  # its compilation is not timed (nor the step)
+            loss.block_until_ready()
+            eval_time += time.perf_counter() - t_switch
+            progress.t0 += time.perf_counter() - t_switch
         if step == 1:
             loss.block_until_ready()  # the first step compiles: time from here on
             t_start = time.perf_counter()
@@ -136,8 +153,8 @@ def train(
             progress.update(step, loss)
     progress.clear()
     elapsed = time.perf_counter() - t_start - eval_time
-    if args.save:
-        save_model(pathlib.Path(args.save) / run, run, args, model, state.params)
+    if args.save:  # the model as it ends (after a switch, switch_to's)
+        save_model(pathlib.Path(args.save) / run, switch_to or run, args, model, state.params)
         print(f"{label} saved to {pathlib.Path(args.save) / run}", flush=True)
     losses = np.asarray(jnp.stack(losses))
     tail = max(1, args.steps // 10)
@@ -148,5 +165,20 @@ def train(
         "val_loss": val,
         "final_train_loss": float(losses[-tail:].mean()),
         "final_val_loss": val[-1][1],
-        "ms_per_step": 1e3 * elapsed / max(args.steps - 1, 1),
+        "ms_per_step": 1e3 * elapsed / max(args.steps - 1 - (switch_step is not None), 1),
+        "switch": None if switch_step is None else {"step": switch_step, "to": switch_to},
     }
+
+
+def switch_of(run: str, args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """The precision schedule of ``run`` (``--switch-at F --switch-to RUN``): the first step trained as RUN (the
+    last 1 - F of the steps) and RUN, or (None, None) where there is none (no flags, or RUN is the run itself)."""
+    switch_to = getattr(args, "switch_to", None)
+    if switch_to is None or switch_to == run:
+        return None, None
+    return first_switched_step(args.switch_at, args.steps), switch_to
+
+
+def first_switched_step(fraction: float, steps: int) -> int:
+    """The first step of the switched part: after round(fraction x steps) steps, at least one on each side."""
+    return min(max(round(fraction * steps), 1), steps - 1) + 1

@@ -20,9 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
 from examples import train_lm
-from examples.lm.data import VOCAB
+from examples.lm import training
+from examples.lm.data import VOCAB, prepare_data
 from examples.lm.mesh import BATCH, make_mesh, parse_mesh, sharded_params
-from examples.lm.model import RECIPES, build_model, describe, next_byte_loss
+from examples.lm.model import RECIPES, RUNS, build_model, describe, next_byte_loss
 from examples.lm.training import LOAD_BALANCE
 from jax_nvfp4.sharding.hlo import collectives
 
@@ -172,3 +173,40 @@ def test_moe_refuses_what_it_does_not_support(flags, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         train_lm.main()
     assert "--moe" in capsys.readouterr().err
+
+
+def test_every_run_has_the_bf16_models_parameters():
+    """What --switch-at / --switch-to rely on: any run's parameters are any other's (names, shapes, dtypes)."""
+    args = train_lm.make_parser().parse_args(["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16"])
+    for moe in (0, 4):
+        args.moe = moe
+        tokens = jnp.zeros((1, args.seq_len), jnp.int32)
+        shapes = {r: jax.eval_shape(build_model(r, args).init, jax.random.key(0), tokens)["params"] for r in RUNS}
+        shapes = {r: jax.tree.map(lambda a: (a.shape, a.dtype), nn.unbox(p)) for r, p in shapes.items()}
+        assert all(shapes[r] == shapes["bf16"] for r in RUNS), moe
+
+
+def test_a_precision_schedule_switches_the_run_part_way():
+    """--switch-at 0.5 --switch-to bf16 on 4 steps: steps 1-2 are the full recipe's, steps 3-4 the bf16 model's
+    on the same parameters and optimizer state (the same batches and keys)."""
+    flags = "--steps 4 --batch 2 --seq-len 16 --d-model 32 --layers 1 --heads 2 --eval-every 4 --runs full"
+    args = train_lm.make_parser().parse_args(flags.split())
+    train_starts, data = prepare_data(args)
+    full = training.train("full", args, train_starts, data)
+    switched_args = train_lm.make_parser().parse_args([*flags.split(), "--switch-at", "0.5", "--switch-to", "bf16"])
+    switched = training.train("full", switched_args, train_starts, data)
+    assert full["switch"] is None and switched["switch"] == {"step": 3, "to": "bf16"}
+    assert switched["train_loss"][:2] == full["train_loss"][:2]
+    assert all(a != b for a, b in zip(switched["train_loss"][2:], full["train_loss"][2:], strict=True))
+    assert training.switch_of("bf16", switched_args) == (None, None)  # the run switched to is not switched
+
+
+SWITCH_ERRORS = [["--switch-at", "0.5"], ["--switch-to", "bf16"], ["--switch-at", "1", "--switch-to", "bf16"]]
+
+
+@pytest.mark.parametrize("flags", SWITCH_ERRORS)
+def test_a_precision_schedule_needs_both_flags_and_a_fraction(flags, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", *flags])
+    with pytest.raises(SystemExit):
+        train_lm.main()
+    assert "--switch-at" in capsys.readouterr().err

@@ -271,6 +271,64 @@ def test_a_converted_nnx_model_trains_under_nnx_jit_with_an_optimizer():
     assert np.mean(models[0][-5:]) < 0.7 * np.mean(models[0][:5])
 
 
+def _ops(model):
+    """Each converted layer's NVFP4 op (dot_general or einsum_op) by path; plain layers are absent."""
+    ops = {}
+    for path, node in nnx.iter_graph(model):
+        op = getattr(node, "einsum_op", None) or getattr(node, "dot_general", None)
+        layer = isinstance(node, nnx.Einsum | nnx.Linear | nnx.LinearGeneral)
+        if layer and isinstance(op, nvfp4_nnx.NVFP4DotGeneral | nvfp4_nnx.NVFP4Einsum):
+            ops["/".join(map(str, path))] = op
+    return ops
+
+
+def test_an_nnx_precision_schedule_switches_the_rules_in_place():
+    """quantize_model(replace=True) part-way through training: the same parameters and optimizer go on, the
+    rules decide the converted layers again (None: plain, another recipe: the layer keeps its RNG stream)."""
+    tokens = _tokens(1, (4, 17))
+    model = nvfp4_nnx.quantize_model(
+        NNXLM(nnx.Rngs(0)), keep_ends(LAYERS, last=1, block="blocks/{i}"), rngs=nnx.Rngs(nvfp4=5)
+    )
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def loss(model):
+        logits = model(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @nnx.jit
+    def step(model, optimizer):
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    step(model, optimizer)
+    before = _ops(model)
+    assert len(before) == 4 * (LAYERS - 1) + 2 * (LAYERS - 1)  # q, k, v, out, up, down of the NVFP4 blocks
+    # Without replace, layers already in NVFP4 stay as they are.
+    nvfp4_nnx.quantize_model(model, [Rule(".*", None)])
+    assert _ops(model) == before
+    # Another recipe with stochastic rounding: new ops, each with its layer's stream.
+    other = Recipe(rht=False)
+    rules = (Rule(f"blocks/[0-{LAYERS - 2}]/attn/.*", other), *keep_ends(LAYERS, last=1, block="blocks/{i}"))
+    nvfp4_nnx.quantize_model(model, rules, replace=True)
+    after = _ops(model)
+    assert after.keys() == before.keys()
+    for path, op in after.items():
+        assert op.recipe == (other if "/attn/" in path else Recipe()), path
+        assert op.rngs is before[path].rngs, path
+    step(model, optimizer)
+    # To bf16: every layer plain, the model that of its parameters alone.
+    nvfp4_nnx.quantize_model(model, [Rule(".*", None)], replace=True)
+    assert _ops(model) == {}
+    plain = NNXLM(nnx.Rngs(1))
+    nnx.update(plain, nnx.state(model, nnx.Param))
+    assert_same_bytes(model(tokens), plain(tokens))
+    params = _params(model)
+    value = step(model, optimizer)
+    assert np.isfinite(float(value)) and int(optimizer.step[...]) == 3
+    assert not any(np.array_equal(a, b) for a, b in zip(params, _params(model), strict=True))  # all trained
+
+
 def test_nvfp4_linear_modules():
     rngs_a, rngs_b = nnx.Rngs(0, nvfp4=1), nnx.Rngs(0, nvfp4=1)
     layer, plain = nvfp4_nnx.NVFP4Linear(48, 32, recipe=RTN, rngs=rngs_a), nnx.Linear(48, 32, rngs=rngs_b)

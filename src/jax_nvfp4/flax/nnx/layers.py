@@ -203,7 +203,9 @@ def _node_path(path) -> str:
     return "/".join(str(part) for part in path)
 
 
-def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | nnx.RngStream | None = None) -> nnx.Module:
+def quantize_model(
+    model: nnx.Module, rules, *, rngs: nnx.Rngs | nnx.RngStream | None = None, replace: bool = False
+) -> nnx.Module:
     """Route the GEMMs of an unmodified NNX model's layers that ``rules`` match through NVFP4, in place;
     returns ``model``.
 
@@ -213,39 +215,48 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | nnx.RngStream |
     ``NVFP4Einsum`` as its ``einsum_op``. The parameters are untouched (a checkpoint of the model still
     applies); each converted layer gains the state of its NVFP4 RNG stream, forked from ``rngs`` (its
     ``"nvfp4"`` stream, else ``default``), which stochastic rounding needs for gradients (without it the
-    forward pass runs and taking gradients raises). Layers already in NVFP4 are left as they are.
+    forward pass runs and taking gradients raises). Layers already in NVFP4 are left as they are, unless
+    ``replace``: then the rules decide them too, a rule's recipe replacing the layer's (the layer keeps its RNG
+    stream) and ``None`` restoring the plain ``dot_general`` / ``einsum``. That is a precision schedule: the
+    same model, its parameters and an ``nnx.Optimizer``'s state carried over, switched to other rules part-way
+    through training (e.g. to bf16 for the last steps).
     """
     rules = check_rules(rules)
     found = [(_node_path(path), node) for path, node in nnx.iter_graph(model)]
     for path, node in found:
         if isinstance(node, nnx.Einsum):
-            if isinstance(node.einsum_op, NVFP4Einsum):
-                continue
-            recipe = recipe_for(rules, path)
-            if recipe is None:
-                continue
-            if node.einsum_op is not jnp.einsum:
-                raise ValueError(
-                    f"nnx.Einsum at {path!r} has its own einsum_op; a rule cannot replace it "
-                    f"(exclude it with Rule({path!r}, None))"
-                )
-            node.einsum_op = nnx.data(NVFP4Einsum(recipe, rngs=rngs))
+            _route(node, "einsum_op", path, recipe_for(rules, path), NVFP4Einsum, jnp.einsum, rngs, replace)
         elif isinstance(node, nnx.Linear | nnx.LinearGeneral):
-            if isinstance(node.dot_general, NVFP4DotGeneral):
-                continue
             recipe = recipe_for(rules, path)
-            if recipe is None:
-                continue
-            if getattr(node, "dot_general_cls", None) is not None or node.dot_general not in (
-                None,
-                jax.lax.dot_general,
-            ):
-                raise ValueError(
-                    f"{type(node).__name__} at {path!r} has its own dot_general; a rule cannot replace it "
-                    f"(exclude it with Rule({path!r}, None))"
-                )
-            node.dot_general = nnx.data(NVFP4DotGeneral(recipe, rngs=rngs))
+            _route(node, "dot_general", path, recipe, NVFP4DotGeneral, jax.lax.dot_general, rngs, replace)
     return model
+
+
+def _route(node, attr: str, path: str, recipe: Recipe | None, op_cls: type, plain, rngs, replace: bool) -> None:
+    """Set layer ``node``'s GEMM (its attribute ``attr``: ``plain`` or an ``op_cls``) as ``quantize_model``
+    decides for ``recipe``, the first matching rule's."""
+    op = getattr(node, attr)
+    if isinstance(op, op_cls):
+        if not replace or (recipe is not None and recipe == op.recipe):
+            return
+        if recipe is None:
+            setattr(node, attr, nnx.static(plain))  # a function again, not data as the op was
+            return
+        carried = op.rngs is not None and recipe.needs_rng_key
+        new = op_cls(recipe, rngs=None if carried else rngs)
+        if carried:
+            new.rngs = op.rngs  # the layer's stream goes on where it was
+        setattr(node, attr, nnx.data(new))
+        return
+    if recipe is None:
+        return
+    if op not in (None, plain) or getattr(node, "dot_general_cls", None) is not None:
+        what = "einsum_op" if attr == "einsum_op" else "dot_general"
+        raise ValueError(
+            f"{type(node).__name__} at {path!r} has its own {what}; a rule cannot replace it "
+            f"(exclude it with Rule({path!r}, None))"
+        )
+    setattr(node, attr, nnx.data(op_cls(recipe, rngs=rngs)))
 
 
 __all__ = [
