@@ -16,16 +16,16 @@ namespace nvfp4::cpu {
 
 // Per-thread scratch of the 4over6 choice, reused across stripes.
 struct FosScratch {
-  std::vector<uint8_t> s6, s4;        // [n] candidate scales (E4M3 codes)
-  std::vector<float> enc6, enc4;      // [n] their element encode scales
-  std::vector<float> dec6, dec4;      // [n] their decoded values
-  std::vector<float> ges, amax;       // [n] the blocks' global encode scales and amaxes
-  std::vector<float> e6, e4;          // [16][n] element error terms
-  std::vector<float> err6, err4;      // [n] column sums: chunk errors
-  std::vector<float> q6, q4, h6, h4;  // [n] exact error: the quotients d1, d1.5 (choose_1d)
-  std::vector<uint8_t> safe;          // [n] whether errors_1d takes the block (choose_1d)
-  std::vector<GlobalScales> g;        // [n] one set of global scales, repeated (16x16)
-  std::vector<uint8_t> tile6, tile4;  // [tiles] 16x16 candidates before spreading
+  std::vector<uint8_t> s6, s4;                  // [n] candidate scales (E4M3 codes)
+  std::vector<float> enc6, enc4;                // [n] their element encode scales
+  std::vector<float> dec6, dec4;                // [n] their decoded values
+  std::vector<float> ges, amax;                 // [n] the blocks' global encode scales and amaxes
+  std::vector<float> e6, e4;                    // [16][n] element error terms
+  std::vector<float> err6, err4;                // [n] column sums: chunk errors
+  std::vector<float> d1_6, d1_4, d15_6, d15_4;  // [n] exact error: quotients d1, d1.5 (choose_1d)
+  std::vector<uint8_t> safe;                    // [n] whether errors_1d takes the block (choose_1d)
+  std::vector<GlobalScales> g;                  // [n] one set of global scales, repeated (16x16)
+  std::vector<uint8_t> tile6, tile4;            // [tiles] 16x16 candidates before spreading
   std::vector<float> tile_enc6, tile_enc4;
 };
 
@@ -121,24 +121,24 @@ inline uint32_t scaling_exact(float s, float amax, float r15, float d1) {
 // The quotients d1 and d1.5 of dequantized for both candidates of n blocks (after candidates),
 // and whether errors_1d takes each block (with fast math, every block).
 inline void exact_units(int64_t n, float divisor, bool fast_math, FosScratch& f) {
-  for (auto* v : {&f.q6, &f.q4, &f.h6, &f.h4}) v->resize(n);
+  for (auto* v : {&f.d1_6, &f.d1_4, &f.d15_6, &f.d15_4}) v->resize(n);
   f.safe.resize(n);
   const float* __restrict dec6 = f.dec6.data();
   const float* __restrict dec4 = f.dec4.data();
   const float* __restrict amax = f.amax.data();
-  float* __restrict q6 = f.q6.data();
-  float* __restrict q4 = f.q4.data();
-  float* __restrict h6 = f.h6.data();
-  float* __restrict h4 = f.h4.data();
+  float* __restrict d1_6 = f.d1_6.data();
+  float* __restrict d1_4 = f.d1_4.data();
+  float* __restrict d15_6 = f.d15_6.data();
+  float* __restrict d15_4 = f.d15_4.data();
   uint8_t* __restrict safe = f.safe.data();
   for (int64_t j = 0; j < n; ++j) {
     const float r15_6 = (dec6[j] * 1.5f) * amax[j], r15_4 = (dec4[j] * 1.5f) * amax[j];
-    q6[j] = (dec6[j] * amax[j]) / divisor;
-    q4[j] = (dec4[j] * amax[j]) / divisor;
-    h6[j] = r15_6 / divisor;
-    h4[j] = r15_4 / divisor;
-    safe[j] = uint8_t(fast_math | (scaling_exact(dec6[j], amax[j], r15_6, q6[j]) &
-                                   scaling_exact(dec4[j], amax[j], r15_4, q4[j])));
+    d1_6[j] = (dec6[j] * amax[j]) / divisor;
+    d1_4[j] = (dec4[j] * amax[j]) / divisor;
+    d15_6[j] = r15_6 / divisor;
+    d15_4[j] = r15_4 / divisor;
+    safe[j] = uint8_t(fast_math | (scaling_exact(dec6[j], amax[j], r15_6, d1_6[j]) &
+                                   scaling_exact(dec4[j], amax[j], r15_4, d1_4[j])));
   }
 }
 
@@ -174,10 +174,10 @@ void errors_1d(const float* v, int64_t n, FosScratch& f) {
   f.err6.assign(n, 0.0f);
   f.err4.assign(n, 0.0f);
   for (int k = 0; k < kBlock; ++k)
-    errors_row<kMse, kFast>(v + k * n, n, f.enc6.data(), f.enc4.data(),
-                            kFast ? f.dec6.data() : f.q6.data(),
-                            kFast ? f.dec4.data() : f.q4.data(), kFast ? f.ges.data() : f.h6.data(),
-                            kFast ? f.ges.data() : f.h4.data(), f.err6.data(), f.err4.data());
+    errors_row<kMse, kFast>(
+        v + k * n, n, f.enc6.data(), f.enc4.data(), kFast ? f.dec6.data() : f.d1_6.data(),
+        kFast ? f.dec4.data() : f.d1_4.data(), kFast ? f.ges.data() : f.d15_6.data(),
+        kFast ? f.ges.data() : f.d15_4.data(), f.err6.data(), f.err4.data());
 }
 
 // The errors of block j (a column of v [16][n]) as element_error gives them, for the blocks

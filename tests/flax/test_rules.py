@@ -271,7 +271,7 @@ def test_a_converted_nnx_model_trains_under_nnx_jit_with_an_optimizer():
     assert np.mean(models[0][-5:]) < 0.7 * np.mean(models[0][:5])
 
 
-def _ops(model):
+def _nvfp4_ops(model):
     """Each converted layer's NVFP4 op (dot_general or einsum_op) by path; plain layers are absent."""
     ops = {}
     for path, node in nnx.iter_graph(model):
@@ -302,16 +302,16 @@ def test_an_nnx_precision_schedule_switches_the_rules_in_place():
         return value
 
     step(model, optimizer)
-    before = _ops(model)
+    before = _nvfp4_ops(model)
     assert len(before) == 4 * (LAYERS - 1) + 2 * (LAYERS - 1)  # q, k, v, out, up, down of the NVFP4 blocks
     # Without replace, layers already in NVFP4 stay as they are.
     nvfp4_nnx.quantize_model(model, [Rule(".*", None)])
-    assert _ops(model) == before
+    assert _nvfp4_ops(model) == before
     # Another recipe with stochastic rounding: new ops, each with its layer's stream.
     other = Recipe(rht=False)
     rules = (Rule(f"blocks/[0-{LAYERS - 2}]/attn/.*", other), *keep_ends(LAYERS, last=1, block="blocks/{i}"))
     nvfp4_nnx.quantize_model(model, rules, replace=True)
-    after = _ops(model)
+    after = _nvfp4_ops(model)
     assert after.keys() == before.keys()
     for path, op in after.items():
         assert op.recipe == (other if "/attn/" in path else Recipe()), path
@@ -319,7 +319,7 @@ def test_an_nnx_precision_schedule_switches_the_rules_in_place():
     step(model, optimizer)
     # To bf16: every layer plain, the model that of its parameters alone.
     nvfp4_nnx.quantize_model(model, [Rule(".*", None)], replace=True)
-    assert _ops(model) == {}
+    assert _nvfp4_ops(model) == {}
     plain = NNXLM(nnx.Rngs(1))
     nnx.update(plain, nnx.state(model, nnx.Param))
     assert_same_bytes(model(tokens), plain(tokens))
