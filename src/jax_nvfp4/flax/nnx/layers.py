@@ -225,17 +225,16 @@ def quantize_model(
     found = [(_node_path(path), node) for path, node in nnx.iter_graph(model)]
     for path, node in found:
         if isinstance(node, nnx.Einsum):
-            _route(node, "einsum_op", path, recipe_for(rules, path), NVFP4Einsum, jnp.einsum, rngs, replace)
+            _route(node, "einsum_op", path, rules, NVFP4Einsum, jnp.einsum, rngs, replace)
         elif isinstance(node, nnx.Linear | nnx.LinearGeneral):
-            recipe = recipe_for(rules, path)
-            _route(node, "dot_general", path, recipe, NVFP4DotGeneral, jax.lax.dot_general, rngs, replace)
+            _route(node, "dot_general", path, rules, NVFP4DotGeneral, jax.lax.dot_general, rngs, replace)
     return model
 
 
-def _route(node, attr: str, path: str, recipe: Recipe | None, op_cls: type, plain, rngs, replace: bool) -> None:
+def _route(node, attr: str, path: str, rules, op_cls: type, plain, rngs, replace: bool) -> None:
     """Set layer ``node``'s GEMM (its attribute ``attr``: ``plain`` or an ``op_cls``) as ``quantize_model``
-    decides for ``recipe``, the first matching rule's."""
-    op = getattr(node, attr)
+    decides by the first of ``rules`` that matches ``path``."""
+    recipe, op = recipe_for(rules, path), getattr(node, attr)
     if isinstance(op, op_cls):
         if not replace or (recipe is not None and recipe == op.recipe):
             return
@@ -251,9 +250,8 @@ def _route(node, attr: str, path: str, recipe: Recipe | None, op_cls: type, plai
     if recipe is None:
         return
     if op not in (None, plain) or getattr(node, "dot_general_cls", None) is not None:
-        what = "einsum_op" if attr == "einsum_op" else "dot_general"
         raise ValueError(
-            f"{type(node).__name__} at {path!r} has its own {what}; a rule cannot replace it "
+            f"{type(node).__name__} at {path!r} has its own {attr}; a rule cannot replace it "
             f"(exclude it with Rule({path!r}, None))"
         )
     setattr(node, attr, nnx.data(op_cls(recipe, rngs=rngs)))
