@@ -12,9 +12,10 @@ The NVFP4 recipe variants (``--runs``): plain (round to nearest, no transform), 
 Hadamard Transform on the weight-gradient operands), sr (+ stochastic rounding of the gradients, no
 RHT), full (both: NVIDIA's recipe, ``jax_nvfp4.Recipe()``), full-est (full, with the post-RHT amax
 estimated from the pre-RHT one), 4o6 (plain + 4over6 adaptive block scaling of x, W and dy: each
-16-value block scaled to 6 or to 4, whichever gives the smaller squared error), per-token (plain +
-one global scale per token for x and dy instead of one per tensor), full-keep-last (the bf16 model
-converted by rules, ``jax_nvfp4.flax.quantize_model``: the full recipe everywhere but the last block).
+16-value block scaled to 6 or to 4, whichever gives the smaller squared error), 4o6-mae (the same by the
+absolute error), per-token (plain + one global scale per token for x and dy instead of one per tensor),
+full-keep-last (the bf16 model converted by rules, ``jax_nvfp4.flax.quantize_model``: the full recipe
+everywhere but the last block), full-keep-ends (the same with the first and the last block in bf16).
 Stochastic rounding draws a fresh key every step from the layers' ``"nvfp4"`` RNG stream.
 
 `--switch-at F --switch-to RUN` is a precision schedule: every other run trains its first F of the steps as

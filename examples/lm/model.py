@@ -38,14 +38,18 @@ RECIPES = {
     "full-est": jax_nvfp4.Recipe(rht_amax_estimate=True),
     # 4over6 on every operand (MSE, block scales aimed at E4M3 256); round to nearest, as 4over6 of dy needs.
     "4o6": jax_nvfp4.Recipe(rht=False, stochastic_rounding=False, four_over_six=jax_nvfp4.FourOverSix("all")),
+    # The same, choosing by the absolute error (MAE), said to suit pretraining better.
+    "4o6-mae": jax_nvfp4.Recipe(
+        rht=False, stochastic_rounding=False, four_over_six=jax_nvfp4.FourOverSix("all", error="mae")
+    ),
     # Per-token global scales for the activations and the gradients (one float32 amax per row of x and of dy).
     "per-token": jax_nvfp4.Recipe(
         rht=False, stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True
     ),
 }
 # Runs that convert the bf16 model by rules (jax_nvfp4.flax.quantize_model) instead of building it with NVFP4
-# layers: the recipe of RECIPES they use, every layer in NVFP4 but those of the last block (kept in bf16).
-RULE_RUNS = {"full-keep-last": "full"}
+# layers: (the recipe of RECIPES they use, the first and the last blocks kept in bf16), every other layer NVFP4.
+RULE_RUNS = {"full-keep-last": ("full", 0, 1), "full-keep-ends": ("full", 1, 1)}
 RUNS = (*RECIPES, *RULE_RUNS, "bf16")
 MOE_TOP_K = 2  # --moe: experts per token
 # The settings that define the model (build_model's), saved with it by --save.
@@ -199,8 +203,9 @@ def build_model(
     model = TransformerLM(
         args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh, moe_cls
     )
-    if run in RULE_RUNS:  # the last block (and the head, bf16 in every run) kept by the rules
-        return quantize_model(model, keep_ends(args.layers, last=1, recipe=recipe(RULE_RUNS[run])))
+    if run in RULE_RUNS:  # the end blocks (and the head, bf16 in every run) kept by the rules
+        name, first, last = RULE_RUNS[run]
+        return quantize_model(model, keep_ends(args.layers, first=first, last=last, recipe=recipe(name)))
     return model
 
 
@@ -220,7 +225,9 @@ def describe(run: str, args: argparse.Namespace) -> str:
     if run == "bf16":
         return "bf16"
     if run in RULE_RUNS:
-        return describe(RULE_RUNS[run], args) + ", last block bf16 (by rules)"
+        name, first, last = RULE_RUNS[run]
+        kept = [f"first {first}"] * bool(first) + [f"last {last}"] * bool(last)
+        return describe(name, args) + f", {' and '.join(kept)} block{'s' * (first + last > 1)} bf16 (by rules)"
     recipe = RECIPES[run]
     parts = [f"NVFP4, {args.weight_blocks} weights"]
     if recipe.rht:

@@ -95,9 +95,17 @@ def test_the_four_over_six_and_per_token_runs_are_their_recipes():
     assert recipes["per-token"] == dataclasses.replace(
         recipes["plain"], row_scaled_activations=True, row_scaled_gradients=True
     )
-    assert {"plain", "4o6", "per-token", "bf16"} <= set(train_lm.parse_runs("all"))
+    assert recipes["4o6-mae"] == dataclasses.replace(
+        recipes["4o6"], four_over_six=jax_nvfp4.FourOverSix("all", error="mae")
+    )
+    assert {"plain", "4o6", "4o6-mae", "per-token", "full-keep-ends", "bf16"} <= set(train_lm.parse_runs("all"))
     args = _args("data=1")
     assert describe("4o6", args) == "NVFP4, 16x16 weights + 4over6 (x, W, dy; MSE, E4M3 max 256)"
+    assert describe("4o6-mae", args) == "NVFP4, 16x16 weights + 4over6 (x, W, dy; MAE, E4M3 max 256)"
+    assert describe("full-keep-last", args) == "NVFP4, 16x16 weights + RHT + SR, last 1 block bf16 (by rules)"
+    assert describe("full-keep-ends", args) == (
+        "NVFP4, 16x16 weights + RHT + SR, first 1 and last 1 blocks bf16 (by rules)"
+    )
     assert describe("per-token", args) == "NVFP4, 16x16 weights + per-token scales (x, dy)"
 
 
