@@ -48,9 +48,9 @@ struct GroupedCall {
   int64_t batch, rows, cols, groups, blocks;  // blocks: P of the grouped copy
   const int32_t* sizes;                       // [B, G]
   const float *amax, *amax_t;                 // [B] or [B, M]; [B, G] or [B, G, N]
-  Seed seed;
-  const uint32_t* group_seeds;  // [G, 2]
-  QuantizeOutputs o;            // data_t [B, N, 8P], scale_t [B, N, P]
+  Stream seed;                                // the rowwise copy's key and both copies' place
+  const uint32_t* group_seeds;                // [G, 2]
+  QuantizeOutputs o;                          // data_t [B, N, 8P], scale_t [B, N, P]
 };
 
 // Quantizes stripe j of batch entry b: its rowwise copy and the columnwise blocks of its groups.
@@ -77,8 +77,9 @@ void grouped_stripe(const typename L::T* x, const GroupedCall& c, const Groups& 
                                  c.o.scale_t + b * c.cols * c.blocks};
   for (int64_t g = gr.first_ending_after(m0); g < gr.count() && gr.start[g] < m0 + kBlock; ++g) {
     if (gr.end[g] == gr.start[g]) continue;
-    const uint32_t* s = c.group_seeds + 2 * g;
-    Options p{c.spec, GlobalScales{}, GlobalScales{}, nullptr, nullptr, Seed{s[0], s[1]}, entry};
+    Options p{c.spec, GlobalScales{}, GlobalScales{}, nullptr, nullptr, c.seed, entry};
+    p.seed.key =
+        Seed{c.group_seeds[2 * g], c.group_seeds[2 * g + 1]};  // the group's, at the same place
     if (c.spec.row_scaled)
       p.amax_cols = c.amax_t + (b * c.groups + g) * c.cols;
     else
@@ -100,7 +101,9 @@ ffi::Error grouped_quantize_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                  QuantizeSpec spec) {
   GroupedShape s;
   QuantizeOutputs o;
-  if (auto e = check_grouped_quantize(x, sizes, amax, amax_t, seed, group_seeds, outs, spec, s, o);
+  bool placed = false;
+  if (auto e = check_grouped_quantize(x, sizes, amax, amax_t, seed, group_seeds, outs, spec, s, o,
+                                      placed);
       e.failure())
     return e;
   const GroupedCall c{spec,
@@ -112,7 +115,7 @@ ffi::Error grouped_quantize_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                       sizes.typed_data(),
                       amax.typed_data(),
                       amax_t.typed_data(),
-                      Seed{seed.typed_data()[0], seed.typed_data()[1]},
+                      stream_of(seed.typed_data(), placed, s.rows),
                       group_seeds.typed_data(),
                       o};
   // Blocks that no group owns stay zero codes with zero scales.

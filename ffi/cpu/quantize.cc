@@ -52,12 +52,13 @@ ffi::Error quantize_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
                          ffi::RemainingRets outs, QuantizeSpec spec) {
   int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs all;
-  if (auto e = check_quantize(x, amax, amax_t, seed, outs, spec, batch, rows, cols, all);
+  bool placed = false;
+  if (auto e = check_quantize(x, amax, amax_t, seed, outs, spec, batch, rows, cols, all, placed);
       e.failure())
     return e;
   const float* amax_data = amax.typed_data();
   const float* amax_t_data = amax_t.typed_data();
-  const Seed key{seed.typed_data()[0], seed.typed_data()[1]};
+  const Stream key = stream_of(seed.typed_data(), placed, rows);
   const int64_t stripes = num_blocks(rows);
   const int64_t bands = (stripes + kBandStripes - 1) / kBandStripes;
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {

@@ -65,8 +65,8 @@ struct Options {
   GlobalScales g_t;        // from amax_t: the columnwise 1x16 copy (not row-scaled)
   const float* amax_rows;  // row-scaled: the entry's amax per row of x [M] (rowwise)
   const float* amax_cols;  // row-scaled: the entry's amax per row of x^T [N] (columnwise)
-  Seed seed;
-  uint32_t b;  // the batch entry (random counters)
+  Stream seed;             // stochastic rounding's key and the copy's place (random counters)
+  uint32_t b;              // the batch entry (random counters)
 
   // Global scales of row m of the rowwise copy and of row n of the columnwise one.
   GlobalScales row(int64_t m) const {
@@ -139,25 +139,25 @@ inline void block_max(const float* __restrict v, uint32_t* __restrict mag, int64
   }
 }
 
-// The random bytes of the n blocks j = 0..n-1 of row r (Philox counters (j, r, b, stream)) in
-// value order: w [n][4] holds block j's words, so that byte 16 j + k of w is value k's
-// (vectorizes).
-inline void random_row_bytes(Seed seed, uint32_t r, uint32_t b, uint32_t stream,
-                             uint32_t* __restrict w, int64_t n) {
+// The random bytes of the n rowwise blocks j = 0..n-1 of row r (Stream::row_block) in value
+// order: w [n][4] holds block j's words, so that byte 16 j + k of w is value k's (vectorizes).
+inline void random_row_bytes(const Stream& seed, int64_t r, uint32_t b, uint32_t* __restrict w,
+                             int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     uint32_t out[4];
-    block_random(seed, uint32_t(j), r, b, stream, out);
+    seed.row_block(uint32_t(j), r, b, out);
     for (int q = 0; q < 4; ++q) w[4 * j + q] = out[q];
   }
 }
 
-// The random words of block j of the n rows r = 0..n-1 (Philox counters (j, r, b, stream)) into
-// w [4][n]: word q of row r's block at w[q n + r], for loops over the rows (vectorizes).
-inline void random_column_words(Seed seed, uint32_t j, uint32_t b, uint32_t stream,
-                                uint32_t* __restrict w, int64_t n) {
+// The random words of the columnwise blocks of rows m0..m0 + 15 in the n columns c = 0..n-1
+// (Stream::column_block) into w [4][n]: word q of column c's block at w[q n + c], for loops over
+// the columns (vectorizes).
+inline void random_column_words(const Stream& seed, int64_t m0, uint32_t b, uint32_t* __restrict w,
+                                int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t out[4];
-    block_random(seed, j, uint32_t(i), b, stream, out);
+    seed.column_block(m0, uint32_t(i), b, out);
     w[i] = out[0];
     w[n + i] = out[1];
     w[2 * n + i] = out[2];
@@ -187,7 +187,7 @@ inline void row_4over6(Stripe& st, const float* v, int64_t nb, const GlobalScale
 }
 
 // Rowwise 1x16: each row's blocks get their own scale. Block j of row m draws the
-// random words of counter (j, m, b, 0).
+// random words of p.seed.row_block(j, m, b).
 inline void rowwise_1d(Stripe& st, int64_t /*rows*/, int64_t nrows, int64_t cols, int64_t width,
                        int64_t m0, const Options& p, const QuantizeOutputs& o) {
   const int64_t data_cols = packed_size(cols), nb = num_blocks(cols);
@@ -208,7 +208,7 @@ inline void rowwise_1d(Stripe& st, int64_t /*rows*/, int64_t nrows, int64_t cols
     spread8(st.enc.data(), st.enc8.data(), nb);
     uint8_t* out = o.data + (m0 + r) * data_cols;
     if (p.spec.stochastic_rounding) {
-      random_row_bytes(p.seed, uint32_t(m0 + r), p.b, 0, st.rand.data(), nb);
+      random_row_bytes(p.seed, m0 + r, p.b, st.rand.data(), nb);
       encode_pack_stochastic(v, st.enc8.data(), reinterpret_cast<const uint8_t*>(st.rand.data()),
                              out, data_cols);
     } else {
@@ -234,9 +234,9 @@ inline void pack_words(Stripe& st, int64_t width) {
 // columnwise 1x16 copy's packed words st.word (rows 0-7 and 8-15 of each column), each column's
 // 16 codes made in registers; 16x16 blocks also keep the codes st.code [16][width] for the
 // rowwise copy. Stochastic rounding: a 16x16 stripe draws from the rowwise stream (block j of
-// row m0 + r: counter (j, m0 + r, b, 0)); a columnwise one from stream 1, column n's block of
-// the stripe's 16 rows being block m0 / 16 of row n of the copy [B, N, M]: counter (m0 / 16, n,
-// b, 1).
+// row m0 + r: p.seed.row_block(j, m0 + r, b)); a columnwise one from stream 1, column n's block
+// of the stripe's 16 rows being block m0 / 16 of row n of the copy [B, N, M]:
+// p.seed.column_block(m0, n, b).
 inline void encode_columns(Stripe& st, int64_t width, int64_t m0, const Options& p) {
   const float* __restrict enc = st.enc.data();
   const float* __restrict v = st.value.data();
@@ -253,7 +253,7 @@ inline void encode_columns(Stripe& st, int64_t width, int64_t m0, const Options&
       st.rand.resize(4 * nb);
       const uint8_t* __restrict rbyte = reinterpret_cast<const uint8_t*>(st.rand.data());
       for (int64_t r = 0; r < kBlock; ++r) {
-        random_row_bytes(p.seed, uint32_t(m0 + r), p.b, 0, st.rand.data(), nb);
+        random_row_bytes(p.seed, m0 + r, p.b, st.rand.data(), nb);
         const float* __restrict vr = v + r * width;
         uint8_t* __restrict code = st.code.data() + r * width;
         for (int64_t c = 0; c < width; ++c)
@@ -268,7 +268,7 @@ inline void encode_columns(Stripe& st, int64_t width, int64_t m0, const Options&
   st.word.assign(2 * width, 0u);
   if (p.spec.stochastic_rounding) {
     st.rand.resize(4 * width);
-    random_column_words(p.seed, uint32_t(m0 / kBlock), p.b, 1, st.rand.data(), width);
+    random_column_words(p.seed, m0, p.b, st.rand.data(), width);
   }
   for (int k = 0; k < kBlock / 2; ++k) {
     const float* __restrict v0 = v + 2 * k * width;

@@ -256,20 +256,20 @@ struct Params {
   const int32_t* sizes;         // [B, G]
   const float* amax;            // [B] (row-scaled: [B, M]): the rowwise copy
   const float* amax_t;          // [B, G] (row-scaled: [B, G, N]): the grouped copy
-  const uint32_t* seed;         // [2]: the rowwise copy's Philox key
+  const uint32_t* seed;         // [2] or [4 + M] (placed): the rowwise copy's Stream
   const uint32_t* group_seeds;  // [G, 2]: each group's key for its blocks
   int64_t rows, cols, groups, blocks;
+  bool placed;
   QuantizeSpec spec;
   QuantizeOutputs o;  // data, scale as quantize's; data_t [B, N, 8P], scale_t [B, N, P]
 };
 
-// The scale code and codes of one 1x16 block v with global scales g, drawing stochastic bytes
-// from Philox counter (j, r, b, stream) under `key`; code k in nibble k % 8 of word k / 8 (a
-// column's bytes: element 2i in the low nibble of byte i).
+// The scale code and codes of one 1x16 block v with global scales g, rounding stochastically by
+// the random words w (a Stream's); code k in nibble k % 8 of word k / 8 (a column's bytes:
+// element 2i in the low nibble of byte i).
 template <Mode kMode>
 __device__ __forceinline__ uint8_t encode_block(const QuantizeSpec& spec, const float (&v)[kBlock],
-                                                const GlobalScales& g, Seed key, uint32_t j,
-                                                uint32_t r, uint32_t b, uint32_t stream,
+                                                const GlobalScales& g, const uint32_t (&w)[4],
                                                 uint32_t (&words)[2]) {
   const float bamax = amax_from_bits(max_bits(v));
   uint8_t scale;
@@ -282,8 +282,6 @@ __device__ __forceinline__ uint8_t encode_block(const QuantizeSpec& spec, const 
     scale = block_scale(bamax, g);
     enc = block_encode_scale(scale, g);
   }
-  uint32_t w[4] = {0, 0, 0, 0};
-  if constexpr (kMode == Mode::kStochastic) block_random(key, j, r, b, stream, w);
   words[0] = words[1] = 0;
 #pragma unroll
   for (int k = 0; k < kBlock; ++k) {
@@ -316,12 +314,14 @@ __device__ __forceinline__ void quantize_column(const typename L::T* x, const Pa
       spec.row_scaled ? p.amax_t[(b * p.groups + o.g) * p.cols + n] : p.amax_t[b * p.groups + o.g];
   // The block draws as block m0 / 16 of row n of the [B, N, M] copy, stream 1, with the group's
   // key.
-  Seed key{0, 0};
-  if constexpr (kMode == Mode::kStochastic)
-    key = Seed{p.group_seeds[2 * o.g], p.group_seeds[2 * o.g + 1]};
+  uint32_t w[4] = {0, 0, 0, 0};
+  if constexpr (kMode == Mode::kStochastic) {
+    Stream s = stream_of(p.seed, p.placed, p.rows);
+    s.key = Seed{p.group_seeds[2 * o.g], p.group_seeds[2 * o.g + 1]};
+    s.column_block(m0, uint32_t(n), uint32_t(b), w);
+  }
   uint32_t words[2];
-  *scale = encode_block<kMode>(spec, v, spec.global_scales(amax_t), key, uint32_t(m0 / kBlock),
-                               uint32_t(n), uint32_t(b), 1, words);
+  *scale = encode_block<kMode>(spec, v, spec.global_scales(amax_t), w, words);
   *data = uint2{words[0], words[1]};
 }
 
@@ -350,12 +350,13 @@ __device__ __forceinline__ void quantize_row_block(const typename L::T* x, const
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) v[i] = m < in_groups && n0 + i < p.cols ? L::load(src[i]) : 0.0f;
   const float amax = spec.row_scaled ? p.amax[row] : p.amax[b];
-  // Block k of row m draws counter (k, m, b, 0).
-  Seed key{0, 0};
-  if constexpr (kMode == Mode::kStochastic) key = Seed{p.seed[0], p.seed[1]};
+  // Block k of row m draws Stream::row_block(k, m, b).
+  uint32_t w[4] = {0, 0, 0, 0};
+  if constexpr (kMode == Mode::kStochastic)
+    stream_of(p.seed, p.placed, p.rows).row_block(uint32_t(k), m, uint32_t(b), w);
   uint32_t words[2];
-  p.o.scale[row * num_blocks(p.cols) + k] = encode_block<kMode>(
-      spec, v, spec.global_scales(amax), key, uint32_t(k), uint32_t(m), uint32_t(b), 0, words);
+  p.o.scale[row * num_blocks(p.cols) + k] =
+      encode_block<kMode>(spec, v, spec.global_scales(amax), w, words);
   const int64_t data_cols = packed_size(p.cols);
   uint8_t* dst = p.o.data + row * data_cols + n0 / 2;
   if (data_cols % 8 == 0) {  // whole, aligned 8-byte blocks
@@ -412,7 +413,9 @@ ffi::Error grouped_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buf
                                  ffi::RemainingRets outs, QuantizeSpec spec) {
   GroupedShape s;
   QuantizeOutputs o;
-  if (auto e = check_grouped_quantize(x, sizes, amax, amax_t, seed, group_seeds, outs, spec, s, o);
+  bool placed = false;
+  if (auto e = check_grouped_quantize(x, sizes, amax, amax_t, seed, group_seeds, outs, spec, s, o,
+                                      placed);
       e.failure())
     return e;
   if (auto e = check_launch_size(s); e.failure()) return e;
@@ -426,6 +429,7 @@ ffi::Error grouped_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buf
                  cols,
                  groups,
                  blocks,
+                 placed,
                  spec,
                  o};
   ffi::Error launched = ffi::Error::Success();

@@ -46,7 +46,7 @@ struct TilePos {
 struct Params {
   const float* amax;     // [B] (row-scaled: [B, M]): the rowwise copy and 16x16 blocks
   const float* amax_t;   // [B] (row-scaled: [B, N]): the columnwise 1x16 copy
-  const uint32_t* seed;  // [2]: the Philox key of stochastic rounding (device memory)
+  const uint32_t* seed;  // [2] or [4 + M] (placed): stochastic rounding's Stream (device memory)
   int64_t rows, cols;
   uint32_t batch, row_tiles, col_tiles;
   struct {
@@ -54,6 +54,7 @@ struct Params {
     uint32_t data_cols_t, scale_cols_t;  // of a columnwise one
   } out;
   TilePos step;       // the grid's size in tiles: a block's next tile is this far on
+  bool placed;        // the seed holds the copy's place in a whole tensor (Stream)
   bool vec_in;        // N % 8 == 0: a thread's 8 columns are one 16-byte load
   bool vec_rows;      // the rowwise data and scale rows of a tile are whole 16-byte chunks
   bool vec_cols;      // the columnwise data rows are whole 16-byte chunks, scales 4-byte
@@ -471,16 +472,16 @@ __device__ __forceinline__ void stage_row_scale(Staging& st, int r, uint32_t sca
 __device__ __forceinline__ int own_rows() { return (threadIdx.x & 1u) ? kBlock / 2 : 0; }
 
 // The random words of the thread's 8 values in each of its 16 rows (rows m0.. of batch entry b,
-// their 1x16 block j, the rowwise stream): w[r] = words 0-1 of the block's hash (even lane,
-// values 0-7) or 2-3 (odd lane). Each lane hashes 8 of the pair's 16 row blocks (the even lane
-// rows i, the odd lane rows i + 8) and hands its partner the half it needs.
-__device__ __forceinline__ void row_random(Seed seed, uint32_t j, uint32_t m0, uint32_t b,
+// their 1x16 block j, the rowwise stream: Stream::row_block): w[r] = words 0-1 of the block's hash
+// (even lane, values 0-7) or 2-3 (odd lane). Each lane hashes 8 of the pair's 16 row blocks (the
+// even lane rows i, the odd lane rows i + 8) and hands its partner the half it needs.
+__device__ __forceinline__ void row_random(const Stream& seed, uint32_t j, uint32_t m0, uint32_t b,
                                            uint2 (&w)[kBlock]) {
   const bool odd = threadIdx.x & 1u;
 #pragma unroll
   for (int i = 0; i < kBlock / 2; ++i) {
     uint32_t h[4];
-    block_random(seed, j, m0 + uint32_t(i + (odd ? kBlock / 2 : 0)), b, 0, h);
+    seed.row_block(j, m0 + uint32_t(i + (odd ? kBlock / 2 : 0)), b, h);
     const uint2 keep = odd ? uint2{h[2], h[3]} : uint2{h[0], h[1]};
     const uint2 give = odd ? uint2{h[0], h[1]} : uint2{h[2], h[3]};
     const uint2 got{__shfl_xor_sync(~0u, give.x, 1), __shfl_xor_sync(~0u, give.y, 1)};
@@ -591,7 +592,7 @@ template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging& st,
                                             const Place& at, const Values<L>& w,
                                             const uint32_t (&col_mag)[kCols], const Copy& kr,
-                                            Seed seed) {
+                                            const Stream& seed) {
   const QuantizeSpec& spec = p.spec;
   const auto v = [&](int r, int c) { return value<L>(w, r, c); };
   uint32_t mag = col_mag[0];
@@ -661,7 +662,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
                                               const Place& at, const Values<L>& w,
                                               const uint32_t (&col_mag)[kCols],
                                               const uint32_t (&row_mag)[kBlock], const Copy& kr,
-                                              const Copy& kc, bool fused, Seed seed) {
+                                              const Copy& kc, bool fused, const Stream& seed) {
   const QuantizeSpec& spec = p.spec;
   const bool rows_on = p.o.data != nullptr;
   const int own = own_rows();
@@ -808,7 +809,7 @@ template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, Staging& st,
                                                  const Place& at, const Values<L>& w,
                                                  const uint32_t (&col_mag)[kCols], const Copy& kc,
-                                                 Seed seed) {
+                                                 const Stream& seed) {
   const QuantizeSpec& spec = p.spec;
   const bool rht = spec.columnwise_rht();
 #pragma unroll
@@ -851,7 +852,7 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
         if constexpr (kMode == Mode::kStochastic) {
           // Column n's block (rows m0..m0 + 15) is block m0 / 16 of row n of the copy [B, N, M].
           uint32_t h[4];
-          block_random(seed, at.m0 / kBlock, at.n0 + c + j, at.b, 1, h);
+          seed.column_block(at.m0, at.n0 + c + j, at.b, h);
           lo = stochastic8<kPacked<L>>(kc.index, enc[j], h[0], h[1], get);
           hi = stochastic8<kPacked<L>>(kc.index, enc[j], h[2], h[3], get_hi);
         } else {
@@ -867,7 +868,7 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
 template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Params& p, Shared& sh,
                                               Staging& st, TilePos tile, const Copy& kr,
-                                              const Copy& kc, Seed seed) {
+                                              const Copy& kc, const Stream& seed) {
   const QuantizeSpec& spec = p.spec;
   const uint32_t rows = uint32_t(p.rows), cols = uint32_t(p.cols);  // < 2^31 - 256
   const uint32_t tm0 = tile.tr * kTileRows, tn0 = tile.tc * kTileCols;
@@ -1003,8 +1004,8 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
     }
   const bool pairs = build_pair_table<L, kMode>(sh);
   __syncthreads();
-  Seed seed{0, 0};
-  if constexpr (kMode == Mode::kStochastic) seed = Seed{p.seed[0], p.seed[1]};
+  Stream seed{Seed{0, 0}};
+  if constexpr (kMode == Mode::kStochastic) seed = stream_of(p.seed, p.placed, p.rows);
   TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
   uint32_t entry = ~0u;
   Copy kr, kc;
@@ -1080,7 +1081,9 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::RemainingRets outs, QuantizeSpec spec) {
   int64_t batch = 0, rows = 0, cols = 0;
   QuantizeOutputs o;
-  if (auto e = check_quantize(x, amax, amax_t, seed, outs, spec, batch, rows, cols, o); e.failure())
+  bool placed = false;
+  if (auto e = check_quantize(x, amax, amax_t, seed, outs, spec, batch, rows, cols, o, placed);
+      e.failure())
     return e;
   const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
   const int64_t col_tiles = (cols + kTileCols - 1) / kTileCols;
@@ -1099,6 +1102,7 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                  {uint32_t(packed_size(cols)), uint32_t(num_blocks(cols)),
                   uint32_t(packed_size(rows)), uint32_t(num_blocks(rows))},
                  TilePos{},
+                 placed,
                  cols % kCols == 0,
                  packed_size(cols) % 16 == 0 && num_blocks(cols) % 16 == 0,
                  packed_size(rows) % 16 == 0 && num_blocks(rows) % 4 == 0,
@@ -1150,7 +1154,7 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   // 4over6's exact units hold for every block (units_always_exact): an amax in [2^-104, 2^116].
   Copy kr{per_row ? nullptr : sh.enc[0], index, g[0], !per_row};
   Copy kc{per_row ? nullptr : sh.enc[1], index, g[1], !per_row};
-  const Seed seed{p.seed[0], p.seed[1]};
+  const Stream seed = stream_of(p.seed, p.placed, p.rows);
   TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
   uint32_t entry = tile.b;
   for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {

@@ -138,21 +138,23 @@ struct QuantizeOutputs {
 };
 
 // Checks quantize's [B, M, N] input, its amax and amax_t ([B], or [B, M] and
-// [B, N] when row-scaled), the seed uint32 [2], the spec and the dtype and
-// size of each requested output (in the order data, scale, data_t, scale_t);
-// unpacks the dims and fills `o`.
+// [B, N] when row-scaled), the seed (uint32 [2], or [4 + M] where `placed`: see
+// Stream), the spec and the dtype and size of each requested output (in the
+// order data, scale, data_t, scale_t); unpacks the dims and fills `o`.
 inline ffi::Error check_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax,
                                  const ffi::Buffer<ffi::F32>& amax_t,
                                  const ffi::Buffer<ffi::U32>& seed, ffi::RemainingRets& outs,
                                  const QuantizeSpec& spec, int64_t& batch, int64_t& rows,
-                                 int64_t& cols, QuantizeOutputs& o) {
+                                 int64_t& cols, QuantizeOutputs& o, bool& placed) {
   if (!dims3(x, batch, rows, cols)) return invalid("quantize expects a [B, M, N] input");
   if (auto e = spec.validate(); e.failure()) return e;
   if (auto e = spec.check_amax_counts(int64_t(amax.element_count()),
                                       int64_t(amax_t.element_count()), batch, rows, cols);
       e.failure())
     return e;
-  if (seed.element_count() != 2) return invalid("quantize seed must be uint32 [2]");
+  placed = int64_t(seed.element_count()) == 4 + rows;
+  if (seed.element_count() != 2 && !placed)
+    return invalid("quantize seed must be uint32 [2] or [4 + M] (the key and the shard's place)");
   if (auto e = spec.check_rows(rows); e.failure()) return e;
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
   const CopySizes n = copy_sizes(rows, cols);
@@ -253,14 +255,14 @@ inline ffi::Error check_grouped_amax(const ffi::AnyBuffer& x, const ffi::Buffer<
 }
 
 // Checks the grouped quantize's operands: the spec (a columnwise 1x16 copy), amax [B] and amax_t
-// [B, G] ([B, M] and [B, G, N] row-scaled), the seeds uint32 [2] and [G, 2], and each output (the
-// rowwise data and scale if requested, then the grouped copy's, [B, N, 8P] and [B, N, P]); fills
-// `s` and `o`.
+// [B, G] ([B, M] and [B, G, N] row-scaled), the seeds (uint32 [2] or [4 + M] where `placed`, as
+// quantize's; [G, 2]), and each output (the rowwise data and scale if requested, then the grouped
+// copy's, [B, N, 8P] and [B, N, P]); fills `s` and `o`.
 inline ffi::Error check_grouped_quantize(
     const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& sizes, const ffi::Buffer<ffi::F32>& amax,
     const ffi::Buffer<ffi::F32>& amax_t, const ffi::Buffer<ffi::U32>& seed,
     const ffi::Buffer<ffi::U32>& group_seeds, ffi::RemainingRets& outs, const QuantizeSpec& spec,
-    GroupedShape& s, QuantizeOutputs& o) {
+    GroupedShape& s, QuantizeOutputs& o, bool& placed) {
   if (auto e = check_grouped_input("grouped quantize", x, sizes, s); e.failure()) return e;
   if (auto e = spec.validate(); e.failure()) return e;
   if (!spec.columnwise || spec.block_2d)
@@ -270,8 +272,10 @@ inline ffi::Error check_grouped_quantize(
       int64_t(amax_t.element_count()) != s.batch * s.groups * per_col)
     return invalid(
         "grouped quantize amax / amax_t must be [B] / [B, G] ([B, M] / [B, G, N] row-scaled)");
-  if (seed.element_count() != 2 || int64_t(group_seeds.element_count()) != 2 * s.groups)
-    return invalid("grouped quantize seeds must be uint32 [2] and [G, 2]");
+  placed = int64_t(seed.element_count()) == 4 + s.rows;
+  if ((seed.element_count() != 2 && !placed) ||
+      int64_t(group_seeds.element_count()) != 2 * s.groups)
+    return invalid("grouped quantize seeds must be uint32 [2] (or [4 + M]) and [G, 2]");
   if (auto e = spec.check_rows(s.rows); e.failure()) return e;
   o = QuantizeOutputs{nullptr, nullptr, nullptr, nullptr};
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};

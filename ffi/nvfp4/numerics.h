@@ -278,6 +278,44 @@ NVFP4_HD void block_random(Seed key, uint32_t j, uint32_t r, uint32_t b, uint32_
   philox4x32_10(key, j, r, b, stream, out);
 }
 
+// Where a copy's values sit in the whole tensor, for stochastic rounding's counters: positions
+// in the whole tensor, so that a shard of it draws the bytes the whole tensor would there. The
+// shard's first batch entry b and first column n of x, and the whole tensor's index of each of
+// its m rows (null: its rows from 0, an unsharded call; a padded row r >= m keeps r). From the
+// seed operand, uint32 [2] (the key) or [4 + M] (the key, b, n, then the M rows' indices; n a
+// multiple of 16 where the rowwise copy is made, and each run of 16 rows from a multiple of 16
+// where the columnwise one is).
+struct Stream {
+  Seed key;
+  uint32_t b = 0, n = 0;
+  const uint32_t* rows = nullptr;
+  int64_t m = 0;
+
+  NVFP4_HD uint32_t row(int64_t r) const { return rows && r < m ? rows[r] : uint32_t(r); }
+  // Rowwise: block j of row r of batch entry e, counter (j + n / 16, row(r), e + b, 0).
+  NVFP4_HD void row_block(uint32_t j, int64_t r, uint32_t e, uint32_t (&out)[4]) const {
+    block_random(key, j + n / kBlock, row(r), e + b, 0, out);
+  }
+  // Columnwise: the block of rows m0..m0 + 15 of x in column c, block m0 / 16 of row c of x^T:
+  // counter (row(m0) / 16, c + n, e + b, 1).
+  NVFP4_HD void column_block(int64_t m0, uint32_t c, uint32_t e, uint32_t (&out)[4]) const {
+    block_random(key, row(m0) / kBlock, c + n, e + b, 1, out);
+  }
+};
+
+// The Stream of a seed operand of a copy of m rows: `placed` where it holds 4 + m words, else the
+// key alone.
+NVFP4_HD Stream stream_of(const uint32_t* seed, bool placed, int64_t m) {
+  Stream s{Seed{seed[0], seed[1]}};
+  if (placed) {
+    s.b = seed[2];
+    s.n = seed[3];
+    s.rows = seed + 4;
+    s.m = m;
+  }
+  return s;
+}
+
 // Value k's random byte of a block's words.
 NVFP4_HD uint32_t random_byte(const uint32_t (&w)[4], int k) {
   return (w[k >> 2] >> (8 * (k & 3))) & 0xFFu;

@@ -7,6 +7,7 @@ tests/ is on sys.path because tests/conftest.py lives there. The modules:
 - ``kernel_cases``: the cases that compare kernels with the reference and with each other (random tensors
   and options, the row-scaled and 4over6 option table, the recipe's options, the jitted reference);
 - ``golden``: the golden files (tests/golden/) and the check against one, and the stochastic-rounding vectors;
+- ``sr_place``: a slice's place in the whole tensor for stochastic rounding, and the parts it must reproduce;
 - ``gemm``: the GEMM's float64 oracle, hand-built operands, the dense layer's problem and gradients;
 - ``cuda_host``: the CUDA kernels on the CPU through the host model (``from helpers import cuda_host``; not
   imported here: only the CUDA tests load the host model's module and, under pytest-xdist, its thread setting).

@@ -166,12 +166,17 @@ def test_bad_input():
         ops.grouped_quantize(x[:, :30], sizes, jnp.ones(1), jnp.ones((1, 2)), seeds[0], seeds[1:], spec=spec)
 
 
-def test_shards_over_features_with_the_unsharded_bytes():
-    """Features (and the batch) stay sharded: the same bytes, and no token moves (amaxes reduced as bits)."""
+@pytest.mark.parametrize(
+    "spec",
+    [QuantizeSpec(columnwise=True, rht=True), QuantizeSpec(rowwise=True, columnwise=True, stochastic_rounding=True)],
+    ids=["rht", "both copies, stochastic rounding"],
+)
+def test_shards_over_features_with_the_unsharded_bytes(spec):
+    """Features (and the batch) stay sharded: the same bytes (stochastic rounding draws at each shard's place), and
+    no token moves (amaxes reduced as bits)."""
     mesh = jax.make_mesh((4,), ("model",), devices=jax.devices()[:4], axis_types=(AxisType.Auto,))
     x = jax.random.normal(jax.random.key(1), (1, 48, 128), jnp.float32).astype(jnp.bfloat16)
     sizes = jnp.array([[20, 0, 28]], jnp.int32)
-    spec = QuantizeSpec(columnwise=True, rht=True)
     f = jax.jit(functools.partial(_amax_and_quantize, ops.grouped_amax, ops.grouped_quantize, spec=spec))
     want = f(x, sizes, seeds=_seeds(3)[1])
     sharded = jax.device_put(x, NamedSharding(mesh, P(None, None, "model")))

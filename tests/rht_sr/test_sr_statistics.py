@@ -274,9 +274,10 @@ def test_decisions_are_uncorrelated(block_2d):
 @needs_8_cpus
 @pytest.mark.parametrize("spec", [P("x", None), P(None, "x")], ids=["rows", "columns"])
 def test_shards_draw_uncorrelated_streams(spec):
-    """(v) Under jit on 8 devices each shard folds its index into the key: the decisions at the same local
-    position of neighbouring shards are uncorrelated, in both copies. (Without the fold they would be the same:
-    each shard's kernel numbers its blocks from 0, as quantizing the shards' slices apart shows.)"""
+    """(v) Under jit on 8 devices each shard draws at its place in the whole tensor (tests/rht_sr/test_sr_place.py:
+    sharded equals unsharded): the decisions at the same local position of neighbouring shards are uncorrelated,
+    in both copies. (Without the place they would be the same: each shard's kernel numbers its blocks from 0, as
+    quantizing the shards' slices apart shows.)"""
     mesh = jax.make_mesh((8,), ("x",), devices=CPUS[:8], axis_types=(AxisType.Auto,))
     x = midpoint_input(_ROWS, _COLS)
     quantize = jax.jit(lambda x: jax_nvfp4.quantize(x, amax=6.0, rng_key=jax.random.key(5), columnwise=True))
@@ -288,7 +289,7 @@ def test_shards_draw_uncorrelated_streams(spec):
     for s in shards:
         assert_uncorrelated(s[:-1], s[1:], f"neighbouring shards over {spec}")
         assert_uncorrelated(s[0], s[7], f"first and last shard over {spec}")
-    # What the fold prevents: the first two shards' slices quantized apart with one key draw the same bytes.
+    # What the place prevents: the first two shards' slices quantized apart with one key draw the same bytes.
     part = np.array_split(x, 8, axis=axis)
     same = [up_decisions(quantize(jnp.asarray(p)).data, p) for p in part[:2]]
     assert pearson(same[0].compressed().astype(float), same[1].compressed().astype(float)) > 0.999

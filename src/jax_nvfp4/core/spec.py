@@ -71,8 +71,9 @@ class QuantizeSpec:
       stochastic_rounding: round the E2M1 codes of every copy stochastically
         (unbiased), drawing from a counter-based generator keyed by the
         ``rng_key`` of the call, so that the CPU and CUDA kernels give the same
-        bytes for a key. Block scales stay round-to-nearest. Under ``jit`` on
-        a mesh each shard draws from its own key (the shard index folded in).
+        bytes for a key. Block scales stay round-to-nearest. The draws are a
+        function of the key and the position in the whole tensor, so under
+        ``jit`` on a mesh the shards draw the bytes of the unsharded tensor.
       row_scaled: per-token NVFP4: each row of x gets its own global amax and
         each row of x^T (column of x) its own for the columnwise copy (of the
         transform with ``rht``). 1x16 blocks only.

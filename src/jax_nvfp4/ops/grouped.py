@@ -3,7 +3,8 @@
 ``nvfp4_grouped_amax``: x, group_sizes [B, G] -> amax [B] (of the rows in groups) and each group's amax_t
 [B, G] (of its RHT chunks with ``rht_amax``); ``per_row``: [B, M] and [B, G, N].
 
-``nvfp4_grouped_quantize``: x, group_sizes, amax, amax_t, seed uint32 [2], group_seeds uint32 [G, 2] -> the
+``nvfp4_grouped_quantize``: x, group_sizes, amax, amax_t, seed uint32 [2] (or [4 + M] with a shard's place, as
+``nvfp4_quantize``'s), group_seeds uint32 [G, 2] -> the
 rowwise copy of x (with ``spec.rowwise``) and the grouped columnwise copy, data_t [B, N, Mp/2] and
 scale_t [B, N, P]: every group's columnwise blocks in one copy of at most M + 16 (G - 1) token rows.
 
@@ -13,15 +14,12 @@ place in the layout depend on all the sizes before it): a token-sharded x is gat
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.extend import random as jex_random
 
 from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.ops.define import Partitioning, define, shaped
-from jax_nvfp4.ops.partition import Factors, fits, pmax_bits
+from jax_nvfp4.ops.partition import Factors, fits, placed_seed, pmax_bits
 from jax_nvfp4.reference import grouped as ref
 
 SCALE_DTYPE = jnp.float8_e4m3fn
@@ -69,9 +67,10 @@ grouped_amax_p = define(
 
 
 def quantize_abstract(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec: QuantizeSpec):
-    del seed
     ref.check_grouped_spec(spec)
     bsz, rows, n = x.shape
+    if seed.shape not in ((2,), (4 + rows,)):
+        raise ValueError(f"the seed is uint32 [2] or [4 + M] (M = {rows} rows), not {seed.shape}")
     groups = group_sizes.shape[-1]
     if group_sizes.shape != (bsz, groups) or group_seeds.shape != (groups, 2):
         raise ValueError(
@@ -107,14 +106,12 @@ def _quantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, spec: Qua
     outs = [(bdim, (), ndim)] * 2 * spec.rowwise + [(bdim, ndim, ())] * 2
     amax = (bdim, ()) if spec.row_scaled else (bdim,)
     amax_t = (bdim, (), ndim) if spec.row_scaled else (bdim, ())
-    sharded = bdim + ndim
     local = kernel
-    if spec.stochastic_rounding and sharded:
-        # Each shard numbers its elements from 0: fold the shard's index into the seeds, as quantize does.
+    if spec.stochastic_rounding and bdim + ndim:
+        # The kernel numbers its shard's elements from 0: tell it where the shard sits (both copies' place).
         def local(x, group_sizes, amax, amax_t, seed, group_seeds):
-            count = jnp.stack([lax.axis_index(sharded).astype(jnp.uint32), jnp.uint32(0x5EED)])
-            fold = lambda s: jex_random.threefry_2x32(s, count)  # noqa: E731
-            return kernel(x, group_sizes, amax, amax_t, fold(seed), jax.vmap(fold)(group_seeds))
+            seed = placed_seed(mesh, seed, (bdim, (), ndim), in_shapes[0])
+            return kernel(x, group_sizes, amax, amax_t, seed, group_seeds)
 
     return [(bdim, (), ndim), (bdim, ()), amax, amax_t, ((),), ((), ())], outs, local
 

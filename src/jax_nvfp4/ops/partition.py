@@ -75,3 +75,21 @@ def pmax_bits(amax, axes: tuple[str, ...]):
 
 def row_factors(nrows: int) -> list[str]:
     return [f"r{i}" for i in range(nrows)]
+
+
+def placed_seed(mesh, seed, dims: tuple[tuple[str, ...], ...], shape: tuple[int, ...]):
+    """The seed operand of a shard of x [B, *R, N] split as ``dims``: the key ``seed`` uint32 [2], the shard's
+    first batch entry and column, then the index of each of its rows among the whole tensor's prod(R), row-major
+    (``reference.stochastic.Place``)."""
+
+    def first(d: tuple[str, ...], size: int):
+        if not d:
+            return jnp.uint32(0)
+        return lax.axis_index(d).astype(jnp.uint32) * jnp.uint32(size // mesh_size(mesh, d))
+
+    rows = jnp.zeros((), jnp.uint32)
+    for d, size in zip(dims[1:-1], shape[1:-1], strict=True):
+        local = jnp.arange(size // mesh_size(mesh, d), dtype=jnp.uint32) + first(d, size)
+        rows = rows[..., None] * jnp.uint32(size) + local
+    place = jnp.stack([first(dims[0], shape[0]), first(dims[-1], shape[-1])])
+    return jnp.concatenate([seed.astype(jnp.uint32), place, rows.ravel()])

@@ -4,29 +4,32 @@
   columnwise: data_t [B, N, *R[:-1], ceil(M/2)], scale_t [B, N, *R[:-1], ceil(M/16)] (M = R[-1]),
               the quantization of x^T (of its RHT with ``spec.rht``), scaled by amax_t [B]
 Row-scaled, amax is [B, *R] (one per row of x) and amax_t [B, N] (one per row of x^T). Stochastic
-rounding draws its random words from ``seed``. The one static parameter is the ``QuantizeSpec``.
+rounding draws its random words from ``seed``: the key, or on a shard of a sharded tensor the key and
+the shard's place in it (uint32 [4 + M], ``reference.stochastic.Place``), so that the shards draw
+what the whole tensor draws. The one static parameter is the ``QuantizeSpec``.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
-from jax import lax
-from jax.extend import random as jex_random
 
 from jax_nvfp4.core.backend import quantize_on_rows
 from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.ops.define import Partitioning, define, shaped
-from jax_nvfp4.ops.partition import Factors, fits, row_factors
+from jax_nvfp4.ops.partition import Factors, fits, placed_seed, row_factors
 from jax_nvfp4.reference import kernels
 
 SCALE_DTYPE = jnp.float8_e4m3fn
 
 
 def abstract(x, amax, amax_t, seed, *, spec: QuantizeSpec):
-    del seed
     b, *rows, n = x.shape
     spec.check_amaxes(x.shape, amax.shape, amax_t.shape)
+    if seed.shape not in ((2,), (4 + math.prod(rows),)):
+        raise ValueError(f"the seed is uint32 [2] or [4 + M] (M = {math.prod(rows)} rows), not {seed.shape}")
     if len(rows) > 1 and spec.blocked_rows and rows[-1] % BLOCK:
         raise ValueError(f"rows {rows} of several axes need the last to be whole blocks of {BLOCK}")
     spec.check_rows(rows[-1])
@@ -67,14 +70,12 @@ def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, spec: QuantizeSpec
     outs = [rows] * 2 * spec.rowwise + [(lead[0], dn, *lead[1:], dm)] * 2 * spec.columnwise
     amax = rows[:-1] if len(in_shapes[1]) > 1 else (lead[0],)
     amax_t = (lead[0], dn) if len(in_shapes[2]) > 1 else (lead[0],)
-    sharded = tuple(a for d in rows for a in d)
     local = kernel
-    if spec.stochastic_rounding and sharded:
-        # The kernel numbers the elements of its shard from 0: give each shard its own key (the shard's
-        # index folded into the seed), so that no two shards draw the same random words.
+    if spec.stochastic_rounding and any(rows):
+        # The kernel numbers its shard's elements from 0: tell it where the shard sits, so that it draws the
+        # random words of those positions of the whole tensor.
         def local(x, amax, amax_t, seed):
-            count = jnp.stack([lax.axis_index(sharded).astype(jnp.uint32), jnp.uint32(0x5EED)])
-            return kernel(x, amax, amax_t, jex_random.threefry_2x32(seed, count))
+            return kernel(x, amax, amax_t, placed_seed(mesh, seed, rows, in_shapes[0]))
 
     return [rows, amax, amax_t, ()], outs, local
 

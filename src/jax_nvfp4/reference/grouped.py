@@ -35,7 +35,7 @@ from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.reference import four_over_six as _fos
 from jax_nvfp4.reference import kernels as core
-from jax_nvfp4.reference.stochastic import block_bytes, e2m1_encode_stochastic
+from jax_nvfp4.reference.stochastic import Place, block_bytes, e2m1_encode_stochastic, split_seed
 
 
 def grouped_blocks(rows: int, groups: int) -> int:
@@ -116,16 +116,17 @@ def grouped_amax_core(x, group_sizes, *, rht_amax: bool, per_row: bool) -> tuple
     return b.from_bits(core.max_magnitude_bits(u, (1, 2))), b.from_bits(b.canonical_nan(jnp.max(per_group, -1)))
 
 
-def _group_bytes(group_seeds, owner, shape: tuple[int, int, int]) -> jax.Array:
+def _group_bytes(group_seeds, owner, shape: tuple[int, int, int], place: Place) -> jax.Array:
     """Each value's random byte of the grouped copy [B, N, Mp]: block p (owner g) draws with g's seed as
-    block p - g (its place on the global grid of 16 rows) of the [B, N, M] copy's stream 1."""
+    block p - g (its place on the global grid of 16 rows) of the [B, N, M] copy's stream 1, at ``place`` (the
+    quantize's, ``reference.stochastic.split_seed``)."""
     bsz, n, mp = shape
     groups = group_seeds.shape[0]
     blocks = mp // BLOCK
     seeds = group_seeds[jnp.minimum(owner, groups - 1)].astype(jnp.uint32)  # [B, P, 2]
-    j = (jnp.arange(blocks, dtype=jnp.uint32) - jnp.minimum(owner, groups - 1).astype(jnp.uint32))[:, None, :]
-    r = jnp.arange(n, dtype=jnp.uint32)[:, None]
-    bi = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None]
+    j = place.block_ids(blocks)[jnp.arange(blocks) - jnp.minimum(owner, groups - 1)][:, None, :]
+    r = jnp.arange(n, dtype=jnp.uint32)[:, None] + jnp.uint32(place.n)
+    bi = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None] + jnp.uint32(place.b)
     key = jnp.moveaxis(seeds[:, None], -1, 0)  # [2, B, 1, P]
     return block_bytes(key, j, r, bi, jnp.uint32(1), shape)
 
@@ -135,8 +136,9 @@ def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, sp
 
     data [B, M, ceil(N/2)], scale [B, M, ceil(N/16)]: ``quantize_core``'s rowwise copy of x with the
     rows past the groups zero (``amax`` [B], or [B, M] row-scaled; ``seed`` [2] for its stochastic
-    rounding). data_t [B, N, Mp/2], scale_t [B, N, P]: the grouped columnwise copy of the module
-    docstring, scaled by ``amax_t`` [B, G] ([B, G, N] row-scaled), rounding with ``group_seeds`` [G, 2].
+    rounding, or [4 + M] with the place of both copies: ``reference.stochastic.split_seed``). data_t
+    [B, N, Mp/2], scale_t [B, N, P]: the grouped columnwise copy of the module docstring, scaled by
+    ``amax_t`` [B, G] ([B, G, N] row-scaled), rounding with ``group_seeds`` [G, 2] at that place.
     1x16 blocks only; every option of the columnwise 1x16 copy applies.
     """
     bsz = x.shape[0]
@@ -166,7 +168,7 @@ def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, sp
         scale = core.block_scale(core.max_magnitude_bits(blocks, -1), g.encode_div6)
         v = b.mul(blocks, g.block_encode(scale)[..., None]).reshape(cols.shape)
         if spec.stochastic_rounding:
-            codes = e2m1_encode_stochastic(v, _group_bytes(group_seeds, owner, cols.shape))
+            codes = e2m1_encode_stochastic(v, _group_bytes(group_seeds, owner, cols.shape, split_seed(seed)[1]))
         else:
             codes = e2m1_encode(v)
     codes = jnp.where(used[:, None, :, None], codes.reshape(blocks.shape), 0).reshape(cols.shape)

@@ -205,11 +205,12 @@ def global_scales(amax: jnp.ndarray, e4m3_max: int) -> GlobalScales:
 
 
 def quantize_core(x, amax, amax_t, seed, *, spec: QuantizeSpec):
-    """[B, R, C] input, [B] amaxes, uint32 [2] seed -> (data, scale) if rowwise + (data_t, scale_t) if columnwise.
+    """[B, R, C] input, [B] amaxes, seed -> (data, scale) if rowwise + (data_t, scale_t) if columnwise.
 
     ``amax`` scales the rowwise copy (and 16x16 blocks), ``amax_t`` the columnwise
     1x16 copy, which with ``spec.rht`` is the quantization of the transform of x^T.
-    Stochastic rounding draws from ``seed``. Row-scaled (1x16 only): ``amax``
+    Stochastic rounding draws from ``seed``: uint32 [2], or [4 + R] with the copy's place in a whole tensor
+    (``reference.stochastic.split_seed``). Row-scaled (1x16 only): ``amax``
     is per row of x, [B, R], and ``amax_t`` per row of x^T, [B, C] (``amax_core(...,
     per_row=True)``); each row has its own global scales. 4over6 follows
     ``reference.four_over_six``; E = ``spec.e4m3_max`` sets the global scales.

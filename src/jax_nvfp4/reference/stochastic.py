@@ -9,7 +9,10 @@ Threefry: its rounds are two 32x32->64 multiplies and two XORs, which a GPU issu
 instructions (Threefry-2x32 needs 20 rounds of add, rotate, xor for 64 bits), and one hash gives a
 whole block's 128 random bits. Counters hold positions, not a running index, so a copy's draws do
 not depend on its size and the CPU and CUDA kernels, however they split the work, give the same
-bytes. 16x16 blocks draw once per value, from the rowwise stream of the padded tile array.
+bytes. They are positions in the whole tensor: a shard of it (under ``jit`` on a mesh) is told its
+place (``Place``: the seed operand grows from the key to [4 + M] words) and draws what the whole
+tensor draws there, so sharded equals unsharded. 16x16 blocks draw once per value, from the rowwise
+stream of the padded tile array.
 
 **The encode.** Between the neighbouring E2M1 magnitudes lo <= |v| < hi, with f = (|v| - lo) / (hi -
 lo), let X = floor(256 f + 1/2), 0..256. The code is lo's plus one iff X + rbyte >= 256, so it
@@ -22,6 +25,8 @@ sign bit, -0.0 gives +0) and NaN (code 0) as with round-to-nearest.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -66,13 +71,51 @@ def block_bytes(key: jnp.ndarray, j, r, bi, stream, shape: tuple[int, ...]) -> j
     return ((words[..., None] >> shifts) & 0xFF).reshape(shape)
 
 
+class Place(NamedTuple):
+    """Where a copy's values sit in the whole tensor [B, M, N] (the kernels' ``Stream``), so that a shard draws the
+    bytes the whole tensor draws there: its first batch entry ``b`` and column ``n`` of x (uint32 scalars), and
+    the whole tensor's index of each of its M rows (uint32 [M]; None: its rows are 0..M-1)."""
+
+    b: jnp.ndarray | int = 0
+    n: jnp.ndarray | int = 0
+    rows: jnp.ndarray | None = None
+
+    def row_ids(self, count: int) -> jnp.ndarray:
+        """The counters of rows 0..count-1 (padded rows past the M given keep their own index)."""
+        own = jnp.arange(count, dtype=jnp.uint32)
+        if self.rows is None:
+            return own
+        return jnp.concatenate([self.rows[:count], own[self.rows.shape[0] :]])
+
+    def block_ids(self, count: int) -> jnp.ndarray:
+        """The counters of the blocks of 16 rows 0..count-1 (a columnwise copy's blocks)."""
+        return self.row_ids(count * BLOCK)[::BLOCK] // BLOCK
+
+
+def split_seed(seed: jnp.ndarray) -> tuple[jnp.ndarray, Place]:
+    """A quantize's seed operand, uint32 [2] (the key) or [4 + M] (the key, b, n, the M rows' indices), as
+    (key, Place)."""
+    if seed.shape[0] == 2:
+        return seed, Place()
+    return seed[:2], Place(seed[2], seed[3], seed[4:])
+
+
 def random_bytes(seed: jnp.ndarray, shape: tuple[int, int, int], stream: int) -> jnp.ndarray:
-    """The random byte (uint32 0..255) of each value of a copy [B, R, W] (W whole blocks of 16) of ``stream``."""
+    """The random byte (uint32 0..255) of each value of a copy [B, R, W] (W whole blocks of 16) of ``stream``.
+
+    ``seed``: uint32 [2] or [4 + M] (``split_seed``). The rowwise copy (stream 0) has x's rows and blocks along
+    its columns, from column ``n``; the columnwise one (stream 1) x^T's rows, from ``n``, and blocks along x's
+    rows."""
+    key, place = split_seed(seed)
     bsz, rows, width = shape
-    j = jnp.arange(width // BLOCK, dtype=jnp.uint32)
-    r = jnp.arange(rows, dtype=jnp.uint32)[:, None]
-    bi = jnp.arange(bsz, dtype=jnp.uint32)[:, None, None]
-    return block_bytes(seed, j, r, bi, jnp.uint32(stream), shape)
+    if stream == 0:
+        j = jnp.arange(width // BLOCK, dtype=jnp.uint32) + jnp.uint32(place.n) // BLOCK
+        r = place.row_ids(rows)
+    else:
+        j = place.block_ids(width // BLOCK)
+        r = jnp.arange(rows, dtype=jnp.uint32) + jnp.uint32(place.n)
+    bi = jnp.arange(bsz, dtype=jnp.uint32) + jnp.uint32(place.b)
+    return block_bytes(key, j, r[:, None], bi[:, None, None], jnp.uint32(stream), shape)
 
 
 def sr_position(mag: jnp.ndarray) -> jnp.ndarray:
