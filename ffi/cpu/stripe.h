@@ -155,9 +155,10 @@ inline void random_row_bytes(const Stream& seed, int64_t r, uint32_t b, uint32_t
 // the columns (vectorizes).
 inline void random_column_words(const Stream& seed, int64_t m0, uint32_t b, uint32_t* __restrict w,
                                 int64_t n) {
+  const uint32_t index = seed.column_index(m0);
   for (int64_t i = 0; i < n; ++i) {
     uint32_t out[4];
-    seed.column_block(m0, uint32_t(i), b, out);
+    seed.column_block(index, uint32_t(i), b, out);
     w[i] = out[0];
     w[n + i] = out[1];
     w[2 * n + i] = out[2];
@@ -236,7 +237,7 @@ inline void pack_words(Stripe& st, int64_t width) {
 // rowwise copy. Stochastic rounding: a 16x16 stripe draws from the rowwise stream (block j of
 // row m0 + r: p.seed.row_block(j, m0 + r, b)); a columnwise one from stream 1, column n's block
 // of the stripe's 16 rows being block m0 / 16 of row n of the copy [B, N, M]:
-// p.seed.column_block(m0, n, b).
+// p.seed.column_block(p.seed.column_index(m0), n, b).
 inline void encode_columns(Stripe& st, int64_t width, int64_t m0, const Options& p) {
   const float* __restrict enc = st.enc.data();
   const float* __restrict v = st.value.data();

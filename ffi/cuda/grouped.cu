@@ -318,7 +318,7 @@ __device__ __forceinline__ void quantize_column(const typename L::T* x, const Pa
   if constexpr (kMode == Mode::kStochastic) {
     Stream s = stream_of(p.seed, p.placed, p.rows);
     s.key = Seed{p.group_seeds[2 * o.g], p.group_seeds[2 * o.g + 1]};
-    s.column_block(m0, uint32_t(n), uint32_t(b), w);
+    s.column_block(s.column_index(m0), uint32_t(n), uint32_t(b), w);
   }
   uint32_t words[2];
   *scale = encode_block<kMode>(spec, v, spec.global_scales(amax_t), w, words);

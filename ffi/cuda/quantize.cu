@@ -812,6 +812,7 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
                                                  const Stream& seed) {
   const QuantizeSpec& spec = p.spec;
   const bool rht = spec.columnwise_rht();
+  const uint32_t index = kMode == Mode::kStochastic ? seed.column_index(at.m0) : 0u;
 #pragma unroll
   for (int c = 0; c < kCols; c += 2) {
     float t[2][kBlock];
@@ -852,7 +853,7 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
         if constexpr (kMode == Mode::kStochastic) {
           // Column n's block (rows m0..m0 + 15) is block m0 / 16 of row n of the copy [B, N, M].
           uint32_t h[4];
-          seed.column_block(at.m0, at.n0 + c + j, at.b, h);
+          seed.column_block(index, at.n0 + c + j, at.b, h);
           lo = stochastic8<kPacked<L>>(kc.index, enc[j], h[0], h[1], get);
           hi = stochastic8<kPacked<L>>(kc.index, enc[j], h[2], h[3], get_hi);
         } else {

@@ -296,10 +296,11 @@ struct Stream {
   NVFP4_HD void row_block(uint32_t j, int64_t r, uint32_t e, uint32_t (&out)[4]) const {
     block_random(key, j + n / kBlock, row(r), e + b, 0, out);
   }
-  // Columnwise: the block of rows m0..m0 + 15 of x in column c, block m0 / 16 of row c of x^T:
-  // counter (row(m0) / 16, c + n, e + b, 1).
-  NVFP4_HD void column_block(int64_t m0, uint32_t c, uint32_t e, uint32_t (&out)[4]) const {
-    block_random(key, row(m0) / kBlock, c + n, e + b, 1, out);
+  // Columnwise: the block of rows m0..m0 + 15 of x, block m0 / 16 of each row of x^T, is block
+  // column_index(m0) of the whole tensor's; in column c, counter (that index, c + n, e + b, 1).
+  NVFP4_HD uint32_t column_index(int64_t m0) const { return row(m0) / kBlock; }
+  NVFP4_HD void column_block(uint32_t index, uint32_t c, uint32_t e, uint32_t (&out)[4]) const {
+    block_random(key, index, c + n, e + b, 1, out);
   }
 };
 
