@@ -144,6 +144,16 @@ NVFP4_PTX_HD uint32_t max_magnitude_x2(uint32_t a, uint32_t b) {
 #endif
 }
 
+// v, which the compiler may no longer see through: a value computed once stays computed once
+// (nvcc otherwise sinks a per-block quotient into the per-element select that uses it, one
+// correctly rounded division per element instead of two per block). No instruction is emitted.
+NVFP4_PTX_HD float opaque(float v) {
+#if defined(__CUDA_ARCH__)
+  asm("" : "+f"(v));
+#endif
+  return v;
+}
+
 // x * y + z rounded once (the FFMA instruction; std::fma on the host).
 NVFP4_PTX_HD float fma_rn(float x, float y, float z) {
 #if defined(__CUDA_ARCH__)
