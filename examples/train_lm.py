@@ -15,7 +15,8 @@ estimated from the pre-RHT one), 4o6 (plain + 4over6 adaptive block scaling of x
 16-value block scaled to 6 or to 4, whichever gives the smaller squared error), 4o6-mae (the same by the
 absolute error), per-token (plain + one global scale per token for x and dy instead of one per tensor),
 full-keep-last (the bf16 model converted by rules, ``jax_nvfp4.flax.quantize_model``: the full recipe
-everywhere but the last block), full-keep-ends (the same with the first and the last block in bf16).
+everywhere but the last block), full-keep-ends (the same with the first and the last block in bf16),
+full-mxfp8-attn (the full recipe, the attention projections in MXFP8: ``jax_nvfp4.MXFP8``).
 Stochastic rounding draws a fresh key every step from the layers' ``"nvfp4"`` RNG stream.
 
 `--switch-at F --switch-to RUN` is a precision schedule: every other run trains its first F of the steps as

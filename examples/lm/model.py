@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -23,7 +23,7 @@ import optax
 import jax_nvfp4
 from examples.lm.data import VOCAB
 from examples.lm.mesh import RULES
-from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, keep_ends, quantize_model
+from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, Rule, keep_ends, quantize_model
 from jax_nvfp4.flax.linen.moe import MoEMLP
 
 DTYPE = jnp.bfloat16  # activations; parameters stay float32
@@ -47,9 +47,30 @@ RECIPES = {
         rht=False, stochastic_rounding=False, row_scaled_activations=True, row_scaled_gradients=True
     ),
 }
-# Runs that convert the bf16 model by rules (jax_nvfp4.flax.quantize_model) instead of building it with NVFP4
-# layers: (the recipe of RECIPES they use, the first and the last blocks kept in bf16), every other layer NVFP4.
-RULE_RUNS = {"full-keep-last": ("full", 0, 1), "full-keep-ends": ("full", 1, 1)}
+
+
+class RuleRun(NamedTuple):
+    """A run that converts the bf16 model by rules (jax_nvfp4.flax.quantize_model) instead of building it with
+    NVFP4 layers: the recipe of RECIPES its NVFP4 layers use, its rules (from the block count and that recipe),
+    and what they change, for the results table."""
+
+    recipe: str
+    rules: Callable[[int, jax_nvfp4.Recipe], tuple[Rule, ...]]
+    what: str
+
+
+ATTENTION = r"block\d+/(q|k|v|out)"  # the attention projections' paths
+RULE_RUNS = {
+    "full-keep-last": RuleRun("full", lambda n, r: keep_ends(n, last=1, recipe=r), "last block bf16"),
+    "full-keep-ends": RuleRun(
+        "full", lambda n, r: keep_ends(n, first=1, last=1, recipe=r), "first and last blocks bf16"
+    ),
+    "full-mxfp8-attn": RuleRun(
+        "full",
+        lambda n, r: (Rule(ATTENTION, jax_nvfp4.MXFP8()), *keep_ends(n, last=0, recipe=r)),
+        "attention projections MXFP8",
+    ),
+}
 RUNS = (*RECIPES, *RULE_RUNS, "bf16")
 MOE_TOP_K = 2  # --moe: experts per token
 # The settings that define the model (build_model's), saved with it by --save.
@@ -203,9 +224,9 @@ def build_model(
     model = TransformerLM(
         args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh, moe_cls
     )
-    if run in RULE_RUNS:  # the end blocks (and the head, bf16 in every run) kept by the rules
-        name, first, last = RULE_RUNS[run]
-        return quantize_model(model, keep_ends(args.layers, first=first, last=last, recipe=recipe(name)))
+    if run in RULE_RUNS:  # the head stays bf16 in every run
+        rule_run = RULE_RUNS[run]
+        return quantize_model(model, rule_run.rules(args.layers, recipe(rule_run.recipe)))
     return model
 
 
@@ -225,9 +246,7 @@ def describe(run: str, args: argparse.Namespace) -> str:
     if run == "bf16":
         return "bf16"
     if run in RULE_RUNS:
-        name, first, last = RULE_RUNS[run]
-        kept = [f"first {first}"] * bool(first) + [f"last {last}"] * bool(last)
-        return describe(name, args) + f", {' and '.join(kept)} block{'s' * (first + last > 1)} bf16 (by rules)"
+        return describe(RULE_RUNS[run].recipe, args) + f", {RULE_RUNS[run].what} (by rules)"
     recipe = RECIPES[run]
     parts = [f"NVFP4, {args.weight_blocks} weights"]
     if recipe.rht:

@@ -13,6 +13,7 @@ Public API:
   ragged_dot(lhs, rhs, group_sizes, ..., recipe=None, rng_key=None): lax.ragged_dot (mixture of experts) in NVFP4
   Recipe: the training recipe's options, and the QuantizeSpec of each GEMM operand;
     FourOverSix: its 4over6 options (which operands, error, fast math, block-scale range).
+  MXFP8: a layer's GEMMs in MXFP8 instead (pass it as recipe=; ``jax_nvfp4.mxfp8``).
   quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
     (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
   all_gather(t, axis_name, *, axis=0, tiled=True): gather a quantized tensor in shard_map
@@ -30,6 +31,7 @@ from jax_nvfp4.linear.einsum import einsum
 from jax_nvfp4.linear.gemm import gemm
 from jax_nvfp4.linear.recipe import FourOverSix, Recipe
 from jax_nvfp4.moe.ragged_dot import ragged_dot
+from jax_nvfp4.mxfp8 import MXFP8
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.sharding.all_gather import all_gather
 
@@ -38,6 +40,7 @@ dequantize = pipeline.dequantize_fn(KERNELS)
 amax = pipeline.amax_fn(KERNELS)
 
 __all__ = [
+    "MXFP8",
     "FourOverSix",
     "NVFP4Tensor",
     "QuantizeSpec",

@@ -102,10 +102,9 @@ def test_the_four_over_six_and_per_token_runs_are_their_recipes():
     args = _args("data=1")
     assert describe("4o6", args) == "NVFP4, 16x16 weights + 4over6 (x, W, dy; MSE, E4M3 max 256)"
     assert describe("4o6-mae", args) == "NVFP4, 16x16 weights + 4over6 (x, W, dy; MAE, E4M3 max 256)"
-    assert describe("full-keep-last", args) == "NVFP4, 16x16 weights + RHT + SR, last 1 block bf16 (by rules)"
-    assert describe("full-keep-ends", args) == (
-        "NVFP4, 16x16 weights + RHT + SR, first 1 and last 1 blocks bf16 (by rules)"
-    )
+    assert describe("full-keep-last", args) == "NVFP4, 16x16 weights + RHT + SR, last block bf16 (by rules)"
+    assert describe("full-keep-ends", args) == "NVFP4, 16x16 weights + RHT + SR, first and last blocks bf16 (by rules)"
+    assert describe("full-mxfp8-attn", args).endswith("+ SR, attention projections MXFP8 (by rules)")
     assert describe("per-token", args) == "NVFP4, 16x16 weights + per-token scales (x, dy)"
 
 

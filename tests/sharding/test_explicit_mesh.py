@@ -151,7 +151,9 @@ def _tensor_parallel_problem():
     return x, (w1, w2)
 
 
-@pytest.mark.parametrize("recipe", [RECIPE, jax_nvfp4.Recipe()], ids=["rht", "stochastic_rounding"])
+@pytest.mark.parametrize(
+    "recipe", [RECIPE, jax_nvfp4.Recipe(), jax_nvfp4.MXFP8()], ids=["rht", "stochastic_rounding", "mxfp8"]
+)
 def test_training_step_on_explicit_axes_equals_auto(recipe):
     """A tensor-parallel 2-layer MLP: hidden units over "model", tokens over "data". The Explicit program is the
     Auto one (its layouts, and so each shard's stochastic-rounding key): loss and grads bitwise equal."""

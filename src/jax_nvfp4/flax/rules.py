@@ -3,8 +3,8 @@
 A layer's path is its module names from the model's root joined by ``/`` (linen: ``module.path``,
 e.g. ``"block0/mlp_up"`` or ``"MultiHeadDotProductAttention_0/query"``; NNX: the attribute path,
 e.g. ``"blocks/0/attn/query"``). The first rule whose ``module_path`` regex matches the whole path
-(``re.fullmatch``) decides: its recipe, or ``None`` to keep the layer in its input precision. A layer
-no rule matches is kept too.
+(``re.fullmatch``) decides: its recipe (an NVFP4 ``Recipe``, or ``MXFP8()`` for that layer's GEMMs in MXFP8),
+or ``None`` to keep the layer in its input precision. A layer no rule matches is kept too.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ import re
 from collections.abc import Iterable, Sequence
 
 from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.mxfp8 import MXFP8
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Layers whose path matches ``module_path`` (a regex, matched whole) run with ``recipe``; ``None`` keeps them
-    in their input precision."""
+    """Layers whose path matches ``module_path`` (a regex, matched whole) run with ``recipe`` (NVFP4, or
+    ``MXFP8()``); ``None`` keeps them in their input precision."""
 
     module_path: str
-    recipe: Recipe | None = dataclasses.field(default_factory=Recipe)
+    recipe: Recipe | MXFP8 | None = dataclasses.field(default_factory=Recipe)
 
     def __post_init__(self) -> None:
         if not isinstance(self.module_path, str):
@@ -31,8 +32,10 @@ class Rule:
             re.compile(self.module_path)
         except re.error as e:
             raise ValueError(f"Rule.module_path {self.module_path!r} is not a valid regex: {e}") from None
-        if not (self.recipe is None or isinstance(self.recipe, Recipe)):
-            raise TypeError(f"Rule.recipe must be a jax_nvfp4.Recipe or None, got {type(self.recipe).__name__}")
+        if not (self.recipe is None or isinstance(self.recipe, (Recipe, MXFP8))):
+            raise TypeError(
+                f"Rule.recipe must be a jax_nvfp4.Recipe, a jax_nvfp4.MXFP8 or None, got {type(self.recipe).__name__}"
+            )
 
 
 def check_rules(rules: Iterable[Rule]) -> tuple[Rule, ...]:
@@ -44,7 +47,7 @@ def check_rules(rules: Iterable[Rule]) -> tuple[Rule, ...]:
     return rules
 
 
-def recipe_for(rules: Sequence[Rule], path: str) -> Recipe | None:
+def recipe_for(rules: Sequence[Rule], path: str) -> Recipe | MXFP8 | None:
     """The recipe of the first rule matching ``path`` (None: the layer stays in its input precision)."""
     for rule in rules:
         if re.fullmatch(rule.module_path, path):

@@ -38,6 +38,8 @@ from jax_nvfp4.core.pipeline import dequantize_fn, quantize_batch, row_axes
 from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.mxfp8.matmul import MXFP8
+from jax_nvfp4.mxfp8.matmul import matmul as mxfp8_matmul
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.sharding.explicit import explicit_sharding
 
@@ -96,6 +98,7 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 # Jitted so that eager calls run as one compiled program, not op by op.
 _jitted_matmul = jax.jit(_matmul, static_argnums=3)
+_jitted_mxfp8_matmul = jax.jit(mxfp8_matmul, static_argnums=(2, 3))
 
 
 def quantize_weight(kernel: jax.Array, recipe: Recipe | None = None, *, contract_ndim: int = 1) -> QuantizedWeight:
@@ -168,11 +171,15 @@ def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, re
     return _jitted_fprop(x, rhs.tensor, recipe, out.dtype).reshape(out.shape)
 
 
-def check_options(owner: str, recipe: Recipe | None, rng_key, preferred_element_type) -> Recipe:
-    """The options every NVFP4 GEMM entry point (``owner``) takes, checked: its recipe (``Recipe()`` by default)."""
+def check_options(
+    owner: str, recipe: Recipe | MXFP8 | None, rng_key, preferred_element_type, *, mxfp8: bool = False
+) -> Recipe | MXFP8:
+    """The options every NVFP4 GEMM entry point (``owner``) takes, checked: its recipe (``Recipe()`` by default;
+    an ``MXFP8`` too where ``mxfp8``)."""
     recipe = Recipe() if recipe is None else recipe
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+    if not isinstance(recipe, (Recipe, MXFP8) if mxfp8 else Recipe):
+        expected = "a jax_nvfp4.Recipe or jax_nvfp4.MXFP8" if mxfp8 else "a jax_nvfp4.Recipe"
+        raise TypeError(f"{owner}'s recipe must be {expected}, got {type(recipe).__name__}")
     if rng_key is not None:
         check_key(rng_key, "rng_key")
     if preferred_element_type is not None:
@@ -216,10 +223,10 @@ def dot_general(
     preferred_element_type: DTypeLike | None = None,
     *,
     out_sharding: NamedSharding | PartitionSpec | None = None,
-    recipe: Recipe | None = None,
+    recipe: Recipe | MXFP8 | None = None,
     rng_key: jax.Array | None = None,
 ) -> jax.Array:
-    """``lax.dot_general`` with NVFP4 GEMMs in the forward and backward pass.
+    """``lax.dot_general`` with NVFP4 GEMMs in the forward and backward pass (or MXFP8 ones: ``recipe=MXFP8()``).
 
     Same signature as ``lax.dot_general``, so it can be passed as
     ``dot_general=`` to ``nn.Dense``, ``nn.DenseGeneral`` or ``nnx.Linear``.
@@ -238,10 +245,13 @@ def dot_general(
         current mesh) for the result, applied as a sharding constraint: the
         GEMM computes that layout and moves its quantized operands to fit.
         On Explicit axes it is the result's type, as for ``lax.dot_general``.
-      recipe: the NVFP4 recipe options; ``Recipe()`` by default.
+      recipe: the NVFP4 recipe options; ``Recipe()`` by default. An
+        ``MXFP8()`` runs the three GEMMs in MXFP8 instead (E4M3 values, an
+        E8M0 scale per 32 values along each GEMM's contracted axis, round to
+        nearest; ``jax_nvfp4.mxfp8``).
       rng_key: a JAX PRNG key for the stochastic rounding of the gradients
         (on by default, ``Recipe.needs_rng_key``): needed when the
-        backward pass runs; use a fresh key each step.
+        backward pass runs; use a fresh key each step. Unused by MXFP8.
 
     Gradients have the dtypes of ``lhs`` and ``rhs``. Forward-mode autodiff
     (jvp) is not defined. Empty operands fall back to ``lax.dot_general``.
@@ -254,8 +264,10 @@ def dot_general(
     the operands' layouts, and the result is resharded to that type.
     """
     del precision
-    recipe = check_options("NVFP4 dot_general", recipe, rng_key, preferred_element_type)
+    recipe = check_options("NVFP4 dot_general", recipe, rng_key, preferred_element_type, mxfp8=True)
     if isinstance(rhs, QuantizedWeight):
+        if isinstance(recipe, MXFP8):
+            raise TypeError("a QuantizedWeight holds NVFP4 codes: it runs with an NVFP4 Recipe, not MXFP8")
         y = _apply_quantized(jnp.asarray(lhs), rhs, dimension_numbers, preferred_element_type, recipe)
         return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
@@ -280,5 +292,8 @@ def dot_general(
     rows = row_axes(tuple(lhs.shape[d] for d in lf), blocked_rows=True)
     x = lhs.transpose(*lb, *lf, *lc).reshape(batch, *rows, k)
     w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)
-    y = _jitted_matmul(x, w, rng_key, DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
+    if isinstance(recipe, MXFP8):
+        y = _jitted_mxfp8_matmul(x, w, recipe, (out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
+    else:
+        y = _jitted_matmul(x, w, rng_key, DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
     return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)

@@ -16,6 +16,7 @@ from jax.typing import DTypeLike
 
 from jax_nvfp4.linear.dot_general import dot_general
 from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.mxfp8.matmul import MXFP8
 
 _SPARE = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # labels for the axes an ellipsis stands for (einsum's are lower case)
 
@@ -62,10 +63,11 @@ def einsum(
     *,
     precision: lax.PrecisionLike = None,
     preferred_element_type: DTypeLike | None = None,
-    recipe: Recipe | None = None,
+    recipe: Recipe | MXFP8 | None = None,
     rng_key: jax.Array | None = None,
 ) -> jax.Array:
-    """``jnp.einsum(subscripts, lhs, rhs)`` with the contraction in NVFP4 (``jax_nvfp4.dot_general``).
+    """``jnp.einsum(subscripts, lhs, rhs)`` with the contraction in NVFP4 (``jax_nvfp4.dot_general``; in MXFP8 with
+    ``recipe=MXFP8()``).
 
     ``lhs`` is the activations, ``rhs`` the weights (16x16 blocks with the default recipe). Two operands
     and an explicit output (``->``); ellipses are allowed. A label that appears in one operand only and not

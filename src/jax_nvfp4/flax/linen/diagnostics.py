@@ -54,7 +54,7 @@ def gemm_operand_stats(
 def observe(module: nn.Module, lhs: jax.Array, rhs: jax.Array, dims, recipe: Recipe, y: jax.Array) -> jax.Array:
     """Called by an NVFP4 layer with its GEMM's operands and output ``y``; returns ``y`` (with a perturbation
     while output gradients are collected). Does nothing unless a diagnostics collection is in use."""
-    if module.is_initializing():  # init makes every collection mutable: no diagnostics there
+    if module.is_initializing() or not isinstance(recipe, Recipe):  # init makes every collection mutable; MXFP8
         return y
     if module.is_mutable_collection(STATS_COLLECTION):
         dy = module.get_variable(DY_COLLECTION, _DY) if module.has_variable(DY_COLLECTION, _DY) else None

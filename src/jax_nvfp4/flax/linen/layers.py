@@ -24,6 +24,7 @@ from jax_nvfp4.core.tensor import QuantizedWeight
 from jax_nvfp4.flax.linen import diagnostics
 from jax_nvfp4.linear.dot_general import dot_general, quantize_weight
 from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.mxfp8 import MXFP8
 
 RNG_STREAM = "nvfp4"
 """The Flax RNG stream the layers draw their stochastic-rounding keys from: train with
@@ -175,13 +176,14 @@ def quantize_params(params, recipe: Recipe | None = None, *, model: nn.Module, i
     matter, a batch of one will do) to find the ``NVFP4Dense`` / ``NVFP4DenseGeneral`` layers, and
     quantizes each kernel as the layer's forward GEMM does (rowwise, with ``recipe``, else the layer's
     own): 0.5625 bytes a value. The same model then applies the returned tree directly, quantizing
-    only its activations; every other parameter (embeddings, bf16 layers, biases) is unchanged.
+    only its activations; every other parameter (embeddings, bf16 and MXFP8 layers, biases) is unchanged.
     """
 
     def quantize_kernels(next_fun, args, kw, context):
         module = context.module
         if (
             isinstance(module, NVFP4Layer)
+            and not isinstance(module.recipe, MXFP8)
             and context.method_name == "__call__"
             and module.has_variable("params", "kernel")
         ):

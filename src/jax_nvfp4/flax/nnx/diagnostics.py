@@ -21,6 +21,7 @@ from flax import nnx
 from jax_nvfp4.flax.linen.diagnostics import gemm_operand_stats, plot_stats, stats_table
 from jax_nvfp4.flax.nnx.layers import NVFP4DotGeneral, observing
 from jax_nvfp4.linear.dot_general import dot_general
+from jax_nvfp4.linear.recipe import Recipe
 
 
 class _Observer:
@@ -47,7 +48,7 @@ def collect_stats(
     key = jax.random.key(0) if key is None else key
     ops = {}
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, NVFP4DotGeneral):
+        if isinstance(node, NVFP4DotGeneral) and isinstance(node.recipe, Recipe):  # NVFP4 statistics: not MXFP8
             names = [str(p) for p in path]
             ops["/".join(names[:-1] if names and names[-1] == "dot_general" else names)] = node
     observers = {layer: _Observer(key) for layer in ops}

@@ -33,6 +33,7 @@ from jax_nvfp4.flax.rules import check_rules, recipe_for
 from jax_nvfp4.linear.dot_general import dot_general, quantize_weight
 from jax_nvfp4.linear.einsum import einsum
 from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.mxfp8 import MXFP8
 
 DEFAULT_RECIPE = Recipe()
 
@@ -65,12 +66,12 @@ class NVFP4Op(nnx.Module):
 
     def __init__(self, recipe: Recipe = DEFAULT_RECIPE, *, rngs: nnx.Rngs | nnx.RngStream | None = None) -> None:
         """Args:
-        recipe: the NVFP4 recipe; ``Recipe()`` by default.
+        recipe: the NVFP4 recipe; ``Recipe()`` by default (``MXFP8()``: the GEMMs in MXFP8).
         rngs: an ``nnx.Rngs`` (its ``"nvfp4"`` stream, else its ``default``)
           or an ``nnx.RngStream``; used only with ``recipe.needs_rng_key``.
         """
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {type(recipe).__name__}")
+        if not isinstance(recipe, (Recipe, MXFP8)):
+            raise TypeError(f"recipe must be a jax_nvfp4.Recipe or a jax_nvfp4.MXFP8, got {type(recipe).__name__}")
         self.recipe = recipe
         if not (rngs is None or isinstance(rngs, (nnx.Rngs, nnx.RngStream))):
             raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None, got {type(rngs).__name__}")
@@ -152,11 +153,14 @@ def quantize_params(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Modu
     """Store the kernel of every NVFP4 layer of ``model`` as a ``QuantizedWeight``, in place; returns ``model``.
 
     NVFP4 layers are the ``nnx.Linear`` / ``nnx.LinearGeneral`` whose ``dot_general`` is an
-    ``NVFP4DotGeneral``. Each kernel is quantized as that module's forward GEMM does (with ``recipe``,
-    else the module's own), and the layer then applies it directly, quantizing only its inputs.
+    ``NVFP4DotGeneral`` with an NVFP4 recipe (MXFP8 layers keep their kernels). Each kernel is quantized as that
+    module's forward GEMM does (with ``recipe``, else the module's own), and the layer then applies it directly,
+    quantizing only its inputs.
     """
     for _, node in nnx.iter_graph(model):
         if not (isinstance(node, nnx.Linear | nnx.LinearGeneral) and isinstance(node.dot_general, NVFP4DotGeneral)):
+            continue
+        if isinstance(node.dot_general.recipe, MXFP8):
             continue
         kernel = node.kernel[...]
         if isinstance(kernel, QuantizedWeight):
