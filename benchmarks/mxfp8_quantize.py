@@ -4,9 +4,9 @@ kernel of its own?
 
 Cases on a bf16 [size, size] tensor: a memcpy of its bytes (numpy ``copyto`` into a preallocated array, one
 thread); MXFP8 along the rows (the forward GEMM's copy) and along both axes (a training step's two copies of x:
-the rows, and the columns for the weight gradient, in x's own layout), each jitted; and the NVFP4 quantize kernel's rowwise +
-columnwise copies (``jax_nvfp4.quantize``, amax pass included). Calls taken in turns, median of ``--repeats``.
-Prints a markdown table; ``--out FILE`` also writes it.
+the rows, and the columns for the weight gradient, in x's own layout), each jitted; and the NVFP4 quantize
+kernel's rowwise + columnwise copies (``jax_nvfp4.quantize``, amax pass included). Calls taken in turns, median
+of ``--repeats``. Prints a markdown table; ``--out FILE`` also writes it.
 
     python -m benchmarks.mxfp8_quantize [--size 4096] [--repeats 9] [--out results.md]
 """

@@ -62,7 +62,8 @@ struct FastCandidate {
 __device__ __forceinline__ FastCandidate exact_units(const Candidate& c, const GlobalScales& g) {
   const float t = c.dec * g.amax;
   const bool exact = (t >= 0x1p-113f && t <= 0x1p125f) || (c.dec == 0.0f && g.amax <= kFloatMax);
-  return FastCandidate{c, opaque(t / g.divisor), opaque((1.5f * c.dec * g.amax) / g.divisor), exact};
+  return FastCandidate{c, opaque(t / g.divisor), opaque((1.5f * c.dec * g.amax) / g.divisor),
+                       exact};
 }
 
 // Whether every block of a copy with this amax has exact units (exact_units): nonzero scales lie
