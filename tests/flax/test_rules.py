@@ -75,7 +75,7 @@ def test_rules_take_the_first_full_match():
 def test_rule_errors():
     with pytest.raises(ValueError, match="not a valid regex"):
         Rule("block(")
-    with pytest.raises(TypeError, match="Recipe or None"):
+    with pytest.raises(TypeError, match=r"Recipe, a jax_nvfp4\.MXFP8 or None"):
         Rule(".*", "fp4")
     with pytest.raises(TypeError, match="Rule objects"):
         quantize_model(LinenLM(), [(".*", Recipe())])

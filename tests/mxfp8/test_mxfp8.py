@@ -51,7 +51,7 @@ def model_dequantize(values, scales) -> np.ndarray:
 
 
 @st.composite
-def tensors(draw):
+def mx_inputs(draw):
     """Rows of values spread over 2^-40..2^40 (float16: its own range), some blocks all zero."""
     dtype = draw(st.sampled_from(DTYPES))
     shape = (draw(st.integers(1, 3)), draw(st.integers(1, 100)))
@@ -62,7 +62,7 @@ def tensors(draw):
     return jnp.asarray(x, dtype)
 
 
-@given(x=tensors())
+@given(x=mx_inputs())
 @settings(max_examples=examples(60), deadline=None)
 def test_quantize_matches_the_float64_model(x):
     got = jax.jit(mxfp8.quantize)(x)
@@ -91,7 +91,7 @@ def test_edge_values():
     assert y[3, 0] == y[4, 0] == 448 * 2.0**-3 and y[5, 0] == -np.inf  # 224.00002 (2^-2) rounds to 224
 
 
-def _problem(dtype, seed=0):
+def _gemm_operands(dtype, seed=0):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((2, 3, 5, 40)) * 4, dtype)  # batch, two row axes, K = 40
     w = jnp.asarray(rng.standard_normal((2, 40, 24)) * 0.1, dtype)  # batch, K, N
@@ -121,7 +121,7 @@ def _assert_within_float32_sums(got, want, magnitude, length):
 def test_training_gemms_match_the_float64_model(dtype):
     """y = x . W^T (x, W along K), dx = dy . W (dy, W along N), dW = dy^T . x (dy, x along the tokens): each a
     float64 sum of the model's quantized operands, within float32 accumulation's error."""
-    x, w, dy = _problem(dtype)
+    x, w, dy = _gemm_operands(dtype)
 
     def f(x, w):
         return jax_nvfp4.dot_general(x, w, DIMS, preferred_element_type=jnp.float32, recipe=jax_nvfp4.MXFP8())
@@ -145,7 +145,7 @@ def test_training_gemms_match_the_float64_model(dtype):
 def test_scaled_dot_gives_the_emulated_sums():
     """``MXFP8(impl="scaled_dot")``: ``lax.scaled_dot`` on the E4M3 values and E8M0 scales (decomposed by XLA on the
     CPU) gives the emulation's outputs and gradients, bit for bit."""
-    x, w, dy = _problem(jnp.bfloat16, seed=1)
+    x, w, dy = _gemm_operands(jnp.bfloat16, seed=1)
     outs = []
     for impl in ("emulated", "scaled_dot"):
         recipe = jax_nvfp4.MXFP8(impl=impl)
