@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4.linear.block_sum import GemmImpl, resolve_impl
+from jax_nvfp4.core.checks import check_choice
+from jax_nvfp4.linear.block_sum import GEMM_IMPLS, GemmImpl, resolve_impl
 from jax_nvfp4.mxfp8.format import MXArray, dequantize, quantize
 
 
@@ -43,13 +44,9 @@ class MXFP8:
     impl: GemmImpl = "auto"
 
     def __post_init__(self) -> None:
-        resolve_impl(self.impl, "MXFP8.impl")  # checks the choice
+        check_choice("MXFP8.impl", self.impl, GEMM_IMPLS)
 
-    needs_rng_key = False  # round to nearest everywhere: no random bits
-
-    def check_rng_key(self, key) -> None:
-        """Nothing to check: MXFP8 draws no random bits (a key passed is unused)."""
-        del key
+    needs_rng_key = False  # round to nearest everywhere: no random bits (a Recipe's attribute, for the layers)
 
 
 def _sum(a: MXArray, a_axis: int, c: MXArray, c_axis: int, impl: str) -> jax.Array:
