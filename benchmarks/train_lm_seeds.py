@@ -1,12 +1,15 @@
 """The example's runs over several seeds, from the JSON of each invocation: mean ± sd of each run's losses and
-of its same-seed validation gap to bf16, and the gap over training (mean ± sd band) as a plot.
+of its same-seed validation gap to bf16, the gap over training (mean ± sd band), and the final gap against the
+model's width.
 
 Long comparisons run one seed per invocation (``python -m examples.train_lm --runs ... --seed S --json F``), each
 finishing on its own; a run's bf16 partner may come from another invocation of the same seed. This merges them:
-every file's results under its seed (``args.seed``), runs that several files hold taken from the last. All files
-must share the model's settings (d_model, layers, steps, batch, ...): mixing them is an error.
+files with the same model and training settings (d_model, layers, steps, batch, ...) form one group, every file's
+results under its seed (``args.seed``), runs that several files hold taken from the last. Each group gets its
+table (a run that not every seed of the group has is left out, and said so); ``--width-plot`` draws each run's
+final gap against d_model over the groups.
 
-    python -m benchmarks.train_lm_seeds RESULTS.json ... [--out table.md] [--plot gaps.png]
+    python -m benchmarks.train_lm_seeds RESULTS.json ... [--out table.md] [--plot gaps.png] [--width-plot w.png]
 """
 
 from __future__ import annotations
@@ -17,46 +20,103 @@ import io
 import json
 import pathlib
 
-from examples.lm.model import RUNS
-from examples.lm.report import plot_seeds, print_seed_table
+import matplotlib
+import numpy as np
 
-# The settings that must agree between the merged files (the model, its data and its training).
+from examples.lm.model import RUNS
+from examples.lm.report import COLORS, plot_seeds, print_seed_table, val_gaps
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+# The settings that define a group (the model, its data and its training).
 SETTINGS = ("steps", "batch", "seq_len", "d_model", "layers", "heads", "lr", "weight_blocks", "eval_every", "moe")
 
 
-def merge(paths: list[str]) -> tuple[argparse.Namespace, dict[int, dict]]:
-    """(the shared settings with every run found, in RUNS order; seed -> run -> results)."""
-    by_seed: dict[int, dict] = {}
-    settings = None
+def groups(paths: list[str]) -> list[tuple[argparse.Namespace, dict[int, dict]]]:
+    """Per group of equal settings: (the settings, with the runs every seed has, in RUNS order; seed -> run ->
+    results), in the order the groups first appear."""
+    found: dict[tuple, dict[int, dict]] = {}
     for path in paths:
         data = json.loads(pathlib.Path(path).read_text())
-        these = {k: data["args"].get(k) for k in SETTINGS}
-        if settings is not None and these != settings:
-            raise SystemExit(f"{path}: settings {these} differ from the others' {settings}")
-        settings = these
-        by_seed.setdefault(int(data["args"]["seed"]), {}).update(data["results"])
-    runs = [r for r in RUNS if all(r in results for results in by_seed.values())]
-    missing = sorted({r for results in by_seed.values() for r in results} - set(runs))
-    if missing:
-        print(f"left out (not in every seed): {', '.join(missing)}")
-    return argparse.Namespace(**settings, runs=runs), by_seed
+        key = tuple(data["args"].get(k) for k in SETTINGS)
+        found.setdefault(key, {}).setdefault(int(data["args"]["seed"]), {}).update(data["results"])
+    out = []
+    for key, by_seed in found.items():
+        runs = [r for r in RUNS if all(r in results for results in by_seed.values())]
+        missing = sorted({r for results in by_seed.values() for r in results} - set(runs))
+        if missing:
+            print(f"d_model {key[SETTINGS.index('d_model')]}: left out (not in every seed): {', '.join(missing)}")
+        out.append((argparse.Namespace(**dict(zip(SETTINGS, key, strict=True)), runs=runs), by_seed))
+    return out
+
+
+def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: str) -> None:
+    """Each run's final validation gap to bf16 against d_model: mean over the seeds, ± one sd (none for one seed)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in RUNS:
+        points = []
+        for settings, by_seed in found:
+            if run == "bf16" or run not in settings.runs or "bf16" not in settings.runs:
+                continue
+            final = val_gaps(by_seed, run)[:, -1]
+            sd = final.std(ddof=1) if len(final) > 1 else 0.0
+            points.append((settings.d_model, final.mean(), sd, len(final), settings.steps))
+        if not points:
+            continue
+        d, mean, sd, n, steps = (np.asarray(v) for v in zip(*sorted(points), strict=True))
+        ax.errorbar(d, mean, yerr=sd, fmt="o-", color=COLORS[run], capsize=4, label=run)
+        for x, y, k, s in zip(d, mean, n, steps, strict=True):
+            ax.annotate(
+                f"{k} seed{'s' * int(k > 1)}, {s} steps",
+                (x, y),
+                textcoords="offset points",
+                xytext=(6, 4),
+                fontsize=7,
+                color=COLORS[run],
+            )
+    ax.axhline(0, color=COLORS["bf16"], lw=1)
+    ax.set(
+        xscale="log",
+        xlabel="d_model",
+        ylabel="final val. loss, % above bf16 (same seed)",
+        title="NVFP4's gap to bf16 against the model's width",
+    )
+    widths = sorted({s.d_model for s, _ in found})
+    ax.set_xticks(widths, labels=[str(w) for w in widths])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="JSON files of examples.train_lm --json")
-    parser.add_argument("--out", help="also write the table (markdown) here")
-    parser.add_argument("--plot", default="train_lm_seeds.png", help="the gap plot (its name gets -seeds)")
+    parser.add_argument("--out", help="also write the tables (markdown) here")
+    parser.add_argument("--plot", default="train_lm_seeds.png", help="the gap plots (each group's gets -seeds)")
+    parser.add_argument("--width-plot", help="the final gap against d_model, over the groups")
     args = parser.parse_args()
-    settings, by_seed = merge(args.results)
-    settings.out = args.plot
-    table = io.StringIO()
-    with contextlib.redirect_stdout(table):
-        print_seed_table(by_seed, settings)
-    print(table.getvalue())
+    found = groups(args.results)
+    tables = io.StringIO()
+    for settings, by_seed in found:
+        with contextlib.redirect_stdout(tables):
+            print(
+                f"\nd_model {settings.d_model}, {settings.layers} blocks, {settings.steps} steps of "
+                f"{settings.batch}x{settings.seq_len} bytes;",
+                end="",
+            )
+            print_seed_table(by_seed, settings)
+        stem = pathlib.Path(args.plot)
+        settings.out = str(stem.with_name(f"{stem.stem}-d{settings.d_model}{stem.suffix}"))
+        plot_seeds(by_seed, settings)
+    print(tables.getvalue())
     if args.out:
-        pathlib.Path(args.out).write_text(table.getvalue().lstrip("\n"))
-    plot_seeds(by_seed, settings)
+        pathlib.Path(args.out).write_text(tables.getvalue().lstrip("\n"))
+    if args.width_plot:
+        plot_widths(found, args.width_plot)
 
 
 if __name__ == "__main__":
