@@ -21,6 +21,7 @@ import json
 import pathlib
 
 import matplotlib
+import matplotlib.ticker
 import numpy as np
 
 from examples.lm.model import RUNS
@@ -52,7 +53,8 @@ def groups(paths: list[str]) -> list[tuple[argparse.Namespace, dict[int, dict]]]
 
 
 def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: str) -> None:
-    """Each run's final validation gap to bf16 against d_model: mean over the seeds, ± one sd (none for one seed)."""
+    """Each run's final validation gap to bf16 against d_model (the runs at two widths or more): mean over the
+    seeds, ± one sd (none for one seed)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in RUNS:
         points = []
@@ -62,7 +64,7 @@ def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: s
             final = val_gaps(by_seed, run)[:, -1]
             sd = final.std(ddof=1) if len(final) > 1 else 0.0
             points.append((settings.d_model, final.mean(), sd, len(final), settings.steps))
-        if not points:
+        if len(points) < 2:  # a curve needs two widths
             continue
         d, mean, sd, n, steps = (np.asarray(v) for v in zip(*sorted(points), strict=True))
         ax.errorbar(d, mean, yerr=sd, fmt="o-", color=COLORS[run], capsize=4, label=run)
@@ -76,8 +78,9 @@ def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: s
                 color=COLORS[run],
             )
     ax.axhline(0, color=COLORS["bf16"], lw=1)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set(
-        xscale="log",
         xlabel="d_model",
         ylabel="final val. loss, % above bf16 (same seed)",
         title="NVFP4's gap to bf16 against the model's width",
