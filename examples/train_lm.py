@@ -6,7 +6,7 @@ weights and sees the same batches; only the linear layers inside the transformer
 (NVFP4 with a recipe variant, or bf16). The embeddings and the output head stay in bf16, as in NVIDIA's
 NVFP4 recipe. Prints a table of final losses and step times and writes a plot of the loss curves.
 
-    python -m examples.train_lm [--steps N] [--runs full,bf16 | all] [--out train_lm.png]
+    python -m examples.train_lm [--steps N] [--runs full-keep-ends,bf16 | all] [--out train_lm.png]
 
 The NVFP4 recipe variants (``--runs``): plain (round to nearest, no transform), rht (+ the Random
 Hadamard Transform on the weight-gradient operands), sr (+ stochastic rounding of the gradients, no
@@ -68,7 +68,7 @@ from examples.lm.training import train
 
 
 def parse_runs(text: str) -> tuple[str, ...]:
-    """``full,bf16`` or ``all`` -> the runs' names, for argparse."""
+    """``full-keep-ends,bf16`` or ``all`` -> the runs' names, for argparse."""
     runs = RUNS if text == "all" else tuple(dict.fromkeys(r.strip() for r in text.split(",")))
     if not runs or any(r not in RUNS for r in runs):
         raise argparse.ArgumentTypeError(f"{text!r}: expected 'all' or a comma-separated list of {', '.join(RUNS)}")
@@ -113,8 +113,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--runs",
         type=parse_runs,
-        default=("full", "bf16"),
-        help=f"comma-separated runs of {', '.join(RUNS)}, or 'all' (default: full,bf16)",
+        default=("full-keep-ends", "bf16"),
+        help=f"comma-separated runs of {', '.join(RUNS)}, or 'all' (default: full-keep-ends,bf16, the recommended "
+        "run: NVIDIA's full recipe with the first and last blocks in bf16)",
     )
     parser.add_argument(
         "--switch-at",
