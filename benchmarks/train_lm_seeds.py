@@ -36,14 +36,14 @@ SETTINGS = ("steps", "batch", "seq_len", "d_model", "layers", "heads", "lr", "we
 
 def groups(paths: list[str]) -> list[tuple[argparse.Namespace, dict[int, dict]]]:
     """Per group of equal settings: (the settings, with the runs every seed has, in RUNS order; seed -> run ->
-    results), in the order the groups first appear."""
+    results), by d_model."""
     found: dict[tuple, dict[int, dict]] = {}
     for path in paths:
         data = json.loads(pathlib.Path(path).read_text())
         key = tuple(data["args"].get(k) for k in SETTINGS)
         found.setdefault(key, {}).setdefault(int(data["args"]["seed"]), {}).update(data["results"])
     out = []
-    for key, by_seed in found.items():
+    for key, by_seed in sorted(found.items(), key=lambda item: item[0][SETTINGS.index("d_model")]):
         runs = [r for r in RUNS if all(r in results for results in by_seed.values())]
         missing = sorted({r for results in by_seed.values() for r in results} - set(runs))
         if missing:

@@ -82,9 +82,19 @@ def describe_result(run: str, result: dict[str, Any], args: argparse.Namespace) 
 
 
 def print_seed_table(by_seed: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
-    """Mean and sample standard deviation over the seeds of each run's final losses and gap to bf16."""
+    """Mean and sample standard deviation over the seeds of each run's final losses and gap to bf16 (one seed:
+    its values, no spread)."""
     n = len(by_seed)
-    print(f"\n{n} seeds ({', '.join(map(str, by_seed))}): mean ± standard deviation over the seeds")
+    if n == 1:
+        print(f"\none seed ({next(iter(by_seed))}): no spread, not a ranking")
+    else:
+        print(f"\n{n} seeds ({', '.join(map(str, by_seed))}): mean ± standard deviation over the seeds")
+
+    def spread(a: np.ndarray, digits: int, unit: str = "") -> str:
+        return f"{a.mean():{'+' if unit else ''}.{digits}f}{unit}" + (
+            f" ± {a.std(ddof=1):.{digits}f}{unit}" if n > 1 else ""
+        )
+
     print(
         "\n| run | recipe | train loss | val loss | val gap vs bf16 (same seed) | ms/step |\n|---|---|---|---|---|---|"
     )
@@ -95,8 +105,8 @@ def print_seed_table(by_seed: dict[int, dict[str, dict[str, Any]]], args: argpar
         gap = "-"
         if run != "bf16" and "bf16" in args.runs:
             final = val_gaps(by_seed, run)[:, -1]
-            gap = f"{final.mean():+.2f}% ± {final.std(ddof=1):.2f}%"
-        losses = f"{train_loss.mean():.4f} ± {train_loss.std(ddof=1):.4f} | {val.mean():.4f} ± {val.std(ddof=1):.4f}"
+            gap = spread(final, 2, "%")
+        losses = f"{spread(train_loss, 4)} | {spread(val, 4)}"
         recipe = describe_result(run, by_seed[next(iter(by_seed))][run], args)
         print(f"| {run} | {recipe} | {losses} | {gap} | {ms:.1f} |")
 
