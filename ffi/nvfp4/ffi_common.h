@@ -137,6 +137,13 @@ struct QuantizeOutputs {
   }
 };
 
+// Whether a quantize's seed operand is uint32 [2] (the key) or [4 + rows] (the key and a shard's
+// place: Stream); `placed` says which.
+inline bool seed_shape_ok(const ffi::Buffer<ffi::U32>& seed, int64_t rows, bool& placed) {
+  placed = int64_t(seed.element_count()) == 4 + rows;
+  return placed || seed.element_count() == 2;
+}
+
 // Checks quantize's [B, M, N] input, its amax and amax_t ([B], or [B, M] and
 // [B, N] when row-scaled), the seed (uint32 [2], or [4 + M] where `placed`: see
 // Stream), the spec and the dtype and size of each requested output (in the
@@ -152,8 +159,7 @@ inline ffi::Error check_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
                                       int64_t(amax_t.element_count()), batch, rows, cols);
       e.failure())
     return e;
-  placed = int64_t(seed.element_count()) == 4 + rows;
-  if (seed.element_count() != 2 && !placed)
+  if (!seed_shape_ok(seed, rows, placed))
     return invalid("quantize seed must be uint32 [2] or [4 + M] (the key and the shard's place)");
   if (auto e = spec.check_rows(rows); e.failure()) return e;
   uint8_t** ptrs[4] = {&o.data, &o.scale, &o.data_t, &o.scale_t};
@@ -272,9 +278,7 @@ inline ffi::Error check_grouped_quantize(
       int64_t(amax_t.element_count()) != s.batch * s.groups * per_col)
     return invalid(
         "grouped quantize amax / amax_t must be [B] / [B, G] ([B, M] / [B, G, N] row-scaled)");
-  placed = int64_t(seed.element_count()) == 4 + s.rows;
-  if ((seed.element_count() != 2 && !placed) ||
-      int64_t(group_seeds.element_count()) != 2 * s.groups)
+  if (!seed_shape_ok(seed, s.rows, placed) || int64_t(group_seeds.element_count()) != 2 * s.groups)
     return invalid("grouped quantize seeds must be uint32 [2] (or [4 + M]) and [G, 2]");
   if (auto e = spec.check_rows(s.rows); e.failure()) return e;
   o = QuantizeOutputs{nullptr, nullptr, nullptr, nullptr};

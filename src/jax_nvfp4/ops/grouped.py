@@ -21,6 +21,7 @@ from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.partition import Factors, fits, placed_seed, pmax_bits
 from jax_nvfp4.reference import grouped as ref
+from jax_nvfp4.reference.stochastic import check_seed_shape
 
 SCALE_DTYPE = jnp.float8_e4m3fn
 
@@ -69,8 +70,7 @@ grouped_amax_p = define(
 def quantize_abstract(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec: QuantizeSpec):
     ref.check_grouped_spec(spec)
     bsz, rows, n = x.shape
-    if seed.shape not in ((2,), (4 + rows,)):
-        raise ValueError(f"the seed is uint32 [2] or [4 + M] (M = {rows} rows), not {seed.shape}")
+    check_seed_shape(seed.shape, rows)
     groups = group_sizes.shape[-1]
     if group_sizes.shape != (bsz, groups) or group_seeds.shape != (groups, 2):
         raise ValueError(

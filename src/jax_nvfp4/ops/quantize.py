@@ -21,6 +21,7 @@ from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.partition import Factors, fits, placed_seed, row_factors
 from jax_nvfp4.reference import kernels
+from jax_nvfp4.reference.stochastic import check_seed_shape
 
 SCALE_DTYPE = jnp.float8_e4m3fn
 
@@ -28,8 +29,7 @@ SCALE_DTYPE = jnp.float8_e4m3fn
 def abstract(x, amax, amax_t, seed, *, spec: QuantizeSpec):
     b, *rows, n = x.shape
     spec.check_amaxes(x.shape, amax.shape, amax_t.shape)
-    if seed.shape not in ((2,), (4 + math.prod(rows),)):
-        raise ValueError(f"the seed is uint32 [2] or [4 + M] (M = {math.prod(rows)} rows), not {seed.shape}")
+    check_seed_shape(seed.shape, math.prod(rows))
     if len(rows) > 1 and spec.blocked_rows and rows[-1] % BLOCK:
         raise ValueError(f"rows {rows} of several axes need the last to be whole blocks of {BLOCK}")
     spec.check_rows(rows[-1])

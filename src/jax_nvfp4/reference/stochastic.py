@@ -92,6 +92,12 @@ class Place(NamedTuple):
         return self.row_ids(count * BLOCK)[::BLOCK] // BLOCK
 
 
+def check_seed_shape(shape: tuple[int, ...], rows: int) -> None:
+    """ValueError unless a quantize's seed operand of ``shape`` is uint32 [2] or [4 + rows] (``split_seed``)."""
+    if shape not in ((2,), (4 + rows,)):
+        raise ValueError(f"the seed is uint32 [2] or [4 + M] (M = {rows} rows), not {shape}")
+
+
 def split_seed(seed: jnp.ndarray) -> tuple[jnp.ndarray, Place]:
     """A quantize's seed operand, uint32 [2] (the key) or [4 + M] (the key, b, n, the M rows' indices), as
     (key, Place)."""
