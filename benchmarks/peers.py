@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 from collections.abc import Callable
 from importlib import metadata
 
@@ -200,7 +201,7 @@ def _fmt(v: float) -> str:
 
 
 def _pct(v: float) -> str:
-    return f"{100 * v:.1f}%" if np.isfinite(v) else str(v)
+    return f"{100 * v:.3g}%" if np.isfinite(v) else str(v)
 
 
 def main() -> None:
@@ -230,9 +231,8 @@ def main() -> None:
             "",
             f"{datetime.date.today()}, {os.cpu_count()} cores, {jax.device_count()} {jax.devices()[0].platform} "
             f"device(s), jax {jax.__version__}, jax_nvfp4 {jax_nvfp4.__version__}, qwix {metadata.version('qwix')}; "
-            "`python -m benchmarks.peers`"
-            + (f" `--out {args.out}`" if args.out else "")
-            + f". Load average at the start: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.",
+            f"`{' '.join(['python -m benchmarks.peers', *sys.argv[1:]])}`. "
+            f"Load average at the start: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.",
         ]
         + ([args.note] if args.note else [])
         + [
@@ -265,6 +265,19 @@ def main() -> None:
         for i, (name, t) in enumerate(zip(quantizers, times, strict=True)):
             ours = times[i - i % 2]
             report.add(f"| {size}x{size} | {name} | {t * 1e3:.2f} | {t / t_copy:.1f}x | {t / ours:.2f}x |")
+    x = jax.random.normal(jax.random.key(0), (args.size, args.size), jnp.bfloat16)
+    t, q = quantizers["jax_nvfp4 quantize"](x), quantizers["Qwix quantize"](x)
+    # XLA's layout of Qwix's float4 codes: "{1,0:E(4)}" is 4 bits an element (packed).
+    packed = ":E(4)}" in quantizers["Qwix quantize"].lower(x).compile().as_text()
+    codes = q.qvalue.size // 2 if packed else q.qvalue.nbytes
+    report.add("")
+    report.add(
+        f"The quantized {args.size}x{args.size}: jax_nvfp4 {t.data.nbytes + t.scale.nbytes + t.amax.nbytes:,} bytes "
+        f"(codes {t.data.dtype} {list(t.data.shape)}, two a byte; scales {t.scale.dtype} {list(t.scale.shape)}; "
+        f"amax {t.amax.dtype}); Qwix {codes + q.scale.nbytes:,} bytes (codes {q.qvalue.dtype} "
+        f"{list(q.qvalue.shape)}, {'4 bits each in XLA layout' if packed else 'a byte each'}; scales "
+        f"{q.scale.dtype} {list(q.scale.shape)})."
+    )
 
     methods = {
         "jax_nvfp4": jax.jit(ours_roundtrip),
