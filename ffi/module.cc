@@ -3,6 +3,8 @@
 // NVFP4_CUDA_MODULE defined) when the CUDA toolkit is available.
 #include <nanobind/nanobind.h>
 
+#include "build_config.h"
+
 #if defined(NVFP4_CUDA_MODULE)
 #include "cuda/handlers.h"
 #define NVFP4_MODULE_NAME _nvfp4_cuda
@@ -57,6 +59,7 @@ uint64_t e2m1_code_mismatches() {
 NB_MODULE(NVFP4_MODULE_NAME, m) {
   m.doc() = "NVFP4 XLA FFI handlers";
   m.def("registrations", &registrations);
+  m.def("build_config", &nvfp4::build_config, "What this module was built with (CMake's settings).");
 #if !defined(NVFP4_CUDA_MODULE)
   m.def("e2m1_code_mismatches", &e2m1_code_mismatches,
         "Exhaustive check of the CPU kernels' E2M1 encode against float_to_e2m1: the number of "

@@ -6,6 +6,8 @@ Public API:
   quantize(x, spec=None, *, amax=None, rng_key=None, **spec_fields) -> NVFP4Tensor
   dequantize(t, dtype=jnp.float32, columnwise=False) -> jax.Array
   amax(x, *, amax_mesh_axes=None) -> float32 scalar (per-row option: one per row, x.shape[:-1])
+  fake_quantize(x, spec=None, *, amax=None, rng_key=None, **spec_fields) -> dequantize(quantize(x)) in x's
+    dtype with a straight-through (identity) gradient: quantization-aware training
   NVFP4Tensor, and ``reference``: the pure-JAX spec with the same signatures.
   gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
   dot_general(lhs, rhs, dimension_numbers, ..., recipe=None, rng_key=None): lax.dot_general in NVFP4
@@ -17,13 +19,17 @@ Public API:
   quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
     (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
   all_gather(t, axis_name, *, axis=0, tiled=True): gather a quantized tensor in shard_map
+  build_info() -> dict: the version, the compiled modules' build settings (jaxlib, CUDA architectures)
+    and what runs each op on the current devices (``python -m jax_nvfp4`` prints it)
 Under jit on a mesh the primitives shard themselves (amax reduced over the mesh,
 GEMM operands gathered quantized). Flax layers live in ``jax_nvfp4.flax`` (needs
 flax); ``jax_nvfp4.sharding.hlo`` reads the collectives of a compiled program.
 """
 
 from jax_nvfp4 import reference
+from jax_nvfp4.build_info import build_info
 from jax_nvfp4.core import pipeline
+from jax_nvfp4.core.fake_quantize import fake_quantize_fn
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
 from jax_nvfp4.linear.dot_general import dequantize_weight, dot_general, quantize_weight
@@ -38,6 +44,7 @@ from jax_nvfp4.sharding.all_gather import all_gather
 quantize = pipeline.quantize_fn(KERNELS)
 dequantize = pipeline.dequantize_fn(KERNELS)
 amax = pipeline.amax_fn(KERNELS)
+fake_quantize = fake_quantize_fn(quantize, dequantize)
 
 __all__ = [
     "MXFP8",
@@ -48,10 +55,12 @@ __all__ = [
     "Recipe",
     "all_gather",
     "amax",
+    "build_info",
     "dequantize",
     "dequantize_weight",
     "dot_general",
     "einsum",
+    "fake_quantize",
     "gemm",
     "quantize",
     "quantize_weight",

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "build_config.h"
 #include "cuda/e2m1_lut.cuh"
 #include "cuda/handlers.h"
 #include "cuda/host/probes.h"
@@ -193,6 +194,7 @@ nb::bytes f16_rz(Floats x) {
 NB_MODULE(_nvfp4_cuda_host, m) {
   m.doc() = "NVFP4 CUDA FFI handlers on the CPU, over the CUDA host execution model (tests only)";
   m.def("registrations", &registrations);
+  m.def("build_config", &nvfp4::build_config, "What this module was built with (CMake's settings).");
   m.def("set_emulated_sm", &nvfp4::host::set_emulated_sm, nb::arg("sm"),
         "The GPU the model stands for: 90 (Hopper) or 100/120 (sm_100a/sm_120a code paths).");
   m.def("emulated_sm", &nvfp4::host::emulated_sm);

@@ -11,6 +11,8 @@ how it shards (a ``Partitioning``). The helper wires the rest:
   mesh the kernel runs on local shards and only the collectives the
   ``Partitioning`` asks for are added. On one device, or inside a fully
   manual ``shard_map``, it lowers straight to the kernel.
+- a JVP rule that raises ``core.autodiff.not_differentiable``: the ops
+  have no derivative, and the error says what to use instead.
 
 Contract shared by every op: each operand and each result has a leading batch
 axis [B, ...] of independent problems, so ``vmap`` folds its axis into B.
@@ -28,9 +30,10 @@ from jax import lax
 from jax._src import dispatch  # no public hook: see the note in define()
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_nvfp4.core.autodiff import not_differentiable
 from jax_nvfp4.ops import ffi
 from jax_nvfp4.sharding.explicit import auto_mesh
 
@@ -89,8 +92,13 @@ def define(
     def kernel_lowering(ctx, *args, **params):
         return ffi_rule(ctx, *args, **ffi_attrs(**params))
 
+    def cuda_kernel_lowering(ctx, *args, **params):
+        ffi.check_cuda_devices()  # a GPU the build lacks: a clear error here, not a failed launch
+        return kernel_lowering(ctx, *args, **params)
+
     for platform in ffi.platforms_with(name):
-        mlir.register_lowering(kernel_prim, kernel_lowering, platform=platform)
+        rule = cuda_kernel_lowering if platform == "cuda" else kernel_lowering
+        mlir.register_lowering(kernel_prim, rule, platform=platform)
 
     prim = Primitive(name)
     prim.multiple_results = True
@@ -133,6 +141,11 @@ def define(
         return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
 
     batching.primitive_batchers[prim] = batch_rule
+
+    def no_jvp(primals, tangents, **params):
+        raise not_differentiable(name)  # JAX calls this only where a tangent is nonzero
+
+    ad.primitive_jvps[prim] = no_jvp
     return prim
 
 
