@@ -30,10 +30,11 @@ def test_quantize_matches_reference(x, opts):
     tensors(max_dim=40), quantize_options, st.sampled_from([0.0, 1e-3, 3.0, 1e30, 1e-38, np.inf, np.nan, -0.0, -2.0])
 )
 def test_quantize_with_given_amax_matches_reference(x, opts, amax):
-    # An external amax (e.g. reduced over a mesh) may be smaller or larger than max|x|;
-    # even a meaningless negative one gives the same bytes.
-    got = jax.jit(lambda x: jax_nvfp4.quantize(x, amax=jnp.float32(amax), **opts))(x)
-    want = jax.jit(lambda x: reference.quantize(x, amax=jnp.float32(amax), **opts))(x)
+    # An external amax (e.g. reduced over a mesh) may be smaller or larger than max|x|; a traced one is not
+    # checked (a concrete NaN or negative one is refused: test_bad_input), and even a meaningless one gives the
+    # same bytes.
+    got = jax.jit(lambda x, a: jax_nvfp4.quantize(x, amax=a, **opts))(x, jnp.float32(amax))
+    want = jax.jit(lambda x, a: reference.quantize(x, amax=a, **opts))(x, jnp.float32(amax))
     assert_same_tensor(got, want)
 
 

@@ -55,6 +55,54 @@ def check_mesh_axes(name: str, axes) -> tuple[str, ...] | None:
     return axes
 
 
+def mesh_axis_names(x) -> tuple[str, ...] | None:
+    """The axes of the mesh ``x`` is computed on, where that is known while tracing: the current mesh
+    (``jax.set_mesh``, ``shard_map``), else the mesh of ``x``'s sharding (of a concrete array: () if it
+    has none). None where it is not known yet: a traced ``x`` typed with no mesh may still run on one
+    (``jit(..., in_shardings=...)``), which ``unknown_mesh_axes`` checks when the op is partitioned."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty:
+        return tuple(context.axis_names)
+    if isinstance(x, jax.core.Tracer):
+        mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+        return None if mesh is None or mesh.empty else tuple(mesh.axis_names)
+    sharding = getattr(x, "sharding", None)
+    return tuple(sharding.mesh.axis_names) if isinstance(sharding, jax.sharding.NamedSharding) else ()
+
+
+def unknown_mesh_axes(name: str, axes: tuple[str, ...] | None, mesh_axes: tuple[str, ...] | None) -> None:
+    """ValueError naming the axes of ``axes`` that ``mesh_axes`` (the mesh's axis names; () with no mesh)
+    lacks, and the mesh's axes; nothing if ``mesh_axes`` is None (not known yet)."""
+    if axes is None or mesh_axes is None:
+        return
+    missing = tuple(a for a in axes if a not in mesh_axes)
+    if not missing:
+        return
+    if not mesh_axes:
+        raise ValueError(
+            f"{name}={axes!r} names mesh axes, but there is no mesh here (mesh axes: none): it scopes the "
+            "amax reduction under jit on a mesh (jax.set_mesh, shard_map, or x sharded over one); pass None"
+        )
+    raise ValueError(f"{name}={axes!r}: the mesh has no axis {', '.join(map(repr, missing))} (its axes: {mesh_axes})")
+
+
+def check_amax_values(amax) -> None:
+    """ValueError naming ``amax`` where a concrete given amax (a scalar, or per-row amaxes) is negative
+    (-0.0 included: its sign would reach the block scales) or NaN. A traced amax cannot be read, so it is
+    not checked: it quantizes as the kernels do with its value (docs/quantization.md, "What bad input does")."""
+    if isinstance(amax, jax.core.Tracer):
+        return
+    values = np.asarray(amax, np.float32)
+    bad = np.isnan(values) | np.signbit(values)
+    if not bad.any():
+        return
+    index = tuple(int(i) for i in np.argwhere(bad)[0])
+    value = float(values[index])
+    where = f" at index {index}" if index else ""
+    why = " (negative zero: its sign bit would reach the block scales; pass 0.0)" if value == 0 else ""
+    raise ValueError(f"amax must be >= 0 and not NaN (it stands for max|x|), got {value!r}{where}{why}")
+
+
 def check_out_dtype(dtype, option: str = "dtype", owner: str = "dequantize") -> np.dtype:
     """A result dtype: bfloat16, float16 or float32, else a TypeError naming the option and its owner."""
     try:

@@ -21,7 +21,16 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from jax_nvfp4.core.backend import Backend
-from jax_nvfp4.core.checks import check_flag, check_key, check_mesh_axes, check_out_dtype, check_real
+from jax_nvfp4.core.checks import (
+    check_amax_values,
+    check_flag,
+    check_key,
+    check_mesh_axes,
+    check_out_dtype,
+    check_real,
+    mesh_axis_names,
+    unknown_mesh_axes,
+)
 from jax_nvfp4.core.formats import BLOCK, INPUT_DTYPES
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.core.tensor import NVFP4Tensor, check_tensor
@@ -66,6 +75,7 @@ def _amaxes(backend: Backend, x: jax.Array, spec: QuantizeSpec, amax) -> tuple[j
     if spec.row_scaled and amax is not None:
         return amax, jnp.zeros((b, n), jnp.float32)  # amax_t: no columnwise copy reads it
     if amax is None:
+        unknown_mesh_axes("amax_mesh_axes", spec.amax_mesh_axes, mesh_axis_names(x))
         outs = backend.amax(
             x, amax_mesh_axes=spec.amax_mesh_axes, rht_amax=spec.measures_rht_amax, per_row=spec.row_scaled
         )
@@ -169,6 +179,7 @@ def amax_fn(backend: Backend) -> Callable:
         """
         x = _check_input(x)
         xr, axes = _as_rows(x, blocked_rows=False), check_mesh_axes("amax_mesh_axes", amax_mesh_axes)
+        unknown_mesh_axes("amax_mesh_axes", axes, mesh_axis_names(x))
         per_row = check_flag("row_scaled", row_scaled)
         outs = backend.amax(xr, amax_mesh_axes=axes, rht_amax=False, per_row=per_row)
         return outs[0].reshape(x.shape[:-1]) if per_row else outs[0][0]
@@ -187,11 +198,12 @@ def _given_amax(amax, spec: QuantizeSpec, want: tuple[int, ...], rows: tuple[int
             "pass amax=None (quantize computes both) or columnwise=False"
         )
     check_real("amax", amax)
-    amax = jnp.asarray(amax, jnp.float32)
+    given, amax = amax, jnp.asarray(amax, jnp.float32)
     if amax.shape != want:
         if spec.row_scaled:
             raise ValueError(f"row-scaled amax= holds one amax per row, shape x.shape[:-1] = {want}, got {amax.shape}")
         raise ValueError(f"amax must be a scalar, got shape {amax.shape}")
+    check_amax_values(given)
     return amax.reshape(1, *rows) if spec.row_scaled else amax.reshape(1)
 
 

@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
-from jax_nvfp4.core.checks import check_key, check_out_dtype
+from jax_nvfp4.core.checks import check_key, check_out_dtype, mesh_axis_names, unknown_mesh_axes
 from jax_nvfp4.core.formats import INPUT_DTYPES
 from jax_nvfp4.core.pipeline import dequantize_fn, quantize_batch, row_axes
 from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
@@ -272,6 +272,8 @@ def dot_general(
         return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     check_operands("NVFP4 dot_general", lhs=lhs, rhs=rhs)
+    if isinstance(recipe, Recipe):  # here, where lhs may still be concrete (its mesh known)
+        unknown_mesh_axes("Recipe.amax_mesh_axes", recipe.amax_mesh_axes, mesh_axis_names(lhs))
     dims = _int_dims(dimension_numbers)
     (lc, rc), (lb, rb) = dims
     # lax's own shape rule validates the dimension numbers and gives the result type.

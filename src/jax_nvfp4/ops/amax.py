@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_nvfp4.core.backend import amax_on_rows
+from jax_nvfp4.core.checks import unknown_mesh_axes
 from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.partition import fits, pmax_bits, row_factors
@@ -32,6 +33,8 @@ def _rule(axis_sizes, in_shapes, out_shapes, *, amax_mesh_axes, rht_amax, per_ro
 
 
 def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, amax_mesh_axes, rht_amax, per_row):
+    # The mesh may first be known here (jit of an x typed without one, e.g. through in_shardings=).
+    unknown_mesh_axes("amax_mesh_axes", amax_mesh_axes, tuple(mesh.axis_names))
     # The transform mixes 16 consecutive rows: the last row axis stays in whole chunks.
     blocks = [1] * (len(in_shapes[0]) - 2) + [BLOCK if rht_amax else 1, 1]
     dims = tuple(fits(mesh, n, d, k) for n, d, k in zip(in_shapes[0], in_dims[0], blocks, strict=True))

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from jax_nvfp4.core import bits as b
+from jax_nvfp4.core.autodiff import without_derivative
 from jax_nvfp4.core.backend import Backend, amax_on_rows, quantize_on_rows
 from jax_nvfp4.core.codecs import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode
 from jax_nvfp4.core.formats import BLOCK, RHT_SIGNS
@@ -255,9 +256,14 @@ def _amax(x, *, amax_mesh_axes, rht_amax, per_row):
     return amax_core(x, rht_amax=rht_amax, per_row=per_row)
 
 
-# Jitted so that eager calls run as one compiled program, not op by op.
+# Jitted so that eager calls run as one compiled program, not op by op; differentiated, each raises the
+# kernels' error (core.autodiff) rather than give the zero gradient of its integer arithmetic.
 REFERENCE = Backend(
-    amax=amax_on_rows(jax.jit(_amax, static_argnames=("amax_mesh_axes", "rht_amax", "per_row"))),
-    quantize=quantize_on_rows(jax.jit(quantize_core, static_argnames="spec")),
-    dequantize=jax.jit(dequantize_core, static_argnames=("cols", "dtype", "e4m3_max")),
+    amax=without_derivative(
+        "nvfp4_amax", amax_on_rows(jax.jit(_amax, static_argnames=("amax_mesh_axes", "rht_amax", "per_row")))
+    ),
+    quantize=without_derivative("nvfp4_quantize", quantize_on_rows(jax.jit(quantize_core, static_argnames="spec"))),
+    dequantize=without_derivative(
+        "nvfp4_dequantize", jax.jit(dequantize_core, static_argnames=("cols", "dtype", "e4m3_max"))
+    ),
 )
