@@ -46,6 +46,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
@@ -65,6 +66,22 @@ _WGRAD = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
 )
 """[N, Mp] . [K, Mp] -> [G, N, K], each group contracting its segment of the tokens."""
+
+
+def check_group_sizes(group_sizes, rows: int) -> None:
+    """ValueError where concrete ``group_sizes`` hold a negative size or sum past ``rows`` (lhs's M). Traced
+    ones cannot be read: a negative size then counts as zero and a sum past M cuts the last groups at M."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    sizes = np.asarray(group_sizes).astype(np.int64)  # their sum can pass 2^31 (not every platform sums in 64 bits)
+    if (sizes < 0).any():
+        g = int(np.argmax(sizes < 0))
+        raise ValueError(f"group_sizes must be >= 0, got {int(sizes[g])} for group {g} (group_sizes={sizes.tolist()})")
+    if sizes.sum() > rows:
+        raise ValueError(
+            f"group_sizes sum to {int(sizes.sum())}, past lhs's {rows} rows (group_sizes={sizes.tolist()}): "
+            "each row belongs to at most one group"
+        )
 
 
 def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -222,8 +239,10 @@ def ragged_dot(
     Args:
       lhs: [M, K] bfloat16, float16 or float32: the tokens, sorted by group (expert).
       rhs: [G, K, N] of the same dtypes: one weight per group.
-      group_sizes: int [G]: the rows of each group, in order; they may be zero (a negative size counts as
-        zero). Rows past their sum give zeros; a sum past M cuts the last groups at M.
+      group_sizes: int [G]: the rows of each group, in order, each >= 0 and summing to at most M (rows
+        past their sum give zeros). Concrete sizes that are negative or sum past M raise ValueError; traced
+        ones (under ``jit``) cannot be checked: a negative size then counts as zero and a sum past M cuts
+        the last groups at M.
       precision: ignored; the GEMMs are NVFP4 with float32 accumulation.
       preferred_element_type: the output dtype (bfloat16, float16 or float32).
       group_offset: not supported (as in ``lax.ragged_dot`` on CPU and GPU).
@@ -253,6 +272,7 @@ def ragged_dot(
         )
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integers, got {group_sizes.dtype}")
+    check_group_sizes(group_sizes, lhs.shape[0])
     # lax's own shape rule checks K and gives the result type.
     ragged = functools.partial(lax.ragged_dot, preferred_element_type=preferred_element_type)
     out = jax.eval_shape(ragged, lhs, rhs, group_sizes)
