@@ -240,8 +240,14 @@ def main() -> None:
             "Both quantize the same bf16 inputs, 1x16 blocks along the last axis, E4M3 block scales, round to "
             "nearest. jax_nvfp4: `jax_nvfp4.quantize(x)` (rowwise copy only) and `jax_nvfp4.dequantize(t, dtype)`. "
             'Qwix: `qwix.quantize(x, "nvfp4", channelwise_axes=(0,), tiled_axes={1: 16})` (scales per row and '
-            "16 columns; calibration absmax) and `qwix.dequantize(q)`. The definitions are in "
-            "`benchmarks/peers.py`.",
+            "16 columns; calibration absmax) and `qwix.dequantize(q)`. Qwix has no global scale: its block scale "
+            "is absmax / 6 in E4M3, so blocks whose max is below 6 x 2^-10 decode to zeros and above 6 x 448 "
+            "saturate; jax_nvfp4's E4M3 block scales are relative to an FP32 global scale (6 x 448 / amax).",
+            "",
+            "Errors (dequantized to float32, measured in float64): rel. RMS error ||x^ - x|| / ||x||; blocks zeroed: "
+            "the share of 1x16 blocks with a nonzero input that decode to all zeros; block max cut: the share whose "
+            "largest decoded magnitude is below 0.9x their largest input magnitude; max error / amax: "
+            "max |x^ - x| / max |x|. The code is `benchmarks/peers.py`.",
             "",
             f"## Time (median of {args.repeats}, calls in turns, each jitted)",
             "",
