@@ -54,6 +54,7 @@ import argparse
 import json
 import math
 import pathlib
+import sys
 import time
 
 import jax
@@ -61,6 +62,7 @@ import jax.numpy as jnp
 
 import jax_nvfp4
 from examples.lm.data import prepare_data
+from examples.lm.distributed import join, rerun_as_processes
 from examples.lm.mesh import make_mesh, mesh_name, parse_mesh
 from examples.lm.model import MOE_TOP_K, RULE_RUNS, RUNS, build_model
 from examples.lm.report import describe_result, plot, plot_seeds, print_seed_table
@@ -148,7 +150,49 @@ def make_parser() -> argparse.ArgumentParser:
         help="train sharded on a device mesh, e.g. data=2,fsdp=2,tensor=2 (axes not named: 1); the sizes' product "
         "must be the device count (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train as N JAX processes over the --mesh devices (jax.distributed): alone, it launches N processes "
+        "on this machine's CPU, each with mesh/N devices (gloo collectives), and shows process 0's output; with "
+        "--process-id, this process is one of the N (one per host on a cluster)",
+    )
+    parser.add_argument(
+        "--process-id", type=int, default=None, metavar="I", help="--processes N: join as process I (0 to N-1)"
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="--process-id: the address of the job's coordinator (process 0 serves it); 'auto': "
+        "jax.distributed.initialize() reads the job from the cluster's environment (SLURM, Open MPI, Kubernetes)",
+    )
     return parser
+
+
+def check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """What --processes, --process-id and --coordinator ask for: "launch" (start --processes local processes),
+    "join" (be one process of the job) or "alone" (no jax.distributed); a parser error if they do not fit."""
+    if args.coordinator == "auto":
+        if args.process_id is not None or args.processes != 1:
+            parser.error("--coordinator auto reads the processes from the cluster: no --processes or --process-id")
+        return "join"
+    if args.processes < 1:
+        parser.error(f"--processes must be at least 1, got {args.processes}")
+    if (args.process_id is None) != (args.coordinator is None):
+        parser.error("--process-id and --coordinator HOST:PORT go together (or --coordinator auto alone)")
+    if args.process_id is not None:
+        if not 0 <= args.process_id < args.processes:
+            parser.error(f"--process-id must be in [0, {args.processes}) for --processes {args.processes}")
+        return "join"
+    if args.processes == 1:
+        return "alone"
+    devices = math.prod(args.mesh.values()) if args.mesh else 0
+    if not devices or devices % args.processes:
+        parser.error(f"--processes {args.processes} needs a --mesh whose device count is a multiple of it")
+    return "launch"
 
 
 def main() -> None:
@@ -171,6 +215,11 @@ def main() -> None:
         parser.error("--switch-at and --switch-to go together")
     if args.switch_at is not None and (not 0 < args.switch_at < 1 or args.steps < 2):
         parser.error(f"--switch-at must be in (0, 1) with --steps at least 2, got {args.switch_at}")
+    processes = check_processes(parser, args)
+    if processes == "launch":  # this process only starts the others: it never touches jax's devices
+        sys.exit(rerun_as_processes(sys.argv[1:], args.processes, math.prod(args.mesh.values()) // args.processes))
+    if processes == "join":
+        join(args.processes, args.process_id, args.coordinator)
     try:
         mesh = make_mesh(args.mesh, args) if args.mesh else None
     except ValueError as e:
@@ -184,6 +233,8 @@ def main() -> None:
         parser.error(f"--save {args.save}: {', '.join(taken)} exists already (remove it or save elsewhere)")
     device = jax.devices()[0].device_kind
     print(f"jax {jax.__version__} on {jax.default_backend()} ({device}), jax_nvfp4 {jax_nvfp4.__version__}")
+    if jax.process_count() > 1:
+        print(f"process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} local devices")
     if mesh is not None:
         d, f, t = args.mesh.values()
         print(f"mesh: {mesh}")
@@ -220,6 +271,8 @@ def main() -> None:
     tail = max(1, args.steps // 10)
     print(f"\ntrain loss: mean of the last {tail} steps; total time {time.perf_counter() - t0:.0f}s")
 
+    if jax.process_index() > 0:  # several processes: process 0 writes the files
+        return
     plot(results, args)
     print(f"wrote {args.out}")
     if args.json:

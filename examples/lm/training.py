@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,10 +38,13 @@ def save_model(directory: pathlib.Path, run: str, args: argparse.Namespace, mode
     the MODEL_ARGS that rebuild the model (``build_model``)."""
     if run in RECIPES:
         params = quantize_params(params, model=model, inputs=(jnp.zeros((1, args.seq_len), jnp.int32),))
-    # On the host, unsharded: the checkpoint then restores on any number of devices.
-    checkpoint.save(directory / "params", jax.device_get(params))
+    # On the host, unsharded: the checkpoint then restores on any number of devices. With several processes
+    # (--processes) each gathers the whole tree from all of them, and all take part in the save (orbax).
+    host = jax.device_get(params) if jax.process_count() == 1 else multihost_utils.process_allgather(params, tiled=True)
+    checkpoint.save(directory / "params", host)
     config = {"run": run, **{name: getattr(args, name) for name in MODEL_ARGS}}
-    (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if jax.process_index() == 0:  # one writer
+        (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
 class Progress:
@@ -72,6 +76,48 @@ class Progress:
         sys.stderr.flush()
 
 
+def optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+    """AdamW with warmup and cosine decay to a tenth of --lr, its updates clipped to global norm 1."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
+    decay_mask = functools.partial(jax.tree.map, lambda p: p.ndim >= 2)  # no decay on biases and norms
+    adamw = optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(1.0), adamw)
+
+
+def init_state(
+    model: nn.Module, args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None
+) -> tuple[train_state.TrainState, Callable, Callable]:
+    """The model's initial training state (parameters from --seed and optimizer state, sharded over mesh if one is
+    given), the ``jax.jit`` that compiles its training step (the state donated; on a mesh, the step's outputs
+    pinned to the state's shardings) and ``put``, which places a batch (numpy, the same on every process) on the
+    mesh, split over data x fsdp (no mesh: as it is)."""
+    init = lambda: model.init(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
+    params = nn.unbox(init()) if mesh is None else sharded_params(init, mesh)
+    # The optimizer's moments are zeros_like(params): they take the params' shardings.
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optimizer(args))
+    jit_step, put = functools.partial(jax.jit, donate_argnums=0), lambda batch: batch
+    if mesh is not None:
+        state, shardings = shard_state(state, mesh)
+        jit_step = functools.partial(jit_step, out_shardings=(shardings, NamedSharding(mesh, P())))
+        put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(BATCH)))
+    return state, jit_step, put
+
+
+def make_train_step(
+    loss_fn: Callable[..., jax.Array], *, rounding_key: jax.Array, jit_step: Callable
+) -> tuple[Callable, Callable]:
+    """The jitted training step of a model's loss ``loss_fn(params, batch, key, load_balance)`` (stochastic
+    rounding: ``rounding_key`` folded with the step count) and the jitted evaluation of its loss."""
+
+    @jit_step
+    def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
+        key = jax.random.fold_in(rounding_key, state.step)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key, LOAD_BALANCE)
+        return state.apply_gradients(grads=grads), loss
+
+    return train_step, jax.jit(loss_fn)
+
+
 def train(
     run: str,
     args: argparse.Namespace,
@@ -84,35 +130,10 @@ def train(
     over mesh if one is given; return its losses and timing. ``on_eval(step, params)`` runs at each evaluation."""
     model = build_model(run, args, mesh)
     switch_step, switch_to = switch_of(run, args)
-
-    loss_fn = functools.partial(next_byte_loss, model)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
-    decay_mask = functools.partial(jax.tree.map, lambda p: p.ndim >= 2)  # no decay on biases and norms
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decay_mask))
-    init = lambda: model.init(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
-    params = nn.unbox(init()) if mesh is None else sharded_params(init, mesh)
-    # The optimizer's moments are zeros_like(params): they take the params' shardings.
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    jit_step, put = functools.partial(jax.jit, donate_argnums=0), lambda batch: batch
-    if mesh is not None:
-        state, shardings = shard_state(state, mesh)
-        jit_step = functools.partial(jit_step, out_shardings=(shardings, NamedSharding(mesh, P())))
-        put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(BATCH)))
-
-    rounding_key = jax.random.key(args.seed + 1)  # stochastic rounding: a fresh key each step, folded in below
-
-    def make_steps(loss_fn: Callable[..., jax.Array]) -> tuple[Callable, Callable]:
-        """The jitted training step and evaluation of a model's loss."""
-
-        @jit_step
-        def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
-            key = jax.random.fold_in(rounding_key, state.step)
-            loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key, LOAD_BALANCE)
-            return state.apply_gradients(grads=grads), loss
-
-        return train_step, jax.jit(loss_fn)
-
-    train_step, eval_step = make_steps(loss_fn)
+    state, jit_step, put = init_state(model, args, mesh)
+    rounding_key = jax.random.key(args.seed + 1)  # stochastic rounding: a fresh key each step, folded in
+    make_steps = functools.partial(make_train_step, rounding_key=rounding_key, jit_step=jit_step)
+    train_step, eval_step = make_steps(functools.partial(next_byte_loss, model))
 
     def evaluate(params: Any) -> float:
         return float(np.mean([eval_step(params, put(b)) for b in data["val_batches"]]))

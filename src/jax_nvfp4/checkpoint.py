@@ -28,9 +28,17 @@ def _is_quantized(x) -> bool:
     return isinstance(x, NVFP4Tensor | QuantizedWeight)
 
 
+def _scale_bytes(scale):
+    """E4M3 scales as their bytes: a host (numpy) array stays on the host; with several processes orbax writes
+    host arrays as they are but refuses a jax array on one local device."""
+    if isinstance(scale, jax.Array):
+        return jax.lax.bitcast_convert_type(scale, jnp.uint8)
+    return np.asarray(scale).view(np.uint8)
+
+
 def _tensor_parts(t: NVFP4Tensor) -> tuple[dict[str, jax.Array], dict[str, Any]]:
     arrays = {name: getattr(t, name) for name in _ARRAYS if getattr(t, name) is not None}
-    arrays = {k: jax.lax.bitcast_convert_type(v, jnp.uint8) if k in _SCALES else v for k, v in arrays.items()}
+    arrays = {k: _scale_bytes(v) if k in _SCALES else v for k, v in arrays.items()}
     spec = dataclasses.asdict(t.spec)
     meta = {"shape": list(t.shape), "dtype": np.dtype(t.dtype).name, "spec": spec, "batched": t.batched}
     return arrays, meta

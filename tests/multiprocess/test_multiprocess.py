@@ -1,0 +1,97 @@
+"""Training under ``jax.distributed``: the example's NVFP4 FSDP step as 2 processes x 4 CPU devices (gloo
+collectives, launched by the example's ``--processes`` launcher) against the same step in this process on 8
+devices, and an orbax checkpoint of its quantized weights saved and restored by both processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import pathlib
+import pickle
+import re
+import sys
+
+import jax
+import numpy as np
+import pytest
+from helpers import assert_same_bytes, needs_8_cpus, raw_bytes
+from helpers.multiprocess_fsdp import run_fsdp_steps
+
+from examples.lm.distributed import launch
+
+CHILD = pathlib.Path(__file__).resolve().parents[1] / "helpers" / "multiprocess_fsdp.py"
+PROCESS_TIMEOUT = 300  # seconds for both processes (about 30 s on an idle 2-core machine): a hang fails, not CI
+
+pytestmark = [
+    needs_8_cpus,
+    pytest.mark.skipif(
+        "jax_cpu_collectives_implementation" not in jax.config.values,
+        reason=f"jax {jax.__version__} has no jax_cpu_collectives_implementation (gloo) option",
+    ),
+]
+
+
+def _two_processes(out: pathlib.Path) -> list[dict]:
+    """Run the step as two jax.distributed processes of 4 CPU devices; what each found."""
+    launch(
+        lambda i, coordinator: [sys.executable, str(CHILD), str(i), coordinator, str(out)],
+        2,
+        4,
+        timeout=PROCESS_TIMEOUT,
+    )
+    return [pickle.loads((out / f"process{i}.pkl").read_bytes()) for i in range(2)]
+
+
+def test_fsdp_step_in_two_processes_is_the_one_process_step(tmp_path):
+    # The processes run while this one computes the same step on its own 8 devices.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        children = pool.submit(_two_processes, tmp_path)
+        want = run_fsdp_steps()
+        got = children.result()  # raises with both processes' output if one failed or they hung
+    assert [(g["processes"], g["devices"]) for g in got] == [(2, 8), (2, 8)]
+    assert (want["processes"], want["devices"]) == (1, 8)
+
+    # The compiled program is the one-process program's: FSDP gathers each NVFP4 layer's weight as packed
+    # codes and E4M3 scales (u8), across the processes' devices.
+    for g in got:
+        assert g["gathers"] == want["gathers"]
+        in_gemms = [(dtype, name) for dtype, name in g["gathers"] if "NVFP4DotGeneral" in name]
+        assert {dtype for dtype, _ in in_gemms} == {"u8"}, in_gemms
+        layers = {re.search(r"/(block0/\w+)/NVFP4DotGeneral", name).group(1) for _, name in in_gemms}
+        assert layers == {f"block0/{n}" for n in ("q", "k", "v", "out", "mlp_up", "mlp_down")}, in_gemms
+
+    # Quantizing the initial weights sums nothing (the amax is a max over the shards): the bytes are equal.
+    assert got[0]["quantized_init"].keys() == want["quantized_init"].keys()
+    for g in got:
+        for name, value in want["quantized_init"].items():
+            assert_same_bytes(g["quantized_init"][name], value, name)
+
+    # The step sums float32 partial results across devices (the loss's mean, the weight gradients' reduce-scatter,
+    # the norms' all-reduces), and gloo adds them in another order than one process does: the losses agree to
+    # float32 rounding (rtol 1e-6; observed: one ulp of 6.0). The parameters after the second step (the first is
+    # at learning rate 0) moved by an Adam step of about lr = 3e-3; they agree to 1% of that, 3e-5 (observed:
+    # 8e-6 at most). Why more than rounding: NVFP4 amplifies a last-bit difference in a GEMM input (it can move a
+    # value across a 4-bit rounding boundary or a block's scale), so a few gradient elements differ by up to ~1e-4
+    # of the largest one, and Adam's update divides each element by its own gradient's size.
+    lr = 3e-3
+    for g in got:
+        np.testing.assert_allclose(g["losses"], want["losses"], rtol=1e-6)
+        assert g["params"].keys() == want["params"].keys()
+        for name, value in want["params"].items():
+            np.testing.assert_allclose(g["params"][name], value, rtol=0, atol=lr / 100, err_msg=name)
+        # The quantized updated weights (what --save writes), codes and scales: equal but for the rare element
+        # that such a difference moves across a rounding boundary (observed: none).
+        assert g["quantized"].keys() == want["quantized"].keys()
+        for name, value in ((n, v) for n, v in want["quantized"].items() if "].tensor" in n):
+            same = raw_bytes(g["quantized"][name]) == raw_bytes(value)
+            assert same.mean() >= 0.999, (name, same.mean())
+
+    # Saved from both processes (each wrote its own shards) and restored in both: the same bytes.
+    assert sorted(p.name for p in (tmp_path / "checkpoint" / "arrays").glob("ocdbt.process_*")) == [
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
+    for g in got:
+        assert g["restored_structure"] == g["quantized_structure"]  # the tensors' metadata included
+        assert g["restored"].keys() == g["quantized"].keys()
+        for name, value in g["quantized"].items():
+            assert_same_bytes(g["restored"][name], value, name)
