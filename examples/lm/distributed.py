@@ -34,7 +34,8 @@ def join(processes: int | None = None, process_id: int | None = None, coordinato
     cluster's environment (SLURM, Open MPI, Kubernetes, Cloud TPU). Call it before anything uses jax's devices."""
     import jax
 
-    # On CPU, collectives between processes need an implementation (the default has none); GPUs use NCCL's.
+    # The CPU's collectives between processes (gloo: jax 0.12's default, set in case another version's differs);
+    # GPUs use NCCL's.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if coordinator == "auto":
         jax.distributed.initialize()

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
 from examples import train_lm
-from examples.lm import training
+from examples.lm import distributed, training
 from examples.lm.data import VOCAB, prepare_data
 from examples.lm.mesh import BATCH, make_mesh, parse_mesh, sharded_params
 from examples.lm.model import RECIPES, RUNS, build_model, describe, next_byte_loss
@@ -217,3 +217,40 @@ def test_a_precision_schedule_needs_both_flags_and_a_fraction(flags, monkeypatch
     with pytest.raises(SystemExit):
         train_lm.main()
     assert "--switch-at" in capsys.readouterr().err
+
+
+PROCESSES_ERRORS = [
+    (["--processes", "2"], "--processes 2 needs a --mesh"),
+    (["--processes", "3", "--mesh", "fsdp=8"], "multiple of it"),
+    (["--processes", "0"], "at least 1"),
+    (["--processes", "2", "--process-id", "0"], "go together"),
+    (["--processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"], "must be in [0, 2)"),
+    (["--coordinator", "auto", "--process-id", "0"], "--coordinator auto"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), PROCESSES_ERRORS)
+def test_processes_flags_that_do_not_fit_are_refused(flags, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", *flags])
+    with pytest.raises(SystemExit):
+        train_lm.main()
+    assert message in capsys.readouterr().err
+
+
+def test_processes_reruns_the_command_as_that_many_processes(monkeypatch):
+    """--processes 2 --mesh fsdp=8: this process only launches two of 4 CPU devices each, the same flags plus their
+    process id and the coordinator (tests/multiprocess/ runs the launcher and a training step that way)."""
+    flags = ["--processes", "2", "--mesh", "fsdp=8", "--steps", "2"]
+    calls = []
+    monkeypatch.setattr(distributed, "launch", lambda *args, **kwargs: calls.append((args, kwargs)) or ["", ""])
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", *flags])
+    with pytest.raises(SystemExit) as exited:
+        train_lm.main()
+    assert exited.value.code == 0 and len(calls) == 1
+    (command, processes, local_devices), kwargs = calls[0]
+    assert (processes, local_devices, kwargs) == (2, 4, {"show_first": True})
+    assert command(1, "127.0.0.1:1234") == [
+        sys.executable,
+        *("-m", "examples.train_lm", *flags),
+        *("--process-id", "1", "--coordinator", "127.0.0.1:1234"),
+    ]

@@ -34,7 +34,7 @@ from examples.lm.data import VOCAB
 from examples.lm.distributed import join
 from examples.lm.mesh import make_mesh
 from examples.lm.model import build_model, next_byte_loss
-from examples.lm.training import init_state, make_train_step
+from examples.lm.training import init_state, make_train_step, save_model
 from jax_nvfp4 import checkpoint
 from jax_nvfp4.flax.linen.layers import quantize_params
 from jax_nvfp4.sharding.hlo import collectives
@@ -58,7 +58,7 @@ def run_fsdp_steps(checkpoint_dir: pathlib.Path | None = None, seed: int = 0) ->
     every process's once joined): the all-gathers of the compiled step, the losses, the parameters, and their
     quantized form (``quantize_params``, what ``--save`` writes) before and after, all on the host. With
     ``checkpoint_dir``, the quantized tree is saved there as it is sharded (each process writes its shards) and
-    restored."""
+    restored, and the example's ``--save`` writes the model to ``checkpoint_dir``/saved (gathered to the host)."""
     args = train_lm.make_parser().parse_args([*FSDP_FLAGS.split(), "--seed", str(seed)])
     mesh = make_mesh(args.mesh, args)
     model = build_model(FSDP_RUN, args, mesh)
@@ -89,6 +89,7 @@ def run_fsdp_steps(checkpoint_dir: pathlib.Path | None = None, seed: int = 0) ->
         checkpoint.save(checkpoint_dir, quantized)
         restored = checkpoint.restore(checkpoint_dir)
         result["restored"] = flat_host(restored)
+        save_model(checkpoint_dir / "saved", FSDP_RUN, args, model, state.params)
         # The trees' structures hold the quantized tensors' metadata (logical shape, dtype, QuantizeSpec).
         result["quantized_structure"] = str(jax.tree.structure(quantized))
         result["restored_structure"] = str(jax.tree.structure(restored))

@@ -5,6 +5,7 @@ devices, and an orbax checkpoint of its quantized weights saved and restored by 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import pathlib
 import pickle
 import re
@@ -14,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 from helpers import assert_same_bytes, needs_8_cpus, raw_bytes
-from helpers.multiprocess_fsdp import run_fsdp_steps
+from helpers.multiprocess_fsdp import flat_host, run_fsdp_steps
 
 from examples.lm.distributed import launch
+from jax_nvfp4 import checkpoint
 
 CHILD = pathlib.Path(__file__).resolve().parents[1] / "helpers" / "multiprocess_fsdp.py"
 PROCESS_TIMEOUT = 300  # seconds for both processes (about 30 s on an idle 2-core machine): a hang fails, not CI
@@ -95,3 +97,11 @@ def test_fsdp_step_in_two_processes_is_the_one_process_step(tmp_path):
         assert g["restored"].keys() == g["quantized"].keys()
         for name, value in g["quantized"].items():
             assert_same_bytes(g["restored"][name], value, name)
+
+    # The example's --save from both processes (the model gathered to the host first): restored here, in one
+    # process, it is the tree the processes quantized.
+    saved = flat_host(checkpoint.restore(tmp_path / "checkpoint" / "saved" / "params"))
+    assert saved.keys() == got[0]["quantized"].keys()
+    for name, value in got[0]["quantized"].items():
+        assert_same_bytes(saved[name], value, name)
+    assert json.loads((tmp_path / "checkpoint" / "saved" / "config.json").read_text())["run"] == "full"
