@@ -45,6 +45,11 @@ GEMMs as batched ``jax_nvfp4.dot_general`` (``lax.dot_general`` in bf16) on a [E
 XLA_FLAGS=--xla_force_host_platform_device_count=8): the batch splits over data x fsdp, the parameters
 and their optimizer state over fsdp (gathered for use), and the attention heads and MLP over tensor.
 
+`--processes 2 --mesh fsdp=8` trains as two ``jax.distributed`` processes of 4 CPU devices each on this machine, as
+on two hosts (the launcher: ``examples.lm.distributed``); on a cluster each process runs the command with
+``--processes N --process-id I --coordinator HOST:PORT``, or ``--coordinator auto`` where
+``jax.distributed.initialize()`` finds the job itself (SLURM, Open MPI, Kubernetes). docs/sharding.md has more.
+
 This module is the command line; the model, its data and the training loop are the package ``examples.lm``.
 """
 
@@ -267,7 +272,8 @@ def main() -> None:
             print(f"| {run} | {describe_result(run, r, args)} | {losses} | {gap} | {r['ms_per_step']:.1f} |")
     else:
         print_seed_table(by_seed, args)
-        plot_seeds(by_seed, args)
+        if jax.process_index() == 0:  # several processes: process 0 writes the files
+            plot_seeds(by_seed, args)
     tail = max(1, args.steps // 10)
     print(f"\ntrain loss: mean of the last {tail} steps; total time {time.perf_counter() - t0:.0f}s")
 
