@@ -72,10 +72,10 @@ def test_fsdp_step_in_two_processes_is_the_one_process_step(tmp_path):
     # the norms' all-reduces), and gloo adds them in another order than one process does: the losses agree to
     # float32 rounding (rtol 1e-6; observed: one ulp of 6.0). The parameters after the second step (the first is
     # at learning rate 0) moved by an Adam step of about lr = 3e-3; they agree to 1% of that, 3e-5 (observed:
-    # 8e-6 at most). Why more than rounding: a few elements of the NVFP4 layers' weight gradients differ by up to
-    # 3e-4 of the largest gradient (observed), far beyond float32 rounding, likely a last-bit difference moving a
-    # quantizer's input across a 4-bit rounding boundary (not traced); Adam divides each element's update by its
-    # own gradient's size, so a small gradient's relative difference reaches the update.
+    # 8e-6 at most). Why more than rounding: a few isolated elements of the NVFP4 layers' weight gradients differ
+    # by up to 3e-4 of the largest gradient (observed), far beyond the float32 rounding of sums of that size (cause
+    # not traced); Adam divides each element's update by its own gradient's size, so a small gradient's relative
+    # difference reaches the update.
     lr = 3e-3
     for g in got:
         np.testing.assert_allclose(g["losses"], want["losses"], rtol=1e-6)
