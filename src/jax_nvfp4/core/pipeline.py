@@ -173,9 +173,12 @@ def amax_fn(backend: Backend) -> Callable:
         parallel amaxes): along the other axes each shard keeps its own amax,
         which local quantization and dequantization use consistently, while
         the global view of the result shows one shard's value. The pure-JAX
-        reference ignores ``amax_mesh_axes`` (always the global amax). On
-        Explicit axes the result is typed replicated, per-row amaxes as the
-        rows of ``x`` (see ``quantize``).
+        reference ignores ``amax_mesh_axes`` (always the global amax). An
+        axis the mesh lacks (any axis, outside a mesh) raises ValueError
+        naming it and the mesh's axes, where the mesh is known (docs/
+        quantization.md, "What bad input does"). On Explicit axes the result
+        is typed replicated, per-row amaxes as the rows of ``x`` (see
+        ``quantize``). Not differentiable (TypeError under ``jax.grad``).
         """
         x = _check_input(x)
         xr, axes = _as_rows(x, blocked_rows=False), check_mesh_axes("amax_mesh_axes", amax_mesh_axes)
@@ -226,7 +229,10 @@ def quantize_fn(backend: Backend) -> Callable:
             one. Its docstring describes every option.
           amax: a global amax computed elsewhere (e.g. reduced across a mesh),
             a float32 scalar; by default ``max|x|``. Row-scaled: the amax of
-            each row, float32 ``x.shape[:-1]`` (rowwise copy only).
+            each row, float32 ``x.shape[:-1]`` (rowwise copy only). A concrete
+            one that is negative (-0.0 included) or NaN raises ValueError; a
+            traced one cannot be checked (docs/quantization.md, "What bad
+            input does").
           rng_key: a JAX PRNG key: round stochastically (sets
             ``stochastic_rounding``; with a ``spec`` that has it, required).
 
@@ -243,6 +249,10 @@ def quantize_fn(backend: Backend) -> Callable:
         ``x``'s last-axis sharding on N and its leading axes' on M (where their
         row-major merge keeps each shard one run of whole blocks); anything
         else replicated. ``dequantize`` and ``amax`` type theirs alike.
+
+        Not differentiable: a tangent reaching it raises TypeError (use
+        ``dot_general`` for GEMMs, ``fake_quantize`` for quantization-aware
+        training).
         """
         options = ({} if rng_key is None else {"rng_key": rng_key}) | options
         rng_key = options.pop("rng_key", None)
