@@ -5,8 +5,11 @@ and at each evaluation collects ``jax_nvfp4.flax.linen.diagnostics.collect_stats
 and operand the relative quantization error, the share of blocks whose E4M3 scale underflows or saturates,
 the amax, and the share of nonzero values that quantize to zero. Writes a markdown report (the evolution of
 each operand's statistics over training, the last evaluation's worst layers, the full last table) and a plot.
+With ``--against RUN`` it also trains RUN (same seed, same batches) and reports, for the layers both runs hold in
+NVFP4, how each operand's relative error changed: which operands' errors fell.
 
-    python -m benchmarks.nvfp4_diagnostics [--run full] [--steps 1400] [--eval-every 350] [--report FILE]
+    python -m benchmarks.nvfp4_diagnostics [--run full] [--against full] [--steps 1400] [--eval-every 350]
+        [--report FILE]
 """
 
 from __future__ import annotations
@@ -67,16 +70,22 @@ def plot(history: dict[int, dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = make_parser()
-    parser.description = __doc__.splitlines()[0]
-    parser.set_defaults(eval_every=350, out="nvfp4_diagnostics.png")
-    parser.add_argument("--run", default="full", choices=[r for r in RUNS if r != "bf16"])
-    parser.add_argument("--report", help="also write the markdown report to this file")
-    args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.default_backend()} ({device_name()}), jax_nvfp4 {jax_nvfp4.__version__}")
-    train_starts, data = prepare_data(args)
-    model = build_model(args.run, args)
+def common_means(history: dict, against: dict, step: int) -> dict[str, tuple[float, float, int]]:
+    """Per operand: the mean relative error over the layers both runs quantize at ``step``, in ``history``'s
+    run and in ``against``'s, and how many layers that is."""
+    ours, theirs = history[step], against[step]
+    out = {}
+    for op in OPERANDS:
+        shared = [layer for layer in sorted(set(ours) & set(theirs)) if op in ours[layer] and op in theirs[layer]]
+        ours_mean = float(np.mean([ours[layer][op]["rel_error"] for layer in shared]))
+        theirs_mean = float(np.mean([theirs[layer][op]["rel_error"] for layer in shared]))
+        out[op] = (ours_mean, theirs_mean, len(shared))
+    return out
+
+
+def diagnose(run: str, args, train_starts, data) -> tuple[dict[int, dict], dict]:
+    """Train ``run`` and collect every NVFP4 layer's statistics at each evaluation: (history by step, result)."""
+    model = build_model(run, args)
     history: dict[int, dict] = {}
 
     def on_eval(step: int, params) -> None:
@@ -93,9 +102,25 @@ def main() -> None:
             flush=True,
         )
 
-    result = train(args.run, args, train_starts, data, on_eval=on_eval)
+    return history, train(run, args, train_starts, data, on_eval=on_eval)
+
+
+def main() -> None:
+    parser = make_parser()
+    parser.description = __doc__.splitlines()[0]
+    parser.set_defaults(eval_every=350, out="nvfp4_diagnostics.png")
+    runs = [r for r in RUNS if r != "bf16"]
+    parser.add_argument("--run", default="full", choices=runs)
+    parser.add_argument("--against", choices=runs, help="also train this run: which operands' errors changed")
+    parser.add_argument("--report", help="also write the markdown report to this file")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.default_backend()} ({device_name()}), jax_nvfp4 {jax_nvfp4.__version__}")
+    train_starts, data = prepare_data(args)
+    history, result = diagnose(args.run, args, train_starts, data)
     steps = sorted(history)
     cmd = f"python -m benchmarks.nvfp4_diagnostics --run {args.run} --steps {args.steps} --eval-every {args.eval_every}"
+    if args.against:
+        cmd += f" --against {args.against}"
     report = Report(
         args.report,
         [
@@ -122,6 +147,24 @@ def main() -> None:
             err, zero, under = (operand_means(history[step], stat)[op] for stat in SHOWN)
             cells.append(f"{err:.4f} | {100 * zero:.2f}% | {100 * under:.3f}%")
         report.add(f"| {step} | " + " | ".join(cells) + " |")
+    if args.against:
+        against, against_result = diagnose(args.against, args, train_starts, data)
+        report.add("")
+        report.add(f"## Against `{args.against}`: which operands' errors fell")
+        report.add("")
+        report.add(
+            f"`{args.against}` ({describe(args.against, args)}; final val loss {against_result['final_val_loss']:.4f}) "
+            f"trained on the same seed and batches. Mean relative error over the layers both runs hold in NVFP4 "
+            f"(`{args.run}` / `{args.against}`, and the change):"
+        )
+        report.add("")
+        header = " | ".join(f"{op} ({args.run} / {args.against}) | {op} change" for op in OPERANDS)
+        report.add(f"| step | {header} |")
+        report.add("|---|" + "---:|" * (2 * len(OPERANDS)))
+        for step in steps:
+            means = common_means(history, against, step)
+            cells = [f"{a:.4f} / {b:.4f} ({n} layers) | {100 * (a / b - 1):+.1f}%" for a, b, n in means.values()]
+            report.add(f"| {step} | " + " | ".join(cells) + " |")
     last = history[steps[-1]]
     report.add("")
     report.add(f"## Worst layers at step {steps[-1]} (relative error)")
