@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -231,7 +232,7 @@ def main() -> None:
             "",
             f"{datetime.date.today()}, {os.cpu_count()} cores, {jax.device_count()} {jax.devices()[0].platform} "
             f"device(s), jax {jax.__version__}, jax_nvfp4 {jax_nvfp4.__version__}, qwix {metadata.version('qwix')}; "
-            f"`{' '.join(['python -m benchmarks.peers', *sys.argv[1:]])}`. "
+            f"`{shlex.join(['python', '-m', 'benchmarks.peers', *sys.argv[1:]])}`. "
             f"Load average at the start: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.",
         ]
         + ([args.note] if args.note else [])
