@@ -59,7 +59,8 @@ uint64_t e2m1_code_mismatches() {
 NB_MODULE(NVFP4_MODULE_NAME, m) {
   m.doc() = "NVFP4 XLA FFI handlers";
   m.def("registrations", &registrations);
-  m.def("build_config", &nvfp4::build_config, "What this module was built with (CMake's settings).");
+  m.def("build_config", &nvfp4::build_config,
+        "What this module was built with (CMake's settings).");
 #if !defined(NVFP4_CUDA_MODULE)
   m.def("e2m1_code_mismatches", &e2m1_code_mismatches,
         "Exhaustive check of the CPU kernels' E2M1 encode against float_to_e2m1: the number of "

@@ -194,7 +194,8 @@ nb::bytes f16_rz(Floats x) {
 NB_MODULE(_nvfp4_cuda_host, m) {
   m.doc() = "NVFP4 CUDA FFI handlers on the CPU, over the CUDA host execution model (tests only)";
   m.def("registrations", &registrations);
-  m.def("build_config", &nvfp4::build_config, "What this module was built with (CMake's settings).");
+  m.def("build_config", &nvfp4::build_config,
+        "What this module was built with (CMake's settings).");
   m.def("set_emulated_sm", &nvfp4::host::set_emulated_sm, nb::arg("sm"),
         "The GPU the model stands for: 90 (Hopper) or 100/120 (sm_100a/sm_120a code paths).");
   m.def("emulated_sm", &nvfp4::host::emulated_sm);
