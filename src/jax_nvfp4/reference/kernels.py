@@ -257,13 +257,14 @@ def _amax(x, *, amax_mesh_axes, rht_amax, per_row):
 
 
 # Jitted so that eager calls run as one compiled program, not op by op; differentiated, each raises the
-# kernels' error (core.autodiff) rather than give the zero gradient of its integer arithmetic.
+# kernels' error (core.autodiff) rather than give the zero gradient of its integer arithmetic. The guard is
+# inside the jit, so an eager call pays for it once, when the jit traces.
 REFERENCE = Backend(
-    amax=without_derivative(
-        "nvfp4_amax", amax_on_rows(jax.jit(_amax, static_argnames=("amax_mesh_axes", "rht_amax", "per_row")))
+    amax=amax_on_rows(
+        jax.jit(without_derivative("nvfp4_amax", _amax), static_argnames=("amax_mesh_axes", "rht_amax", "per_row"))
     ),
-    quantize=without_derivative("nvfp4_quantize", quantize_on_rows(jax.jit(quantize_core, static_argnames="spec"))),
-    dequantize=without_derivative(
-        "nvfp4_dequantize", jax.jit(dequantize_core, static_argnames=("cols", "dtype", "e4m3_max"))
+    quantize=quantize_on_rows(jax.jit(without_derivative("nvfp4_quantize", quantize_core), static_argnames="spec")),
+    dequantize=jax.jit(
+        without_derivative("nvfp4_dequantize", dequantize_core), static_argnames=("cols", "dtype", "e4m3_max")
     ),
 )
