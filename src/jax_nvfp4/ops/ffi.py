@@ -69,10 +69,13 @@ def runs_on(compute_capability: str, architectures: Sequence[str]) -> bool:
         suffix = arch[-1] if arch[-1] in "af" else ""
         number = int(arch.rstrip("af"))
         same_family = number // 10 == major and number <= device
-        fits = number == device if suffix == "a" else same_family if suffix == "f" else None
-        if part in ("", "real") and (fits if suffix else same_family):
-            return True
-        if part in ("", "virtual") and (fits if suffix else number <= device):
+        if suffix == "a":
+            code_runs = ptx_runs = number == device
+        elif suffix == "f":
+            code_runs = ptx_runs = same_family
+        else:
+            code_runs, ptx_runs = same_family, number <= device
+        if (part in ("", "real") and code_runs) or (part in ("", "virtual") and ptx_runs):
             return True
     return False
 
