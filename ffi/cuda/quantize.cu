@@ -175,15 +175,18 @@ __device__ __forceinline__ float value(const Values<L>& w, int r, int c) {
 
 // The thread's values as words (zero outside the input, as the reference pads), the magnitude
 // maxima of its 8 columns (16 rows each) and of its 16 rows (16 columns each, with the pair's
-// lane). `vec`: 16-byte loads (rows of a multiple of 8 values); all 16 x 8 values inside the
-// input (the steady state) load without a test.
+// lane). `vec`: 16-byte loads (rows of a multiple of 8 values). `whole`: the tile lies inside the
+// input (the steady state), so every value loads without a test. It comes from the tile's place,
+// not from nrows == kBlock && ncols == kCols: with that test, on an H200 (2026-11-27), the lane
+// with exactly 8 columns left in a warp of fewer than 16 rows loaded the rows past the input's
+// end (tests/cuda/test_cuda.py). The sm_90 SASS took the test from the predicate outputs of the
+// VIMNMX.RELU instructions that clamp nrows and ncols (the suspected cause; not proven).
 template <typename L>
 __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols, int nrows,
-                                          int ncols, bool vec, Values<L>& w,
+                                          int ncols, bool vec, bool whole, Values<L>& w,
                                           uint32_t (&col_mag)[kCols], uint32_t (&row_mag)[kBlock]) {
   using T = typename L::T;
   constexpr int kW = kWords<L>;
-  const bool whole = vec && nrows == kBlock && ncols == kCols;
   uint32_t cm[kW];      // column maxima (packed: columns 2i and 2i + 1 in word i)
   uint32_t rm[kBlock];  // row maxima over the thread's 8 columns
 #pragma unroll
@@ -883,10 +886,16 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
   __builtin_assume(at.nrows == kBlock && at.ncols == kCols);  // the steady state: inside
 #endif
 
+  // The whole tile inside the input (the steady state of a large input).
+  const bool inside = tm0 + kTileRows <= rows && tn0 + kTileCols <= cols;
+#if defined(NVFP4_SASS_BUDGET)
+  __builtin_assume(inside);
+#endif
+
   Values<L> w;
   uint32_t col_mag[kCols], row_mag[kBlock];
   load_tile<L>(x + (uint64_t(at.b) * rows + min(at.m0, rows)) * cols + min(at.n0, cols), cols,
-               at.nrows, at.ncols, p.vec_in, w, col_mag, row_mag);
+               at.nrows, at.ncols, p.vec_in, p.vec_in && inside, w, col_mag, row_mag);
 
   if (spec.block_2d) {
     quantize_2d<L, kMode>(p, sh, st, at, w, col_mag, kr, seed);
@@ -909,11 +918,6 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
                                             seed);
     if (p.o.data_t && !fused) quantize_columns<L, kMode>(p, sh, st, at, w, col_mag, kc, seed);
   }
-  // The whole tile inside the input (the steady state of a large input).
-  const bool inside = tm0 + kTileRows <= rows && tn0 + kTileCols <= cols;
-#if defined(NVFP4_SASS_BUDGET)
-  __builtin_assume(inside);
-#endif
   __syncthreads();  // the tile is staged
   if (p.o.data) {
     if (inside && p.vec_rows)

@@ -116,6 +116,10 @@ def option_quantize_cases(draw):
     return x, opts, scale
 
 
+def _canonical_nan(a: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isnan(a), jnp.float32(np.nan), a)
+
+
 def quantize_with_options(opts: dict, scale=None):
     """(backend, x [B, M, N]) -> (amax, amax_t, *quantize outputs): the backend's amaxes (each scaled by
     ``scale``, if given), then its quantize with these options."""
@@ -124,7 +128,9 @@ def quantize_with_options(opts: dict, scale=None):
         amaxes = backend.amax(x, amax_mesh_axes=None, rht_amax=opts["rht"], per_row=opts["row_scaled"])
         amax, amax_t = amaxes if len(amaxes) == 2 else amaxes * 2
         if scale is not None:
-            amax, amax_t = amax * np.float32(scale[0]), amax_t * np.float32(scale[1])
+            # inf * 0 is a NaN whose bits are the backend's (x86 and a GPU differ): made the canonical one,
+            # so that the NaN bytes compared are the kernels' own.
+            amax, amax_t = (_canonical_nan(a * np.float32(s)) for a, s in zip((amax, amax_t), scale, strict=True))
         return amax, amax_t, *backend.quantize(x, amax, amax_t, SEED, spec=QuantizeSpec(**opts))
 
     return run

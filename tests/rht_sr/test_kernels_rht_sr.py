@@ -153,13 +153,14 @@ def test_stochastic_every_step(dtype, block_2d):
 
 def test_rht_needs_rows_multiple_of_16():
     x = jnp.ones((1, 20, 16), jnp.bfloat16)
+    # block_until_ready: a GPU reports a kernel's error when its result is awaited, not at the call.
     with pytest.raises(Exception, match="multiple of 16"):
-        ffi_amax(x, rht=True)
+        jax.block_until_ready(ffi_amax(x, rht=True))
     amax = jnp.ones((1,), jnp.float32)
     seed = jnp.zeros((2,), jnp.uint32)
     opts = dict(rowwise=False, columnwise=True, block_2d=False, rht=True, stochastic_rounding=False)
     with pytest.raises(Exception, match="multiple of 16"):
-        ffi_quantize(x, amax, amax, seed, **opts)
+        jax.block_until_ready(ffi_quantize(x, amax, amax, seed, **opts))
 
 
 # ---- the CUDA kernels' per-thread helpers, run on the host ----
