@@ -78,7 +78,9 @@ class Progress:
 
 def optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
     """AdamW with warmup and cosine decay to a tenth of --lr, its updates clipped to global norm 1."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
+    # A tenth of the steps warm up; at least one step is left to the decay (a one-step run takes --lr).
+    warmup = min(max(1, args.steps // 10), args.steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     decay_mask = functools.partial(jax.tree.map, lambda p: p.ndim >= 2)  # no decay on biases and norms
     adamw = optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(1.0), adamw)

@@ -254,3 +254,14 @@ def test_processes_reruns_the_command_as_that_many_processes(monkeypatch):
         *("-m", "examples.train_lm", *flags),
         *("--process-id", "1", "--coordinator", "127.0.0.1:1234"),
     ]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 1400])
+def test_the_schedule_warms_up_a_tenth_and_leaves_a_step_to_decay(steps):
+    # --steps 1 used to fail in optax (a cosine decay of 0 steps); longer runs keep their schedule.
+    args = argparse.Namespace(lr=1e-3, steps=steps)
+    params = {"w": jnp.ones((2, 2))}
+    tx = training.optimizer(args)
+    updates, _ = tx.update({"w": jnp.ones((2, 2))}, tx.init(params), params)
+    first = float(jnp.abs(updates["w"]).max())
+    assert (first > 0) == (steps == 1)  # the warmup starts at 0 wherever it has a step
