@@ -11,6 +11,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from jax_nvfp4 import QuantizeSpec, reference
+from jax_nvfp4.core import bits
 
 from .core import DTYPES, SPECIAL_VALUES, random_tensor
 
@@ -116,10 +117,6 @@ def option_quantize_cases(draw):
     return x, opts, scale
 
 
-def _canonical_nan(a: jax.Array) -> jax.Array:
-    return jnp.where(jnp.isnan(a), jnp.float32(np.nan), a)
-
-
 def quantize_with_options(opts: dict, scale=None):
     """(backend, x [B, M, N]) -> (amax, amax_t, *quantize outputs): the backend's amaxes (each scaled by
     ``scale``, if given), then its quantize with these options."""
@@ -130,7 +127,10 @@ def quantize_with_options(opts: dict, scale=None):
         if scale is not None:
             # inf * 0 is a NaN whose bits are the backend's (x86 and a GPU differ): made the canonical one,
             # so that the NaN bytes compared are the kernels' own.
-            amax, amax_t = (_canonical_nan(a * np.float32(s)) for a, s in zip((amax, amax_t), scale, strict=True))
+            amax, amax_t = (
+                bits.from_bits(bits.canonical_nan(bits.to_bits(a * np.float32(s))))
+                for a, s in zip((amax, amax_t), scale, strict=True)
+            )
         return amax, amax_t, *backend.quantize(x, amax, amax_t, SEED, spec=QuantizeSpec(**opts))
 
     return run
