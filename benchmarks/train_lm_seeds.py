@@ -52,31 +52,59 @@ def groups(paths: list[str]) -> list[tuple[argparse.Namespace, dict[int, dict]]]
     return out
 
 
+def _lr_seeds(settings: argparse.Namespace, by_seed: dict[int, dict]) -> str:
+    return f"lr {settings.lr:g} ({len(by_seed)} seed{'s' * int(len(by_seed) > 1)})"
+
+
 def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: str) -> None:
     """Each run's final validation gap to bf16 against d_model (the runs at two widths or more): mean over the
-    seeds, ± one sd (none for one seed)."""
+    seeds, ± one sd (none for one seed). One curve per run and training length (steps; the longest solid); where
+    groups of one length differ only in learning rate, the one of the most seeds is the point (said so)."""
+    chosen: dict[tuple[int, int], tuple[argparse.Namespace, dict[int, dict]]] = {}
+    for settings, by_seed in found:
+        if "bf16" not in settings.runs or len(settings.runs) < 2:
+            continue  # nothing to compare (a learning-rate sweep's bf16 runs)
+        key = (settings.d_model, settings.steps)
+        if key in chosen:
+            other = chosen[key]
+            keep = (settings, by_seed) if len(by_seed) > len(other[1]) else other
+            drop = other if keep is not other else (settings, by_seed)
+            print(f"width plot, d_model {key[0]}, {key[1]} steps: {_lr_seeds(*keep)} drawn, {_lr_seeds(*drop)} not")
+            chosen[key] = keep
+        else:
+            chosen[key] = (settings, by_seed)
+    longest = max((steps for _, steps in chosen), default=0)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in RUNS:
-        points = []
-        for settings, by_seed in found:
-            if run == "bf16" or run not in settings.runs or "bf16" not in settings.runs:
+        for length in sorted({steps for _, steps in chosen}, reverse=True):
+            points = []
+            for (d_model, steps), (settings, by_seed) in sorted(chosen.items()):
+                if steps != length or run == "bf16" or run not in settings.runs:
+                    continue
+                final = val_gaps(by_seed, run)[:, -1]
+                sd = final.std(ddof=1) if len(final) > 1 else 0.0
+                points.append((d_model, final.mean(), sd, len(final), settings.lr))
+            if len(points) < 2:  # a curve needs two widths
                 continue
-            final = val_gaps(by_seed, run)[:, -1]
-            sd = final.std(ddof=1) if len(final) > 1 else 0.0
-            points.append((settings.d_model, final.mean(), sd, len(final), settings.steps))
-        if len(points) < 2:  # a curve needs two widths
-            continue
-        d, mean, sd, n, steps = (np.asarray(v) for v in zip(*sorted(points), strict=True))
-        ax.errorbar(d, mean, yerr=sd, fmt="o-", color=COLORS[run], capsize=4, label=run)
-        for x, y, k, s in zip(d, mean, n, steps, strict=True):
-            ax.annotate(
-                f"{k} seed{'s' * int(k > 1)}, {s} steps",
-                (x, y),
-                textcoords="offset points",
-                xytext=(6, 4),
-                fontsize=7,
+            d, mean, sd, n, lr = (np.asarray(v) for v in zip(*points, strict=True))
+            ax.errorbar(
+                d,
+                mean,
+                yerr=sd,
+                fmt="o-" if length == longest else "s--",
                 color=COLORS[run],
+                capsize=4,
+                label=f"{run}, {length} steps",
             )
+            for x, y, k, rate in zip(d, mean, n, lr, strict=True):
+                ax.annotate(
+                    f"{k} seed{'s' * int(k > 1)}, lr {rate:g}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(6, 4),
+                    fontsize=7,
+                    color=COLORS[run],
+                )
     ax.axhline(0, color=COLORS["bf16"], lw=1)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
@@ -85,10 +113,10 @@ def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: s
         ylabel="final val. loss, % above bf16 (same seed)",
         title="NVFP4's gap to bf16 against the model's width",
     )
-    widths = sorted({s.d_model for s, _ in found})
+    widths = sorted({d for d, _ in chosen})
     ax.set_xticks(widths, labels=[str(w) for w in widths])
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -108,12 +136,14 @@ def main() -> None:
         with contextlib.redirect_stdout(tables):
             print(
                 f"\nd_model {settings.d_model}, {settings.layers} blocks, {settings.steps} steps of "
-                f"{settings.batch}x{settings.seq_len} bytes;",
+                f"{settings.batch}x{settings.seq_len} bytes, peak lr {settings.lr:g};",
                 end="",
             )
             print_seed_table(by_seed, settings)
         stem = pathlib.Path(args.plot)
-        settings.out = str(stem.with_name(f"{stem.stem}-d{settings.d_model}{stem.suffix}"))
+        settings.out = str(
+            stem.with_name(f"{stem.stem}-d{settings.d_model}-{settings.steps}-lr{settings.lr:g}{stem.suffix}")
+        )
         plot_seeds(by_seed, settings)
     print(tables.getvalue())
     if args.out:

@@ -1,0 +1,49 @@
+"""benchmarks.train_lm_seeds: invocations of the example merged by their settings (the learning rate included),
+and the gap-against-width plot's choice where two groups of one width and length differ in learning rate."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import train_lm_seeds
+
+
+def _write(tmp_path, name: str, *, d_model: int, lr: float, seed: int, final: dict[str, float]) -> str:
+    """An example's --json of one seed: each run's validation loss at steps 100 and 200 (the last as given)."""
+    args = dict.fromkeys(train_lm_seeds.SETTINGS) | {"steps": 200, "d_model": d_model, "lr": lr, "seed": seed}
+    results = {
+        run: {
+            "val_loss": [[100, 3.0], [200, loss]],
+            "final_val_loss": loss,
+            "final_train_loss": loss,
+            "ms_per_step": 1.0,
+            "switch": None,
+        }
+        for run, loss in final.items()
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"args": args, "results": results}))
+    return str(path)
+
+
+def test_groups_split_by_learning_rate_and_the_width_plot_takes_the_one_of_more_seeds(tmp_path, capsys):
+    files = [
+        _write(tmp_path, "d128", d_model=128, lr=3e-3, seed=0, final={"full": 2.2, "bf16": 2.0}),
+        _write(tmp_path, "d256-a", d_model=256, lr=3e-3, seed=0, final={"full": 3.0, "bf16": 2.0}),
+        _write(tmp_path, "d256-b0", d_model=256, lr=1e-3, seed=0, final={"full": 2.04, "bf16": 2.0}),
+        _write(tmp_path, "d256-b1", d_model=256, lr=1e-3, seed=1, final={"full": 2.06, "bf16": 2.0}),
+        _write(tmp_path, "sweep", d_model=256, lr=5e-4, seed=0, final={"bf16": 2.1}),
+    ]
+    found = train_lm_seeds.groups(files)
+    assert [(s.d_model, s.lr, sorted(by_seed)) for s, by_seed in found] == [
+        (128, 3e-3, [0]),
+        (256, 3e-3, [0]),
+        (256, 1e-3, [0, 1]),
+        (256, 5e-4, [0]),
+    ]
+    plot = tmp_path / "width.png"
+    train_lm_seeds.plot_widths(found, str(plot))
+    out = capsys.readouterr().out
+    assert "d_model 256, 200 steps: lr 0.001 (2 seeds) drawn, lr 0.003 (1 seed) not" in out
+    assert "0.0005" not in out  # the sweep's bf16-only group has nothing to compare: not a candidate
+    assert plot.stat().st_size > 0
