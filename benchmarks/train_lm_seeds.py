@@ -4,10 +4,11 @@ model's width.
 
 Long comparisons run one seed per invocation (``python -m examples.train_lm --runs ... --seed S --json F``), each
 finishing on its own; a run's bf16 partner may come from another invocation of the same seed. This merges them:
-files with the same model and training settings (d_model, layers, steps, batch, ...) form one group, every file's
+files with the same model and training settings (d_model, layers, steps, batch, lr, ...) form one group, every file's
 results under its seed (``args.seed``), runs that several files hold taken from the last. Each group gets its
 table (a run that not every seed of the group has is left out, and said so); ``--width-plot`` draws each run's
-final gap against d_model over the groups.
+final gap against d_model over the groups, one curve per training length (a learning-rate sweep's bf16-only
+groups are not points).
 
     python -m benchmarks.train_lm_seeds RESULTS.json ... [--out table.md] [--plot gaps.png] [--width-plot w.png]
 """
@@ -113,6 +114,7 @@ def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: s
         ylabel="final val. loss, % above bf16 (same seed)",
         title="NVFP4's gap to bf16 against the model's width",
     )
+    ax.margins(x=0.2)  # room for the last width's labels
     widths = sorted({d for d, _ in chosen})
     ax.set_xticks(widths, labels=[str(w) for w in widths])
     ax.grid(alpha=0.3)
@@ -127,7 +129,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="JSON files of examples.train_lm --json")
     parser.add_argument("--out", help="also write the tables (markdown) here")
-    parser.add_argument("--plot", default="train_lm_seeds.png", help="the gap plots (each group's gets -seeds)")
+    parser.add_argument(
+        "--plot",
+        default="train_lm_seeds.png",
+        help="the gap plots' stem: a group of 2 seeds or more gets <stem>-d<d_model>-<steps>-lr<lr>-seeds.png",
+    )
     parser.add_argument("--width-plot", help="the final gap against d_model, over the groups")
     args = parser.parse_args()
     found = groups(args.results)
@@ -140,6 +146,8 @@ def main() -> None:
                 end="",
             )
             print_seed_table(by_seed, settings)
+        if len(by_seed) < 2 or len(settings.runs) < 2:
+            continue  # a band of the seeds' spread around a gap needs two seeds and a run beside bf16
         stem = pathlib.Path(args.plot)
         settings.out = str(
             stem.with_name(f"{stem.stem}-d{settings.d_model}-{settings.steps}-lr{settings.lr:g}{stem.suffix}")
