@@ -8,9 +8,11 @@ files with the same model and training settings (d_model, layers, steps, batch, 
 results under its seed (``args.seed``), runs that several files hold taken from the last. Each group gets its
 table (a run that not every seed of the group has is left out, and said so); ``--width-plot`` draws each run's
 final gap against d_model over the groups, one curve per training length (a learning-rate sweep's bf16-only
-groups are not points).
+groups are not points), and ``--progress-plot`` each width's gap against bf16's validation loss over training
+(the widths compared at the same point of training).
 
     python -m benchmarks.train_lm_seeds RESULTS.json ... [--out table.md] [--plot gaps.png] [--width-plot w.png]
+        [--progress-plot p.png]
 """
 
 from __future__ import annotations
@@ -57,11 +59,14 @@ def _lr_seeds(settings: argparse.Namespace, by_seed: dict[int, dict]) -> str:
     return f"lr {settings.lr:g} ({len(by_seed)} seed{'s' * int(len(by_seed) > 1)})"
 
 
-def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: str) -> None:
-    """Each run's final validation gap to bf16 against d_model (the runs at two widths or more): mean over the
-    seeds, ± one sd (none for one seed). One curve per run and training length (steps; the longest solid); where
-    groups of one length differ only in learning rate, the one of the most seeds is the point (said so)."""
-    chosen: dict[tuple[int, int], tuple[argparse.Namespace, dict[int, dict]]] = {}
+Chosen = dict[tuple[int, int], tuple[argparse.Namespace, dict[int, dict]]]
+"""(d_model, steps) -> the group drawn there."""
+
+
+def comparable(found: list[tuple[argparse.Namespace, dict[int, dict]]]) -> Chosen:
+    """The groups with bf16 and a run beside it, one per (d_model, steps): where groups differ only in learning
+    rate, the one of the most seeds (said so)."""
+    chosen: Chosen = {}
     for settings, by_seed in found:
         if "bf16" not in settings.runs or len(settings.runs) < 2:
             continue  # nothing to compare (a learning-rate sweep's bf16 runs)
@@ -70,17 +75,28 @@ def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: s
             other = chosen[key]
             keep = (settings, by_seed) if len(by_seed) > len(other[1]) else other
             drop = other if keep is not other else (settings, by_seed)
-            print(f"width plot, d_model {key[0]}, {key[1]} steps: {_lr_seeds(*keep)} drawn, {_lr_seeds(*drop)} not")
+            print(f"plots, d_model {key[0]}, {key[1]} steps: {_lr_seeds(*keep)} drawn, {_lr_seeds(*drop)} not")
             chosen[key] = keep
         else:
             chosen[key] = (settings, by_seed)
+    return chosen
+
+
+def _multi_width_runs(chosen: Chosen) -> list[str]:
+    """The NVFP4 runs of two widths or more (a curve needs two)."""
+    return [r for r in RUNS if r != "bf16" and len({d for (d, _), (s, _) in chosen.items() if r in s.runs}) > 1]
+
+
+def plot_widths(chosen: Chosen, path: str) -> None:
+    """Each run's final validation gap to bf16 against d_model (the runs at two widths or more): mean over the
+    seeds, ± one sd (none for one seed). One curve per run and training length (steps; the longest solid)."""
     longest = max((steps for _, steps in chosen), default=0)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in RUNS:
+    for run in _multi_width_runs(chosen):
         for length in sorted({steps for _, steps in chosen}, reverse=True):
             points = []
             for (d_model, steps), (settings, by_seed) in sorted(chosen.items()):
-                if steps != length or run == "bf16" or run not in settings.runs:
+                if steps != length or run not in settings.runs:
                     continue
                 final = val_gaps(by_seed, run)[:, -1]
                 sd = final.std(ddof=1) if len(final) > 1 else 0.0
@@ -125,6 +141,41 @@ def plot_widths(found: list[tuple[argparse.Namespace, dict[int, dict]]], path: s
     print(f"wrote {path}")
 
 
+def plot_progress(chosen: Chosen, path: str) -> None:
+    """Each run's validation gap to bf16 at every evaluation against bf16's validation loss there (mean over the
+    seeds, ± one sd): one curve per width and run (the runs at two widths or more; a width's longest training
+    only), so that widths compare at the same point of training whatever their steps and tokens per parameter."""
+    runs = _multi_width_runs(chosen)
+    widths = sorted({d for d, _ in chosen})
+    shade = dict(zip(widths, plt.get_cmap("viridis")(np.linspace(0, 0.85, len(widths))), strict=True))
+    styles = dict(zip(runs, ("o-", "s--", "^:", "d-."), strict=False))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (d_model, steps), (settings, by_seed) in sorted(chosen.items()):
+        if any(d == d_model and longer > steps for d, longer in chosen):
+            continue  # the width's longer training passes the same points, and further
+        bf16 = np.asarray([[loss for _, loss in r["bf16"]["val_loss"]] for r in by_seed.values()]).mean(0)
+        for run in runs:
+            if run not in settings.runs or run not in styles:
+                continue
+            gaps = val_gaps(by_seed, run)
+            sd = gaps.std(0, ddof=1) if len(gaps) > 1 else None
+            label = f"d_model {d_model}, {run} ({steps} steps, {_lr_seeds(settings, by_seed)})"
+            ax.errorbar(bf16, gaps.mean(0), yerr=sd, fmt=styles[run], color=shade[d_model], capsize=3, label=label)
+    ax.axhline(0, color=COLORS["bf16"], lw=1)
+    ax.invert_xaxis()  # training goes to the right
+    ax.set(
+        xlabel="bf16's validation loss at the evaluation (training goes right)",
+        ylabel="val. loss, % above bf16 (same seed)",
+        title="NVFP4's gap to bf16 at the same point of training, by width",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="JSON files of examples.train_lm --json")
@@ -135,6 +186,7 @@ def main() -> None:
         help="the gap plots' stem: a group of 2 seeds or more gets <stem>-d<d_model>-<steps>-lr<lr>-seeds.png",
     )
     parser.add_argument("--width-plot", help="the final gap against d_model, over the groups")
+    parser.add_argument("--progress-plot", help="each width's gap against bf16's validation loss, over training")
     args = parser.parse_args()
     found = groups(args.results)
     tables = io.StringIO()
@@ -156,8 +208,12 @@ def main() -> None:
     print(tables.getvalue())
     if args.out:
         pathlib.Path(args.out).write_text(tables.getvalue().lstrip("\n"))
-    if args.width_plot:
-        plot_widths(found, args.width_plot)
+    if args.width_plot or args.progress_plot:
+        chosen = comparable(found)
+        if args.width_plot:
+            plot_widths(chosen, args.width_plot)
+        if args.progress_plot:
+            plot_progress(chosen, args.progress_plot)
 
 
 if __name__ == "__main__":

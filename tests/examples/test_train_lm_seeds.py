@@ -1,5 +1,6 @@
 """benchmarks.train_lm_seeds: invocations of the example merged by their settings (the learning rate included),
-and the gap-against-width plot's choice where two groups of one width and length differ in learning rate."""
+and the plots' choice where two groups of one width and length differ in learning rate (a sweep's bf16 runs not
+candidates)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ def test_groups_split_by_learning_rate_and_the_width_plot_takes_the_one_of_more_
         (256, 1e-3, [0, 1]),
         (256, 5e-4, [0]),
     ]
-    plot = tmp_path / "width.png"
-    train_lm_seeds.plot_widths(found, str(plot))
+    chosen = train_lm_seeds.comparable(found)
     out = capsys.readouterr().out
     assert "d_model 256, 200 steps: lr 0.001 (2 seeds) drawn, lr 0.003 (1 seed) not" in out
-    assert "0.0005" not in out  # the sweep's bf16-only group has nothing to compare: not a candidate
-    assert plot.stat().st_size > 0
+    assert {key: settings.lr for key, (settings, _) in chosen.items()} == {(128, 200): 3e-3, (256, 200): 1e-3}
+    for draw in (train_lm_seeds.plot_widths, train_lm_seeds.plot_progress):
+        plot = tmp_path / f"{draw.__name__}.png"
+        draw(chosen, str(plot))
+        assert plot.stat().st_size > 0
