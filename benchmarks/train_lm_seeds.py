@@ -63,9 +63,15 @@ Chosen = dict[tuple[int, int], tuple[argparse.Namespace, dict[int, dict]]]
 """(d_model, steps) -> the group drawn there."""
 
 
+def _rank(group: tuple[argparse.Namespace, dict[int, dict]]) -> tuple[int, float]:
+    """More seeds first, then the lower bf16 validation loss (the better-tuned learning rate)."""
+    by_seed = group[1]
+    return len(by_seed), -float(np.mean([r["bf16"]["final_val_loss"] for r in by_seed.values()]))
+
+
 def comparable(found: list[tuple[argparse.Namespace, dict[int, dict]]]) -> Chosen:
     """The groups with bf16 and a run beside it, one per (d_model, steps): where groups differ only in learning
-    rate, the one of the most seeds (said so)."""
+    rate, the one of the most seeds, and of those the one where bf16 ends lowest (said so)."""
     chosen: Chosen = {}
     for settings, by_seed in found:
         if "bf16" not in settings.runs or len(settings.runs) < 2:
@@ -73,7 +79,7 @@ def comparable(found: list[tuple[argparse.Namespace, dict[int, dict]]]) -> Chose
         key = (settings.d_model, settings.steps)
         if key in chosen:
             other = chosen[key]
-            keep = (settings, by_seed) if len(by_seed) > len(other[1]) else other
+            keep = (settings, by_seed) if _rank((settings, by_seed)) > _rank(other) else other
             drop = other if keep is not other else (settings, by_seed)
             print(f"plots, d_model {key[0]}, {key[1]} steps: {_lr_seeds(*keep)} drawn, {_lr_seeds(*drop)} not")
             chosen[key] = keep

@@ -1,6 +1,6 @@
 """benchmarks.train_lm_seeds: invocations of the example merged by their settings (the learning rate included),
-and the plots' choice where two groups of one width and length differ in learning rate (a sweep's bf16 runs not
-candidates)."""
+and the plots' choice where groups of one width and length differ in learning rate: the most seeds, then the
+lowest bf16 loss (a sweep's bf16-only runs not candidates)."""
 
 from __future__ import annotations
 
@@ -27,17 +27,19 @@ def _write(tmp_path, name: str, *, d_model: int, lr: float, seed: int, final: di
     return str(path)
 
 
-def test_groups_split_by_learning_rate_and_the_width_plot_takes_the_one_of_more_seeds(tmp_path, capsys):
+def test_groups_split_by_learning_rate_and_the_plots_take_the_most_seeds_then_the_tuned_rate(tmp_path, capsys):
     files = [
         _write(tmp_path, "d128", d_model=128, lr=3e-3, seed=0, final={"full": 2.2, "bf16": 2.0}),
         _write(tmp_path, "d256-a", d_model=256, lr=3e-3, seed=0, final={"full": 3.0, "bf16": 2.0}),
         _write(tmp_path, "d256-b0", d_model=256, lr=1e-3, seed=0, final={"full": 2.04, "bf16": 2.0}),
         _write(tmp_path, "d256-b1", d_model=256, lr=1e-3, seed=1, final={"full": 2.06, "bf16": 2.0}),
         _write(tmp_path, "sweep", d_model=256, lr=5e-4, seed=0, final={"bf16": 2.1}),
+        _write(tmp_path, "d128-high", d_model=128, lr=6e-3, seed=0, final={"full": 2.1, "bf16": 1.9}),
     ]
     found = train_lm_seeds.groups(files)
     assert [(s.d_model, s.lr, sorted(by_seed)) for s, by_seed in found] == [
         (128, 3e-3, [0]),
+        (128, 6e-3, [0]),
         (256, 3e-3, [0]),
         (256, 1e-3, [0, 1]),
         (256, 5e-4, [0]),
@@ -45,7 +47,8 @@ def test_groups_split_by_learning_rate_and_the_width_plot_takes_the_one_of_more_
     chosen = train_lm_seeds.comparable(found)
     out = capsys.readouterr().out
     assert "d_model 256, 200 steps: lr 0.001 (2 seeds) drawn, lr 0.003 (1 seed) not" in out
-    assert {key: settings.lr for key, (settings, _) in chosen.items()} == {(128, 200): 3e-3, (256, 200): 1e-3}
+    assert "d_model 128, 200 steps: lr 0.006 (1 seed) drawn, lr 0.003 (1 seed) not" in out  # bf16 ends lower
+    assert {key: settings.lr for key, (settings, _) in chosen.items()} == {(128, 200): 6e-3, (256, 200): 1e-3}
     for draw in (train_lm_seeds.plot_widths, train_lm_seeds.plot_progress):
         plot = tmp_path / f"{draw.__name__}.png"
         draw(chosen, str(plot))
