@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import pathlib
 
@@ -154,14 +155,14 @@ def plot_progress(chosen: Chosen, path: str) -> None:
     runs = _multi_width_runs(chosen)
     widths = sorted({d for d, _ in chosen})
     shade = dict(zip(widths, plt.get_cmap("viridis")(np.linspace(0, 0.85, len(widths))), strict=True))
-    styles = dict(zip(runs, ("o-", "s--", "^:", "d-."), strict=False))
+    styles = dict(zip(runs, itertools.cycle(("o-", "s--", "^:", "d-.")), strict=False))  # every run a style
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (d_model, steps), (settings, by_seed) in sorted(chosen.items()):
         if any(d == d_model and longer > steps for d, longer in chosen):
             continue  # the width's longer training passes the same points, and further
         bf16 = np.asarray([[loss for _, loss in r["bf16"]["val_loss"]] for r in by_seed.values()]).mean(0)
         for run in runs:
-            if run not in settings.runs or run not in styles:
+            if run not in settings.runs:
                 continue
             gaps = val_gaps(by_seed, run)
             sd = gaps.std(0, ddof=1) if len(gaps) > 1 else None
