@@ -20,6 +20,24 @@ def median_seconds(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
+def queued_seconds(fn, *args, calls: int, rounds: int = 3) -> float:
+    """Seconds a call of ``fn(*args)`` takes when ``calls`` calls are queued and waited for once.
+
+    What a training step gets: the device runs the calls back to back while the host dispatches the
+    next ones, so the time per call is the kernels' (not the dispatch's) once they take longer than
+    dispatching. The best of ``rounds`` rounds, after one warm-up (compile) call.
+    """
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)  # an earlier call's buffers are freed in stream order, not waited for
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
 def device_name() -> str:
     """The accelerator's name, or the CPU model on a CPU backend."""
     device = jax.devices()[0]

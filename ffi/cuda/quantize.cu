@@ -26,6 +26,7 @@
 #include "cuda/e2m1_lut.cuh"
 #include "cuda/four_over_six.cuh"
 #include "cuda/handlers.h"
+#include "cuda/memory.cuh"
 
 namespace nvfp4::cuda {
 namespace {
@@ -88,13 +89,19 @@ enum class Mode { kNearest, kStochastic, kFourOverSix };
 
 // A tile's outputs staged for 16-byte stores. Rowwise: a row's words (8 codes each) and block
 // scales. Columnwise: column col's codes of tile rows 32h..32h+31 in 16-byte chunk
-// staged_chunk(col, h), warp w's 8 bytes at 8 (w % 2); the column scales by column and warp.
+// staged_chunk(col, h), warp w's 8 bytes at 8 (w % 2); the column scales by column
+// (staged_scale_row) and warp.
 struct Staging {
   alignas(16) uint32_t row_data[kTileRows][kTileCols / kCols];
   alignas(16) uint8_t row_scale[kTileRows][kTileCols / kBlock];
   alignas(16) uint8_t col_data[kChunks][16];
   alignas(16) uint8_t col_scale[kTileCols][kTileRows / kBlock];
 };
+
+// The row of column col's scales in Staging::col_scale, XOR-swizzled: a warp's byte stores (lanes
+// 8 columns, 32 bytes apart) spread over 32 banks instead of 4 (8-way conflicts); the readers'
+// 4-byte loads of consecutive columns stay conflict-free.
+__device__ __forceinline__ int staged_scale_row(int col) { return col ^ ((col >> 5) & 7); }
 
 // The chunk of (col, half), XOR-swizzled: a warp's 8-byte stores (lanes 8 columns apart) spread
 // over 8 bank groups instead of 1; the 16-byte reads of consecutive chunks stay conflict-free.
@@ -153,11 +160,11 @@ template <typename L>
 struct Values<L, false> {
   uint4* quads = reinterpret_cast<uint4*>(dynamic_shared()) + threadIdx.x;
   __device__ __forceinline__ uint32_t word(int r, int i) const {
-    const uint4 q = quads[(r * kQuads<L> + i / 4) * kThreads];
+    const uint4 q = NVFP4_LDS(quads + (r * kQuads<L> + i / 4) * kThreads);
     return i % 4 == 0 ? q.x : i % 4 == 1 ? q.y : i % 4 == 2 ? q.z : q.w;
   }
   __device__ __forceinline__ void set_quad(int r, int q, uint4 v) {
-    quads[(r * kQuads<L> + q) * kThreads] = v;
+    NVFP4_STS(quads + (r * kQuads<L> + q) * kThreads, v);
   }
 };
 
@@ -196,14 +203,13 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols,
     if (vec) {
 #pragma unroll
       for (int i = 0; i < kQuads<L>; ++i)
-        q[i] = (whole || (r < nrows && ncols > 0)) ? reinterpret_cast<const uint4*>(src)[i]
-                                                   : uint4{0, 0, 0, 0};
+        q[i] = NVFP4_LDG_IF(whole || (r < nrows && ncols > 0),
+                            reinterpret_cast<const uint4*>(src) + i, (uint4{0, 0, 0, 0}));
     } else {
       uint32_t e[kCols];
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        T t{};
-        if (r < nrows && c < ncols) t = src[c];
+        const T t = NVFP4_LDG_IF(r < nrows && c < ncols, src + c, T{});
         if constexpr (kPacked<L>)
           e[c] = t;
         else
@@ -260,7 +266,7 @@ __device__ __forceinline__ uint32_t scale_pair(float bamax_hi, float bamax_lo,
 // copy is row-scaled.
 __device__ __forceinline__ float encode_scale(const QuantizeSpec& spec, uint32_t s, const Copy& k,
                                               const GlobalScales& g) {
-  return spec.row_scaled ? block_encode_scale(uint8_t(s), g) : k.enc[s];
+  return spec.row_scaled ? block_encode_scale(uint8_t(s), g) : NVFP4_LDS(k.enc + s);
 }
 
 // Two blocks' scales: their encode scales, and their stored scale codes (bytes 0 and 1, NaN
@@ -279,7 +285,7 @@ __device__ __forceinline__ uint32_t block_pair(const QuantizeSpec& spec, const C
 // input; a padding row's amax is 0.
 __device__ __forceinline__ GlobalScales row_scales(const QuantizeSpec& spec, const float* amax,
                                                    int i, int n) {
-  return spec.global_scales(i < n ? amax[i] : 0.0f);
+  return spec.global_scales(NVFP4_LDG_IF(i < n, amax + i, 0.0f));
 }
 
 // Row-scaled rowwise copies: lane l's global scales are those of the warp's row l % 16 (each lane
@@ -313,6 +319,7 @@ __device__ __forceinline__ const uint8_t* pair_table() { return dynamic_shared()
 template <Index kIndex, typename Get>
 __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get get) {
   if (NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast) {
+    NVFP4_PATH("nearest8: E2M1 convert");
     // x * enc + 0: no -0.0 (the convert keeps its sign). A NaN product comes only from a NaN
     // encode scale (a block with a NaN), whose codes are all 0.
     uint32_t word = 0;
@@ -324,6 +331,7 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get 
     return enc == enc ? word : 0u;
   }
   if (kIndex != Index::kLutSafe) {  // by pairs: 4 code bytes
+    NVFP4_PATH(kIndex == Index::kFast ? "nearest8: pair table" : "nearest8: pair table, tie-safe");
     uint32_t word = 0;
 #pragma unroll
     for (int k = 6; k >= 0; k -= 2)
@@ -332,6 +340,7 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get 
                                 : pair_code_safe(pair_table(), get(k), get(k + 1), enc));
     return word;
   }
+  NVFP4_PATH("nearest8: code table, tie-safe");
   return pack8([&](int k) { return lut_code<true>(lut, get(k), enc); });
 }
 
@@ -353,6 +362,10 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, Index index, fl
 // block).
 template <Index kIndex>
 __device__ __forceinline__ uint32_t nearest2(const uint8_t* lut, float enc, float v0, float v1) {
+  NVFP4_PATH(NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast ? "nearest2: E2M1 convert"
+             : kIndex == Index::kFast                      ? "nearest2: pair table"
+             : kIndex == Index::kPairSafe                  ? "nearest2: pair table, tie-safe"
+                                                           : "nearest2: code table, tie-safe");
   if (NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast)
     return cvt_rn_satfinite_e2m1x2(fma_rn(v1, enc, 0.0f), fma_rn(v0, enc, 0.0f));
   if (kIndex == Index::kFast) return pair_code(pair_table(), v0, v1, enc);
@@ -398,6 +411,9 @@ __device__ __forceinline__ uint32_t pack_sums(const uint32_t (&x)[4]) {
 // throughout, as the reference's NaN products do.
 template <bool kTable, bool kFast, typename Get>
 __device__ __forceinline__ uint32_t stochastic8(float enc, uint32_t w0, uint32_t w1, Get get) {
+  NVFP4_PATH(kTable && kFast ? "stochastic8: position table, fast"
+             : kTable        ? "stochastic8: position table"
+                             : "stochastic8: arithmetic");
   uint32_t word;
   if constexpr (kTable) {
     uint32_t x[4];
@@ -461,13 +477,13 @@ struct Place {
 
 // Stages the rowwise copy's word of the thread's row r (the codes of its 8 columns).
 __device__ __forceinline__ void stage_row(Staging& st, int r, uint32_t word) {
-  st.row_data[kBlock * (threadIdx.x / 32) + r][threadIdx.x % 32] = word;
+  NVFP4_STS(&st.row_data[kBlock * (threadIdx.x / 32) + r][threadIdx.x % 32], word);
 }
 
 // Stages the rowwise block scale of the thread's row r (its low byte; `r` may differ between
 // the lanes of a pair).
 __device__ __forceinline__ void stage_row_scale(Staging& st, int r, uint32_t scale) {
-  st.row_scale[kBlock * (threadIdx.x / 32) + r][(threadIdx.x % 32) / 2] = uint8_t(scale);
+  NVFP4_STS(&st.row_scale[kBlock * (threadIdx.x / 32) + r][(threadIdx.x % 32) / 2], uint8_t(scale));
 }
 
 // The first row of the pair's rows whose rowwise scales this lane stages: the even lane rows
@@ -507,14 +523,15 @@ __device__ __forceinline__ float own_magnitude(const uint32_t (&row_mag)[kBlock]
 }
 
 // Copies 16 staged bytes to global memory where `ok`: one 16-byte store where `vec`, else the
-// first n bytes one by one.
+// first n bytes one by one. `site`: the caller's (NVFP4_HERE), for the host model's counters.
 __device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, bool ok, bool vec,
-                                       uint32_t n) {
+                                       uint32_t n, const char* site) {
   if (vec) {
-    const uint4 v = *reinterpret_cast<const uint4*>(src);
-    if (ok) *reinterpret_cast<uint4*>(dst) = v;
+    const uint4 v = NVFP4_LDS_AT(site, reinterpret_cast<const uint4*>(src));
+    NVFP4_STG_IF_AT(site, ok, reinterpret_cast<uint4*>(dst), v);
   } else if (ok) {
-    for (uint32_t k = 0; k < 16 && k < n; ++k) dst[k] = src[k];
+    for (uint32_t k = 0; k < 16 && k < n; ++k)
+      NVFP4_STG_IF_AT(site, true, dst + k, NVFP4_LDS_AT(site, src + k));
   }
 }
 
@@ -536,22 +553,22 @@ __device__ __forceinline__ void store_rows(const Params& p, const Staging& st, u
 #pragma unroll
   for (int j = 0; j < kTileRows / kStep; ++j, dst += step) {
     const bool ok = kFast || (tm0 + row + kStep * j < rows && start < data_cols);
-    copy16(dst, src + kStep * j * sizeof(st.row_data[0]), ok, vec, data_cols - start);
+    copy16(dst, src + kStep * j * sizeof(st.row_data[0]), ok, vec, data_cols - start, NVFP4_HERE);
   }
   const uint32_t scale_cols = p.out.scale_cols, first = tn0 / kBlock;
   if (threadIdx.x < kTileRows)
     copy16(p.o.scale + (uint64_t(b) * rows + tm0 + threadIdx.x) * scale_cols + first,
            st.row_scale[threadIdx.x], kFast || (tm0 + threadIdx.x < rows && first < scale_cols),
-           vec, scale_cols - first);
+           vec, scale_cols - first, NVFP4_HERE);
 }
 
 // Stages column c's 16 codes (two words: rows 0-7, 8-15) and block scale.
 __device__ __forceinline__ void stage_column(Staging& st, int c, uint32_t lo, uint32_t hi,
                                              uint32_t scale) {
   const int col = kCols * int(threadIdx.x % 32) + c, warp = threadIdx.x / 32;
-  *reinterpret_cast<uint2*>(&st.col_data[staged_chunk(col, warp / 2)][8 * (warp % 2)]) =
-      uint2{lo, hi};
-  st.col_scale[col][warp] = uint8_t(scale);
+  NVFP4_STS(reinterpret_cast<uint2*>(&st.col_data[staged_chunk(col, warp / 2)][8 * (warp % 2)]),
+            (uint2{lo, hi}));
+  NVFP4_STS(&st.col_scale[staged_scale_row(col)][warp], uint8_t(scale));
 }
 
 // Writes a staged columnwise tile (rows tm0.. of columns tn0..): thread t copies chunk
@@ -570,7 +587,8 @@ __device__ __forceinline__ void store_columns(const Params& p, const Staging& st
   for (int j = 0; j < kTileCols / kStep; ++j, dst += step) {
     const bool ok = kFast || (tn0 + col + kStep * j < cols && start < data_cols);
     // staged_chunk(col + kStep j, half): the swizzle's XOR term is the same for every j.
-    copy16(dst, st.col_data[staged_chunk(col, half) + 2 * kStep * j], ok, vec, data_cols - start);
+    copy16(dst, st.col_data[staged_chunk(col, half) + 2 * kStep * j], ok, vec, data_cols - start,
+           NVFP4_HERE);
   }
   const uint32_t scale_cols = p.out.scale_cols_t, first = tm0 / kBlock;
   uint8_t* scale = p.o.scale_t + (uint64_t(b) * cols + tn0 + threadIdx.x) * scale_cols + first;
@@ -580,11 +598,12 @@ __device__ __forceinline__ void store_columns(const Params& p, const Staging& st
     const uint32_t c = threadIdx.x + kThreads * j;
     const bool ok = kFast || (tn0 + c < cols && first < scale_cols);
     if (vec) {
-      const uint32_t v = *reinterpret_cast<const uint32_t*>(st.col_scale[c]);
-      if (ok) *reinterpret_cast<uint32_t*>(scale) = v;
+      const uint32_t v =
+          NVFP4_LDS(reinterpret_cast<const uint32_t*>(st.col_scale[staged_scale_row(int(c))]));
+      NVFP4_STG_IF(ok, reinterpret_cast<uint32_t*>(scale), v);
     } else if (ok) {
       for (uint32_t k = 0; k < kTileRows / kBlock && first + k < scale_cols; ++k)
-        scale[k] = st.col_scale[c][k];
+        NVFP4_STG(scale + k, NVFP4_LDS(&st.col_scale[staged_scale_row(int(c))][k]));
     }
   }
 }
@@ -615,7 +634,7 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
     for (int r = 0; r < kBlock; ++r) words[r] = reference8(row.enc, [&](int k) { return v(r, k); });
   } else {
     const uint32_t s = scale_pair(bamax, bamax, g, g) & 0xFFu;
-    const float enc = kr.enc[s];
+    const float enc = NVFP4_LDS(kr.enc + s);
     scale_r = scale_c = s;
     // Stochastic bytes come from the rowwise stream of the padded [B, Mp, Np] tile array.
     uint2 rw[kBlock];
@@ -892,6 +911,17 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
   __builtin_assume(inside);
 #endif
 
+  // Each copy's code index (e2m1_lut.cuh), for the host model's path counts.
+  NVFP4_PATH(!p.o.data                      ? "rowwise index: none"
+             : kr.index == Index::kFast     ? "rowwise index: fast"
+             : kr.index == Index::kPairSafe ? "rowwise index: pair tie-safe"
+                                            : "rowwise index: code-table tie-safe");
+  NVFP4_PATH(!p.o.data_t                    ? "columnwise index: none"
+             : spec.block_2d                ? "columnwise index: the rowwise copy's"
+             : kc.index == Index::kFast     ? "columnwise index: fast"
+             : kc.index == Index::kPairSafe ? "columnwise index: pair tie-safe"
+                                            : "columnwise index: code-table tie-safe");
+
   Values<L> w;
   uint32_t col_mag[kCols], row_mag[kBlock];
   load_tile<L>(x + (uint64_t(at.b) * rows + min(at.m0, rows)) * cols + min(at.n0, cols), cols,
@@ -933,6 +963,14 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
   }
 }
 
+// Whether a block of a copy with global scales g can have scale code s: block maxima are
+// magnitudes, so the code's sign is that of g.encode_div6 (positive but for a negative amax); the
+// NaN code 0x7F (a block with a NaN: all its codes are 0) never needs the tie-safe index. So only
+// these codes decide a copy's index (with all 256, every copy took a tie-safe one).
+__device__ __forceinline__ bool reachable_scale(uint32_t s, const GlobalScales& g) {
+  return s != 0x7Fu && (s >> 7) == (float_bits(g.encode_div6) >> 31);
+}
+
 // The encode scales of batch entry b's 256 scale codes for both copies, and each copy's code
 // Index: kFast unless a tie is possible (tie_possible) or there is neither the convert nor the
 // pair table (`pairs`: built); row-scaled copies have no table and always take a tie-safe one
@@ -947,8 +985,8 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   kr = Copy{nullptr, safe, GlobalScales{}, false};
   kc = kr;
   if (spec.row_scaled) return;
-  kr.g = spec.global_scales(p.amax[b]);
-  kc.g = spec.global_scales(p.amax_t[b]);
+  kr.g = spec.global_scales(NVFP4_LDG(p.amax + b));
+  kc.g = spec.global_scales(NVFP4_LDG(p.amax_t + b));
   kr.exact = units_always_exact(kr.g.amax);
   kc.exact = units_always_exact(kc.g.amax);
   __syncthreads();  // the previous entry's tables are no longer read
@@ -956,9 +994,11 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   __syncthreads();
   for (int i = threadIdx.x; i < 2 * kCodes; i += kThreads) {
     const int copy = i / kCodes, s = i % kCodes;
-    const float enc = block_encode_scale(uint8_t(s), copy ? kc.g : kr.g);
+    const GlobalScales& g = copy ? kc.g : kr.g;
+    const float enc = block_encode_scale(uint8_t(s), g);
     sh.enc[copy][s] = enc;
-    if (kMode == Mode::kStochastic ? underflow_possible<L>(enc) : tie_possible<L>(enc))
+    if (reachable_scale(uint32_t(s), g) &&
+        (kMode == Mode::kStochastic ? underflow_possible<L>(enc) : tie_possible<L>(enc)))
       sh.safe[copy] = 1;
   }
   __syncthreads();
@@ -984,14 +1024,16 @@ __device__ __forceinline__ bool build_pair_table(Shared& sh) {
     if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize) return false;
     for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
     __syncthreads();
-    // 16 entries a store: high byte i / 16, low bytes 16 (i % 16) ...
+    // 16 bytes a store: address a holds entry pair_swizzle(a), and the swizzle keeps bits 0-1, so
+    // a word's 4 entries are consecutive: one high code, 4 low codes from one word of f16_codes.
     auto* table = reinterpret_cast<uint4*>(dynamic_shared());
-    const auto* low = reinterpret_cast<const uint4*>(sh.f16_codes);
-    for (int i = threadIdx.x; i < kPairLutSize / 16; i += kThreads) {
-      const uint32_t high = uint32_t(sh.f16_codes[i / 16] << 4) * 0x01010101u;
-      const uint4 l = low[i % 16];
-      table[i] = uint4{l.x | high, l.y | high, l.z | high, l.w | high};
-    }
+    const auto* low = reinterpret_cast<const uint32_t*>(sh.f16_codes);
+    const auto word = [&](uint32_t a) {
+      const uint32_t i = pair_swizzle(a);
+      return low[(i & 0xFFu) / 4] | uint32_t(sh.f16_codes[i >> 8] << 4) * 0x01010101u;
+    };
+    for (uint32_t a = 16 * threadIdx.x; a < kPairLutSize; a += 16 * kThreads)
+      table[a / 16] = uint4{word(a), word(a + 4), word(a + 8), word(a + 12)};
     return true;
   } else {
     return false;

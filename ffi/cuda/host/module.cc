@@ -21,6 +21,7 @@
 #include "cuda/handlers.h"
 #include "cuda/host/probes.h"
 #include "cuda/host/runtime.h"
+#include "cuda/host/trace.h"
 #include "nvfp4/ptx.h"
 #include "nvfp4/subnormal_guard.h"
 
@@ -189,6 +190,36 @@ nb::bytes f16_rz(Floats x) {
   return nb::bytes(out.data(), out.size());
 }
 
+// The launches traced since trace_start (cuda/host/trace.h), as dicts: kernel, paths (name:
+// thread executions) and sites (a list: site "file:line", space, access, size, requests,
+// transactions, ideal, bytes).
+nb::list trace_stop() {
+  nb::list out;
+  for (const auto& t : nvfp4::host::trace_stop()) {
+    nb::list sites;
+    nb::dict paths;
+    for (const auto& [site, c] : t.sites) {
+      nb::dict d;
+      d["site"] = site.where;
+      d["space"] = site.space == nvfp4::host::Space::kGlobal ? "global" : "shared";
+      d["access"] = site.access == nvfp4::host::Access::kLoad ? "load" : "store";
+      d["size"] = c.size;
+      d["requests"] = c.requests;
+      d["transactions"] = c.transactions;
+      d["ideal"] = c.ideal;
+      d["bytes"] = c.bytes;
+      sites.append(d);
+    }
+    for (const auto& [name, n] : t.paths) paths[name.c_str()] = n;
+    nb::dict launch;
+    launch["kernel"] = t.kernel;
+    launch["sites"] = sites;
+    launch["paths"] = paths;
+    out.append(launch);
+  }
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_nvfp4_cuda_host, m) {
@@ -199,6 +230,12 @@ NB_MODULE(_nvfp4_cuda_host, m) {
   m.def("set_emulated_sm", &nvfp4::host::set_emulated_sm, nb::arg("sm"),
         "The GPU the model stands for: 90 (Hopper) or 100/120 (sm_100a/sm_120a code paths).");
   m.def("emulated_sm", &nvfp4::host::emulated_sm);
+  m.def("trace_start", &nvfp4::host::trace_start,
+        "Starts the model's profiler (cuda/host/trace.h), clearing what it traced before.");
+  m.def("trace_stop", &trace_stop,
+        "Stops the profiler; returns each launch traced since trace_start: {kernel, paths: {name: "
+        "thread executions}, sites: [{site (file:line), space, access, size, requests, "
+        "transactions (sectors or wavefronts), ideal, bytes}]}.");
   m.def("cvt_rn_satfinite_e2m1x2", &cvt_e2m1x2, nb::arg("hi"), nb::arg("lo"),
         "The bytes cvt.rn.satfinite.e2m1x2.f32 gives for float32 arrays hi and lo (host "
         "equivalent).");

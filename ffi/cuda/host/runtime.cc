@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cuda/host/context.h"
+#include "cuda/host/trace.h"
 #include "nvfp4/subnormal_guard.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -520,6 +521,7 @@ cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 
   workers = unsigned(std::min<uint64_t>(workers, blocks));
   std::atomic<uint64_t> next{0};
   LaunchState state;
+  LaunchTrace* trace = trace_launch_begin(name);  // null unless tracing (trace.h)
   auto work = [&] {
     const SubnormalGuard
         ieee;  // the GPU kernels keep subnormals (nvcc -ftz=false); fibers inherit it
@@ -528,11 +530,14 @@ cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 
     worker_shared.assign(shared, 0xA5);  // garbage, as a kernel finds it on a GPU
     Block b(kernel_name, block, thread, state);
     Block::active() = &b;
+    trace_worker_begin(trace, int(block.x * block.y * block.z));
     for (uint64_t i; !state.failed && (i = next.fetch_add(1)) < blocks;) {
       const uint3 index{unsigned(i % grid.x), unsigned(i / grid.x % grid.y),
                         unsigned(i / (uint64_t(grid.x) * grid.y))};
       if (!b.run(index)) break;
+      trace_block_end();
     }
+    trace_worker_end();
     Block::active() = nullptr;
   };
   if (workers == 1) {
@@ -542,6 +547,7 @@ cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 
     for (unsigned w = 0; w < workers; ++w) pool.emplace_back(work);
     for (std::thread& t : pool) t.join();
   }
+  trace_launch_end(trace, !state.failed);
   if (!state.failed) return cudaSuccess;
   last_failure = state.message;
   return last_error = cudaErrorLaunchFailure;
