@@ -11,8 +11,12 @@
 #endif
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "nvfp4/ffi_common.h"
 
@@ -62,19 +66,53 @@ inline unsigned grid_stride_blocks(int64_t n, int threads) {
   return unsigned(std::clamp<int64_t>(blocks, 1, int64_t(1) << 16));
 }
 
+// The current device, as a key of once_per (in the host model, with the GPU it emulates: a
+// kernel's attributes depend on it).
+inline int device_key() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+#if defined(NVFP4_CUDA_HOST)
+  device = device * 1000 + host::emulated_sm();
+#endif
+  return device;
+}
+
+// query() asked once per key and remembered, per call site (each lambda type has its own cache):
+// the runtime's answers about a kernel and a device (attributes, occupancy) cost host time on
+// every call otherwise. A failed query (ok false) is not remembered.
+template <typename Key, typename Query>
+auto once_per(const Key& key, Query query) {
+  using Value = decltype(query(std::declval<bool&>()));
+  static std::mutex mutex;
+  static std::map<Key, Value> answers;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = answers.find(key); it != answers.end()) return it->second;
+  bool ok = true;
+  Value value = query(ok);
+  if (ok) answers.emplace(key, value);
+  return value;
+}
+
 // CUDA blocks of a persistent grid of Kernel (`threads` threads and `shared` dynamic bytes a
 // block): as many as the current device holds at once, at most 4 per multiprocessor.
 template <typename Kernel>
 int resident_blocks(Kernel* kernel, int threads, size_t shared) {
-  int device = 0, multiprocessors = 1, per_multiprocessor = 4;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
-          cudaSuccess)
-    multiprocessors = 1;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, shared) !=
-      cudaSuccess)
-    per_multiprocessor = 1;
-  return std::clamp(per_multiprocessor, 1, 4) * std::max(multiprocessors, 1);
+  const auto key = std::tuple(reinterpret_cast<const void*>(kernel), threads, shared, device_key());
+  return once_per(key, [&](bool& ok) {
+    int device = 0, multiprocessors = 1, per_multiprocessor = 4;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
+            cudaSuccess) {
+      multiprocessors = 1;
+      ok = false;
+    }
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads,
+                                                      shared) != cudaSuccess) {
+      per_multiprocessor = 1;
+      ok = false;
+    }
+    return std::clamp(per_multiprocessor, 1, 4) * std::max(multiprocessors, 1);
+  });
 }
 
 // The block's dynamic shared memory (the launch's `shared` bytes), and its size.

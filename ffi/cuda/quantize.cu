@@ -1083,23 +1083,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 // values (Values), with stochastic rounding of a 16-bit dtype the position table, or with nearest
 // rounding or 4over6 of a 16-bit dtype the pair table where K's code was built without the E2M1
 // convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also runs).
+// Queried and set once per device (once_per), not on every call.
 template <auto K, typename L, Mode kMode>
 ffi::Error dynamic_bytes(size_t& bytes) {
-  bytes = kPacked<L> ? 0 : kValuesBytes;
-  if constexpr (kPacked<L> && kMode == Mode::kStochastic) {
-    bytes = kSrLutEntries * sizeof(uint16_t);
-  } else if constexpr (kPacked<L>) {
-    cudaFuncAttributes attr{};
-    if (const cudaError_t err = cudaFuncGetAttributes(&attr, K); err != cudaSuccess)
-      return cuda_error("cudaFuncGetAttributes", err);
-    bytes = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
-  }
-  if (bytes)
-    if (const cudaError_t err =
-            cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-        err != cudaSuccess)
-      return cuda_error("cudaFuncSetAttribute", err);
-  return ffi::Error::Success();
+  const auto [size, err, what] = once_per(device_key(), [](bool& ok) {
+    size_t n = kPacked<L> ? 0 : kValuesBytes;
+    if constexpr (kPacked<L> && kMode == Mode::kStochastic) {
+      n = kSrLutEntries * sizeof(uint16_t);
+    } else if constexpr (kPacked<L>) {
+      cudaFuncAttributes attr{};
+      if (const cudaError_t e = cudaFuncGetAttributes(&attr, K); e != cudaSuccess) {
+        ok = false;
+        return std::tuple(n, e, "cudaFuncGetAttributes");
+      }
+      n = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
+    }
+    cudaError_t e = cudaSuccess;
+    if (n) e = cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, int(n));
+    ok = e == cudaSuccess;
+    return std::tuple(n, e, "cudaFuncSetAttribute");
+  });
+  bytes = size;
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error(what, err);
 }
 
 // Launches kernel K (dtype L, mode kMode) as a persistent grid over the tiles.

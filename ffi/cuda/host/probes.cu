@@ -6,6 +6,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/host/probes.h"
+#include "cuda/memory.cuh"
 
 namespace nvfp4::cuda::probes {
 namespace {
@@ -88,6 +89,18 @@ __global__ void mask_names_missing_lanes(int* out) {
   out[threadIdx.x] = __shfl_xor_sync(~0u, 1, 1);
 }
 
+// For the profiler's counters (cuda/host/trace.h): lane l loads shared word l * stride (mod 1024)
+// and stores it to out[l * out_stride]; lanes named in `mask` store a second time, predicated.
+__global__ void access_pattern(int stride, int out_stride, unsigned mask, int* out) {
+  __shared__ int words[1024];
+  const int lane = int(threadIdx.x);
+  for (int i = lane; i < 1024; i += int(blockDim.x)) words[i] = i;
+  __syncthreads();
+  const int v = NVFP4_LDS(words + lane * stride % 1024);
+  NVFP4_STG(out + lane * out_stride, v);
+  NVFP4_STG_IF(mask >> lane & 1u, out + lane * out_stride, v);
+}
+
 ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int c, unsigned mask) {
   const cudaStream_t s = host::xla_stream();
   int* o = out.data();
@@ -116,6 +129,7 @@ ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int
   if (name == "divergent_sites") return launch<divergent_sites>("probe", 1, 32, 0, s, o);
   if (name == "mask_names_missing_lanes")
     return launch<mask_names_missing_lanes>("probe", 1, 48, 0, s, o);
+  if (name == "access_pattern") return launch<access_pattern>("probe", 1, 32, 0, s, a, b, mask, o);
   throw std::invalid_argument("no probe " + name);
 }
 

@@ -1,0 +1,172 @@
+"""What a profiler would count for the CUDA quantize kernel, read from the host model without a GPU
+(tests/helpers/counters.py): the code index each copy takes, bytes moved against the minimum,
+coalescing of global accesses and bank conflicts in shared memory, held to budgets.
+
+The inputs are N(0, 1) bfloat16 tensors of whole 64 x 256 tiles (the steady state of a large tensor);
+the budgets are issue 48's where the kernel meets them, else today's figure with what misses named.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_same_tree, cuda_host, random_normal
+from helpers.counters import Launch, only, traced
+from helpers.cuda_host import needs_module
+
+import jax_nvfp4
+from jax_nvfp4.core.formats import num_blocks, packed_size
+
+pytestmark = needs_module
+
+SHAPE = (128, 512)  # 2 x 2 tiles
+KERNEL = "quantize_kernel"
+SPECS = {
+    "row+col 1x16": dict(columnwise=True),
+    "row only": dict(),
+    "col only": dict(rowwise=False, columnwise=True),
+    "row+col 16x16": dict(columnwise=True, block_2d=True),
+    "stochastic rounding": dict(columnwise=True, stochastic_rounding=True),
+    "rht": dict(columnwise=True, rht=True),
+}
+
+
+def quantize_traced(x, sm: int = 90, **options) -> Launch:
+    """The quantize kernel's launch of cuda_host.quantize(x, **options) (amax passes not counted)."""
+    if options.pop("stochastic_rounding", False):
+        options["rng_key"] = jax.random.key(3)
+    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
+    with cuda_host.emulating(sm):
+        fn.lower(x).compile()
+        with traced() as launches:
+            jax.block_until_ready(fn(x))
+    return only(launches, KERNEL)
+
+
+def output_bytes(shape, options) -> int:
+    m, n = shape
+    rows = m * (packed_size(n) + num_blocks(n)) if options.get("rowwise", True) else 0
+    cols = n * (packed_size(m) + num_blocks(m)) if options.get("columnwise", False) else 0
+    return rows + cols
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_nearest_rounding_takes_the_fast_index(dtype, block_2d):
+    """Normal data takes the fast code index: the pair table's plain index on sm_90, the E2M1 convert on
+    sm_100a. (Every copy took a tie-safe index before the scale codes a copy cannot have were left out.)"""
+    x = random_normal(SHAPE, 0, dtype)
+    opts = dict(columnwise=True, block_2d=block_2d)
+    hopper = quantize_traced(x, **opts).paths
+    assert hopper.get("rowwise index: fast", 0) > 0, hopper
+    assert not [p for p in hopper if "tie-safe" in p], hopper
+    assert hopper.get("nearest8: pair table", 0) > 0, hopper
+    blackwell = quantize_traced(x, sm=100, **opts).paths
+    assert blackwell.get("nearest8: E2M1 convert", 0) > 0, blackwell
+    assert not [p for p in blackwell if "table" in p], blackwell
+
+
+@pytest.mark.parametrize("amax", [2688.0, -2688.0])
+def test_a_possible_tie_takes_the_tie_safe_index_and_the_cpu_bytes(amax):
+    """With amax 2688 a block scale of 1.0 makes 0.25 a product that is a round-down tie: both copies take the
+    tie-safe index, and the bytes are the CPU kernel's. A negative amax (traced: a concrete one is refused)
+    gives block scale codes with the sign bit, which then decide the index."""
+    x = random_normal(SHAPE, 1, jnp.bfloat16).at[::7, ::5].set(0.25)
+    a = jnp.float32(amax)
+
+    def run(api):
+        return jax.jit(lambda x, a: api.quantize(x, amax=a, columnwise=True))
+
+    with cuda_host.emulating(90):
+        run(cuda_host).lower(x, a).compile()
+        with traced() as launches:
+            got = jax.block_until_ready(run(cuda_host)(x, a))
+    paths = only(launches, KERNEL).paths
+    assert paths.get("rowwise index: pair tie-safe", 0) > 0, paths
+    assert paths.get("columnwise index: pair tie-safe", 0) > 0, paths
+    assert not [p for p in paths if p.endswith("index: fast")], paths
+    assert_same_tree(got, run(jax_nvfp4)(x, a))
+
+
+def test_row_scaled_copies_take_a_tie_safe_index():
+    paths = quantize_traced(random_normal(SHAPE, 2), columnwise=True, row_scaled=True).paths
+    assert paths.get("rowwise index: pair tie-safe", 0) > 0, paths
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_each_input_byte_is_read_once_and_each_output_byte_written_once(name, dtype):
+    options = SPECS[name]
+    x = random_normal(SHAPE, 4, dtype)
+    launch = quantize_traced(x, **options)
+    loads = Launch.total([s for s in launch.select("global", "load") if s.size >= 8])  # the input's
+    assert loads.bytes == x.nbytes
+    assert Launch.total(launch.select("global", "store")).bytes == output_bytes(SHAPE, options)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_global_data_accesses_are_coalesced(name):
+    """The input's 16-byte loads and the codes' 16-byte stores take no sector more than their bytes fill.
+    Not held: the scales' stores (16 bytes a row, 4 bytes a column of a 64-row tile: 2x and 4x the fewest
+    sectors) and float32 rows of fewer than 8 values."""
+    launch = quantize_traced(random_normal(SHAPE, 5), **SPECS[name])
+    data = [s for s in launch.select("global", size=16) if s.bytes >= launch.total(launch.select("global")).bytes / 8]
+    assert data
+    total = Launch.total(data)
+    assert total.transactions <= 1.05 * total.ideal, data
+
+
+def table_lookups(launch: Launch):
+    return Launch.total(launch.select("shared", "load", file="e2m1_lut.cuh"))
+
+
+@pytest.mark.parametrize("name", ["row+col 1x16", "row+col 16x16"])
+def test_pair_table_lookups_spread_over_the_banks(name):
+    """N(0, 1) data: the swizzled pair table takes 4.3 wavefronts a warp's lookup on sm_90 (unswizzled,
+    its bank was the first product's exponent: 10.1). Issue 48 asks for 1.5: a table indexed by random
+    data cannot get there (32 random lookups into 32 banks take about 3.5); an arithmetic encode or a
+    table per lane can."""
+    lookups = table_lookups(quantize_traced(random_normal(SHAPE, 6), **SPECS[name]))
+    assert lookups.requests > 0
+    assert lookups.per_request <= 4.6, lookups
+
+
+@pytest.mark.parametrize("name", ["row+col 1x16", "row+col 16x16", "stochastic rounding"])
+def test_staging_in_shared_memory_is_nearly_conflict_free(name):
+    """The staged outputs (stores of codes and scales, their reads for the 16-byte global stores) and the
+    encode-scale table: at most 1.5 wavefronts over the fewest. Not held per site: the rowwise scales'
+    byte stores and the columnwise codes' 8-byte stores are 2-way (a lane pair writes rows 8 apart)."""
+    launch = quantize_traced(random_normal(SHAPE, 7), **SPECS[name])
+    staging = Launch.total(launch.select("shared", file="quantize.cu"))
+    assert staging.transactions <= 1.5 * staging.ideal, launch.select("shared", file="quantize.cu")
+
+
+def test_the_profiler_sees_a_strided_load_and_a_conflict():
+    """The counters themselves, on the kernel: the same quantize on a shape whose rows are not a multiple
+    of 8 values loads element by element (2-byte loads of a warp span 16 rows: more sectors than bytes)."""
+    x = random_normal((64, 250), 8)
+    launch = quantize_traced(x)
+    loads = Launch.total(launch.select("global", "load", size=2))
+    assert loads.bytes == x.nbytes
+    assert loads.transactions > 2 * loads.ideal
+    np.testing.assert_array_equal(loads.requests > 0, True)
+
+
+@pytest.mark.parametrize(("stride", "wavefronts"), [(0, 1), (1, 1), (2, 2), (8, 8), (32, 32), (33, 1)])
+@pytest.mark.parametrize(("out_stride", "sectors"), [(1, 4), (2, 8), (8, 32)])
+def test_the_profiler_counts_a_known_pattern(stride, wavefronts, out_stride, sectors):
+    """A probe kernel (ffi/cuda/host/probes.cu): 32 lanes load shared words `stride` apart (a bank serves
+    gcd(stride, 32) distinct words; one word for all is a broadcast) and store 4-byte ints `out_stride`
+    apart (128 bytes fill 4 sectors); the predicated second store by the even lanes only counts their
+    bytes and keeps the requests of the later lanes aligned."""
+    with traced() as launches:
+        out = cuda_host.module.probe("access_pattern", 32 * 8, stride, out_stride, mask=0x55555555)
+    assert out[: 32 * out_stride : out_stride] == [lane * stride % 1024 for lane in range(32)]
+    launch = only(launches, "access_pattern")
+    (load,) = launch.select("shared", "load")
+    assert (load.requests, load.transactions, load.ideal) == (1, wavefronts, 1)
+    first, second = sorted(launch.select("global", "store"), key=lambda s: s.site)
+    assert (first.requests, first.transactions, first.ideal, first.bytes) == (1, sectors, 4, 128)
+    assert (second.requests, second.bytes) == (1, 64)
