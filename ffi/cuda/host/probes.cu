@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "cuda/async_copy.cuh"
 #include "cuda/common.cuh"
 #include "cuda/host/probes.h"
 #include "cuda/memory.cuh"
@@ -101,6 +102,51 @@ __global__ void access_pattern(int stride, int out_stride, unsigned mask, int* o
   NVFP4_STG_IF(mask >> lane & 1u, out + lane * out_stride, v);
 }
 
+// A two-stage ring of bulk copies (cuda/async_copy.cuh): buf[256 + i] = 2 buf[i] for 256 ints,
+// 16 a copy, one warp. `mode` plants one mistake the host model must catch (BulkMistake).
+enum BulkMistake {
+  kNone,
+  kNoWait,
+  kShortTx,
+  kMisaligned,
+  kExitInFlight,
+  kOverwrite,
+  kWrongParity,
+  kOnlyOneWaits
+};
+
+__global__ void bulk_ring(int mode, int* buf) {
+  __shared__ uint4 stage4[2][4];  // 16-byte aligned
+  int (*stage)[16] = reinterpret_cast<int (*)[16]>(stage4);
+  __shared__ Mbarrier full[2];
+  const int t = int(threadIdx.x);
+  if (t == 0) {
+    mbarrier_init(&full[0], 1);
+    mbarrier_init(&full[1], 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  const auto issue = [&](int k) {
+    if (t != 0) return;
+    mbarrier_arrive_expect_tx(&full[k % 2], mode == kShortTx ? 128 : 64);
+    bulk_load(stage[k % 2], buf + 16 * k, mode == kMisaligned ? 24 : 64, &full[k % 2]);
+    if (mode == kOverwrite) bulk_load(stage[k % 2], buf + 16 * k, 64, &full[k % 2]);
+  };
+  issue(0);
+  for (int k = 0; k < 16; ++k) {
+    if (k + 1 < 16) issue(k + 1);  // its stage was last read before the previous barrier
+    const uint32_t parity = uint32_t(k / 2) & 1u;
+    if (mode != kNoWait && (mode != kOnlyOneWaits || t == 0))
+      mbarrier_wait(&full[k % 2], mode == kWrongParity ? parity ^ 1u : parity);
+    if (t < 16) buf[256 + 16 * k + t] = 2 * NVFP4_LDS(&stage[k % 2][t]);
+    __syncthreads();
+  }
+  if (mode == kExitInFlight && t == 0) {
+    mbarrier_arrive_expect_tx(&full[0], 64);
+    bulk_load(stage[0], buf, 64, &full[0]);
+  }
+}
+
 ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int c, unsigned mask) {
   const cudaStream_t s = host::xla_stream();
   int* o = out.data();
@@ -129,6 +175,10 @@ ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int
   if (name == "divergent_sites") return launch<divergent_sites>("probe", 1, 32, 0, s, o);
   if (name == "mask_names_missing_lanes")
     return launch<mask_names_missing_lanes>("probe", 1, 48, 0, s, o);
+  if (name == "bulk_ring") {
+    for (int i = 0; i < 256; ++i) o[i] = i;
+    return launch<bulk_ring>("probe", 1, 32, 0, s, a, o);
+  }
   if (name == "access_pattern") return launch<access_pattern>("probe", 1, 32, 0, s, a, b, mask, o);
   throw std::invalid_argument("no probe " + name);
 }

@@ -9,8 +9,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,7 +64,7 @@ constexpr size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames large
 constexpr size_t kStackBytes = 128 * 1024;
 #endif
 
-enum class State { kRunnable, kBarrier, kWarp, kExited };
+enum class State { kRunnable, kBarrier, kWarp, kMbarrier, kExited };
 
 const char* op_name(WarpOp op) {
   switch (op) {
@@ -98,9 +100,23 @@ struct Fiber {
   unsigned mask = 0;
   int lane_arg = 0, width = kWarpSize;
   uint64_t value = 0, result = 0;
+  // Its mbarrier wait while in State::kMbarrier.
+  Mbarrier* mbar = nullptr;
+  uint32_t parity = 0;
 #if defined(NVFP4_HOST_ASAN)
   void* fake_stack = nullptr;
 #endif
+};
+
+// An asynchronous bulk copy into shared memory: issued in its mbarrier's phase `phase`.
+struct BulkCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  uint32_t bytes;
+  Mbarrier* bar;
+  uint32_t phase;
+  bool done;
+  const char* site;
 };
 
 // One worker's block: its threads as fibers, run in turn until each waits or exits.
@@ -147,6 +163,8 @@ class Block {
     index_ = index;
     block_idx = index;
     exited_count_ = barrier_waiting_ = 0;
+    copies_.clear();
+    seen_.assign(size_t(count_), {});
     std::fill(arrived_.begin(), arrived_.end(), 0u);
     std::fill(exited_.begin(), exited_.end(), 0u);
     for (Fiber& f : fibers_) {
@@ -163,7 +181,89 @@ class Block {
       }
       switch_to(next);  // returns when no thread is runnable, all exited, or one failed
     }
+    for (const auto& [at, c] : copies_)
+      if (!failed_ && !c.done)
+        fail(-1, std::string("the block exits with an asynchronous copy in flight (issued at ") +
+                     c.site + "): nothing waited on its mbarrier");
     return !failed_;
+  }
+
+  // ---- mbarriers and bulk copies (runtime.h) ----
+
+  void mbarrier_init(Mbarrier* bar, uint32_t arrivals, const char* site) {
+    if (arrivals == 0)
+      fail(current_, std::string("mbarrier init at ") + site + " with an arrival count of 0");
+    for (const auto& [at, c] : copies_)
+      if (c.bar == bar && !c.done)
+        fail(current_, std::string("mbarrier init at ") + site +
+                           " while a copy on it is in flight (issued at " + c.site + ")");
+    *bar = Mbarrier{0, arrivals, int32_t(arrivals), 0};
+    for (auto& seen : seen_) std::erase_if(seen, [&](const auto& e) { return e.first == bar; });
+  }
+
+  void arrive_expect_tx(Mbarrier* bar, uint32_t bytes, const char* site) {
+    if (bar->pending <= 0 || bar->arrivals == 0)
+      fail(current_, std::string("mbarrier arrive at ") + site +
+                         " on an mbarrier never initialized or with no arrival pending");
+    bar->tx += bytes;
+    --bar->pending;
+    settle(bar, site);
+  }
+
+  void bulk_load(void* dst, const void* src, uint32_t bytes, Mbarrier* bar, const char* site) {
+    auto* d = static_cast<unsigned char*>(dst);
+    if (bytes == 0 || bytes % 16 || reinterpret_cast<uintptr_t>(dst) % 16 ||
+        reinterpret_cast<uintptr_t>(src) % 16)
+      fail(current_, std::string("bulk copy at ") + site + " of " + std::to_string(bytes) +
+                         " bytes: the size and both addresses must be multiples of 16");
+    for (auto it = overlapping(d, bytes); it != copies_.end() && it->first < d + bytes;) {
+      if (!it->second.done)
+        fail(current_, std::string("bulk copy at ") + site +
+                           " into bytes another copy in flight writes (issued at " +
+                           it->second.site + ")");
+      it = copies_.erase(it);  // a completed copy's bytes, now rewritten
+    }
+    std::memset(d, kInFlight, bytes);
+    copies_.emplace(d, BulkCopy{d, static_cast<const unsigned char*>(src), bytes, bar, bar->phase,
+                                false, site});
+  }
+
+  void mbarrier_wait(Mbarrier* bar, uint32_t parity, const char* site) {
+    const int t = current_;
+    for (;;) {
+      // Done before its copies land where the phase asked for is an earlier one (a wrong parity):
+      // the reads that follow then find the copies in flight.
+      if ((bar->phase & 1u) != (parity & 1u)) break;
+      if (in_flight(bar)) {
+        complete_copies(bar, site);
+        continue;
+      }
+      Fiber& me = fibers_[t];
+      me.state = State::kMbarrier;
+      me.site = site;
+      me.mbar = bar;
+      me.parity = parity;
+      yield();
+    }
+    auto& seen = seen_[t];
+    auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& e) { return e.first == bar; });
+    if (it == seen.end())
+      seen.emplace_back(bar, bar->phase);
+    else
+      it->second = bar->phase;
+  }
+
+  void check_shared_access(const void* p, size_t bytes, bool store, const char* site) {
+    if (copies_.empty()) return;
+    const auto* a = static_cast<const unsigned char*>(p);
+    for (auto it = overlapping(a, bytes); it != copies_.end() && it->first < a + bytes; ++it) {
+      const BulkCopy& c = it->second;
+      const std::string what = std::string(store ? "shared store" : "shared load") + " at " + site +
+                               " of bytes a bulk copy (issued at " + c.site + ") writes";
+      if (!c.done) fail(current_, what + " while it is in flight");
+      if (!store && seen_phase(current_, c.bar) <= c.phase)
+        fail(current_, what + ", before this thread waited on its mbarrier");
+    }
   }
 
   static Block*& active() {
@@ -239,10 +339,15 @@ class Block {
   // goes straight back to the worker (no return).
   void fail(int t, const std::string& what) {
     char head[256];
-    std::snprintf(
-        head, sizeof(head),
-        "nvfp4 CUDA host model: kernel %s, block (%u, %u, %u), thread %d (warp %d, lane %d): ",
-        kernel_, index_.x, index_.y, index_.z, t, t / kWarpSize, t % kWarpSize);
+    if (t < 0)  // the block as a whole
+      std::snprintf(head, sizeof(head),
+                    "nvfp4 CUDA host model: kernel %s, block (%u, %u, %u): ", kernel_, index_.x,
+                    index_.y, index_.z);
+    else
+      std::snprintf(
+          head, sizeof(head),
+          "nvfp4 CUDA host model: kernel %s, block (%u, %u, %u), thread %d (warp %d, lane %d): ",
+          kernel_, index_.x, index_.y, index_.z, t, t / kWarpSize, t % kWarpSize);
     state_.fail(head + what);
     failed_ = true;
     if (current_ >= 0) leave(-1);
@@ -267,12 +372,69 @@ class Block {
                        unsigned(t) / (dims_.x * dims_.y)};
   }
 
-  int next_runnable(int after) const {
+  // The next runnable thread after `after`; if none, a thread waiting on an mbarrier that can
+  // make progress (its copies complete when it runs) is woken.
+  int next_runnable(int after) {
     for (int k = 1; k <= count_; ++k) {
       const int t = (after + k + count_) % count_;
       if (fibers_[t].state == State::kRunnable) return t;
     }
+    for (int k = 1; k <= count_; ++k) {
+      const int t = (after + k + count_) % count_;
+      Fiber& f = fibers_[t];
+      if (f.state == State::kMbarrier && (in_flight(f.mbar) || (f.mbar->phase & 1u) != f.parity)) {
+        f.state = State::kRunnable;
+        return t;
+      }
+    }
     return -1;
+  }
+
+  // The copies that may overlap [p, ...): from the last one starting at or before p.
+  std::map<const unsigned char*, BulkCopy>::iterator overlapping(const unsigned char* p,
+                                                                 size_t bytes) {
+    auto it = copies_.upper_bound(p);
+    if (it != copies_.begin()) {
+      auto before = std::prev(it);
+      if (before->first + before->second.bytes > p) return before;
+    }
+    (void)bytes;
+    return it;
+  }
+
+  bool in_flight(const Mbarrier* bar) const {
+    for (const auto& [at, c] : copies_)
+      if (c.bar == bar && !c.done) return true;
+    return false;
+  }
+
+  // Completes the copies in flight on bar (their bytes land), then its phase if it is due.
+  void complete_copies(Mbarrier* bar, const char* site) {
+    for (auto& [at, c] : copies_) {
+      if (c.bar != bar || c.done) continue;
+      std::memcpy(c.dst, c.src, c.bytes);
+      c.done = true;
+      bar->tx -= c.bytes;
+    }
+    settle(bar, site);
+  }
+
+  // Ends bar's phase where no arrival and no byte is pending.
+  void settle(Mbarrier* bar, const char* site) {
+    if (bar->tx < 0)
+      fail(current_, std::string("mbarrier at ") + site +
+                         ": its copies completed more bytes than expect_tx announced");
+    if (bar->pending == 0 && bar->tx == 0) {
+      ++bar->phase;
+      bar->pending = int32_t(bar->arrivals);
+    }
+  }
+
+  // The phases of bar thread t has waited for.
+  uint32_t seen_phase(int t, const Mbarrier* bar) const {
+    for (const auto& [b, phase] : seen_[size_t(t)])
+      if (b == bar) return phase;
+    return 0;
   }
 
   // Fiber t's context, or the worker's when t < 0.
@@ -393,6 +555,8 @@ class Block {
       case State::kWarp:
         return std::string("it waits at ") + op_name(f.op) + " at " + f.site + " with mask " +
                hex(f.mask);
+      case State::kMbarrier:
+        return std::string("it waits on an mbarrier at ") + f.site;
       default:
         return "it runs";
     }
@@ -403,6 +567,12 @@ class Block {
   void diagnose_deadlock() {
     for (int t = 0; t < count_; ++t) {
       const Fiber& f = fibers_[t];
+      if (f.state == State::kMbarrier)
+        return fail(t, "mbarrier wait at " + std::string(f.site) + " for the phase of parity " +
+                           std::to_string(f.parity) + " never ends: the mbarrier is in phase " +
+                           std::to_string(f.mbar->phase) + " with " +
+                           std::to_string(f.mbar->pending) + " arrival(s) and " +
+                           std::to_string(f.mbar->tx) + " byte(s) pending");
       if (f.state == State::kBarrier) {
         for (int u = 0; u < count_; ++u)
           if (fibers_[u].state != State::kBarrier)
@@ -440,6 +610,10 @@ class Block {
   int current_ = -1, exited_count_ = 0, barrier_waiting_ = 0;
   // Per warp, the lanes waiting at a warp exchange and the lanes that exited.
   std::vector<unsigned> arrived_, exited_;
+  // Bulk copies by destination (in flight, or completed and not yet overwritten), and per thread
+  // the phases of each mbarrier it has waited for.
+  std::map<const unsigned char*, BulkCopy> copies_;
+  std::vector<std::vector<std::pair<const Mbarrier*, uint32_t>>> seen_;
   bool failed_ = false;
 #if defined(NVFP4_HOST_ASAN)
   void* main_fake_stack_ = nullptr;
@@ -559,6 +733,30 @@ uint64_t warp_exchange(const char* site, WarpOp op, unsigned mask, uint64_t valu
 }
 
 void syncthreads(const char* site) { active_block("__syncthreads()").syncthreads(site); }
+
+const char* caller_site(const char* file, int line) {
+  static std::mutex mutex;
+  static std::set<std::string> sites;  // never erased: the pointers stay valid
+  std::lock_guard<std::mutex> lock(mutex);
+  return sites.insert(std::string(file) + ":" + std::to_string(line)).first->c_str();
+}
+
+void mbarrier_init(Mbarrier* bar, uint32_t arrivals, const char* site) {
+  active_block("mbarrier init").mbarrier_init(bar, arrivals, site);
+}
+void mbarrier_arrive_expect_tx(Mbarrier* bar, uint32_t bytes, const char* site) {
+  active_block("mbarrier arrive").arrive_expect_tx(bar, bytes, site);
+}
+void bulk_load(void* dst, const void* src, uint32_t bytes, Mbarrier* bar, const char* site) {
+  active_block("bulk copy").bulk_load(dst, src, bytes, bar, site);
+  trace_access(site, Space::kGlobal, Access::kLoad, src, bytes, true);
+}
+void mbarrier_wait(Mbarrier* bar, uint32_t parity, const char* site) {
+  active_block("mbarrier wait").mbarrier_wait(bar, parity, site);
+}
+void check_shared_access(const void* p, size_t bytes, bool store, const char* site) {
+  if (Block* b = Block::active()) b->check_shared_access(p, bytes, store, site);
+}
 
 std::string kernel_name(const char* pretty_function) {
   // GCC: "... [with auto Kernel = name<...>; Args = ...]"; clang: "... [Kernel = &name<...>, Args =

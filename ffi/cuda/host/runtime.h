@@ -104,6 +104,36 @@ int blocks_per_multiprocessor(int threads, size_t shared);
 cudaError_t launch(const std::string& kernel_name, const void* kernel, dim3 grid, dim3 block,
                    size_t shared, cudaStream_t stream, const std::function<void()>& thread);
 
+// ---- asynchronous bulk copies into shared memory, completing on mbarriers (sm_90) ----
+//
+// A copy's destination holds kInFlight bytes from its issue until it completes, and reading or
+// writing it (through cuda/memory.cuh's shared accesses) fails the launch until the reading thread
+// has waited on the copy's mbarrier for the copy's phase: a missing wait is an error, not a race a
+// test may or may not see. Copies complete when a thread waits on their mbarrier. Failing too: a
+// copy of a size or address not a multiple of 16, two copies in flight into the same bytes, more
+// bytes completed than expect_tx announced, a block that exits with a copy in flight, and a wait
+// no thread can end (a deadlock: the message names the mbarrier's pending arrivals and bytes).
+constexpr unsigned char kInFlight = 0x5A;
+
+// An mbarrier: phases completed, arrivals a phase takes, arrivals pending, transaction bytes
+// announced and not yet completed.
+struct Mbarrier {
+  uint32_t phase, arrivals;
+  int32_t pending;
+  int64_t tx;
+};
+// "file:line", kept for the process (the site of a wrapper's caller: __builtin_FILE/LINE).
+const char* caller_site(const char* file, int line);
+void mbarrier_init(Mbarrier* bar, uint32_t arrivals, const char* site);
+void mbarrier_arrive_expect_tx(Mbarrier* bar, uint32_t bytes, const char* site);
+void bulk_load(void* dst, const void* src, uint32_t bytes, Mbarrier* bar, const char* site);
+// Returns once the phase of parity `parity` of bar has completed.
+void mbarrier_wait(Mbarrier* bar, uint32_t parity, const char* site);
+// Fails the launch where the running thread's shared-memory access of [p, p + bytes) touches an
+// asynchronous copy's destination before it completed, or (a load) before this thread waited for
+// it.
+void check_shared_access(const void* p, size_t bytes, bool store, const char* site);
+
 enum class WarpOp { kIdx, kUp, kDown, kXor, kBallot, kSync };
 
 // One lane's part of a warp exchange: waits for the lanes named in `mask`; returns the value this

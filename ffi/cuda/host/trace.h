@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/host/runtime.h"
+
 namespace nvfp4::host {
 
 enum class Space : uint8_t { kGlobal, kShared };
@@ -66,18 +68,23 @@ void trace_block_end();
 void trace_worker_end();
 void trace_launch_end(LaunchTrace* launch, bool succeeded);
 
+// Shared accesses are checked against asynchronous copies in flight (runtime.h) whether or not
+// tracing is on.
 template <typename T>
 T traced_load(const char* site, Space space, const T* p) {
+  if (space == Space::kShared) check_shared_access(p, sizeof(T), false, site);
   trace_access(site, space, Access::kLoad, p, sizeof(T), true);
   return *p;
 }
 template <typename T>
 T traced_load_if(const char* site, Space space, bool active, const T* p, T fallback) {
+  if (active && space == Space::kShared) check_shared_access(p, sizeof(T), false, site);
   trace_access(site, space, Access::kLoad, p, sizeof(T), active);
   return active ? *p : fallback;
 }
 template <typename T, typename V>
 void traced_store_if(const char* site, Space space, bool active, T* p, const V& v) {
+  if (active && space == Space::kShared) check_shared_access(p, sizeof(T), true, site);
   trace_access(site, space, Access::kStore, p, sizeof(T), active);
   if (active) *p = T(v);
 }
