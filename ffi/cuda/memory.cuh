@@ -26,6 +26,7 @@
 #define NVFP4_LDG(p) NVFP4_TRACED_LOAD(kGlobal, p)
 #define NVFP4_LDS(p) NVFP4_TRACED_LOAD(kShared, p)
 #define NVFP4_LDG_IF(ok, p, fallback) NVFP4_TRACED_LOAD_IF(kGlobal, ok, p, fallback)
+#define NVFP4_LDS_IF(ok, p, fallback) NVFP4_TRACED_LOAD_IF(kShared, ok, p, fallback)
 #define NVFP4_STG(p, v) NVFP4_TRACED_STORE_IF(kGlobal, true, p, v)
 #define NVFP4_STS(p, v) NVFP4_TRACED_STORE_IF(kShared, true, p, v)
 #define NVFP4_STG_IF(ok, p, v) NVFP4_TRACED_STORE_IF(kGlobal, ok, p, v)
@@ -44,6 +45,7 @@
 #define NVFP4_LDG(p) (*(p))
 #define NVFP4_LDS(p) (*(p))
 #define NVFP4_LDG_IF(ok, p, fallback) ((ok) ? *(p) : (fallback))
+#define NVFP4_LDS_IF(ok, p, fallback) ((ok) ? *(p) : (fallback))
 #define NVFP4_STG(p, v) (void)(*(p) = (v))
 #define NVFP4_STS(p, v) (void)(*(p) = (v))
 #define NVFP4_STG_IF(ok, p, v) \

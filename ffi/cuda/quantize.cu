@@ -22,6 +22,10 @@
 // truncation, two values a convert (e2m1_lut.cuh), and adds random byte and sign two a word;
 // 4over6 decides each chunk in registers (four_over_six.cuh), its 1x16 candidates' rounded values
 // from the float16 classes of their products; row-scaled copies take per-row global scales.
+#include <cstdlib>
+#include <string_view>
+
+#include "cuda/async_copy.cuh"
 #include "cuda/common.cuh"
 #include "cuda/e2m1_lut.cuh"
 #include "cuda/four_over_six.cuh"
@@ -87,6 +91,18 @@ __device__ __forceinline__ void advance(TilePos& t, const Params& p) {
 // the block scale (a kernel each, so that each keeps its registers).
 enum class Mode { kNearest, kStochastic, kFourOverSix };
 
+// How a tile's input reaches the registers: each thread loads its values from global memory when
+// the tile's turn comes (kDirect), or bulk copies (cp.async.bulk, a row each) put the block's next
+// tile into a ring of kStages shared-memory stages while it quantizes the current one, completing
+// on an mbarrier per stage (kRing: 16-bit inputs of whole 16-byte rows, nearest rounding). Both
+// give the same bytes: only where the values come from differs.
+enum class Load { kDirect, kRing };
+constexpr int kStages = 2;
+
+// Bytes of a stage: one tile of dtype L's values, rows kTileCols values apart.
+template <typename L>
+constexpr uint32_t kStageBytes = kTileRows * kTileCols * sizeof(typename L::T);
+
 // A tile's outputs staged for 16-byte stores. Rowwise: a row's words (8 codes each) and block
 // scales. Columnwise: column col's codes of tile rows 32h..32h+31 in 16-byte chunk
 // staged_chunk(col, h), warp w's 8 bytes at 8 (w % 2); the column scales by column
@@ -121,6 +137,7 @@ struct Shared {
   alignas(16) uint8_t f16_codes[256];  // f16_class_code
   float enc[2][kCodes];                // [rowwise, columnwise][scale code]: block_encode_scale
   int safe[2];                         // whether that copy needs the tie-safe code index
+  Mbarrier full[kStages];              // kRing: stage s holds its tile (its bulk copies landed)
   Staging staged[2];
 };
 
@@ -188,7 +205,8 @@ __device__ __forceinline__ float value(const Values<L>& w, int r, int c) {
 // with exactly 8 columns left in a warp of fewer than 16 rows loaded the rows past the input's
 // end (tests/cuda/test_cuda.py). The sm_90 SASS took the test from the predicate outputs of the
 // VIMNMX.RELU instructions that clamp nrows and ncols (the suspected cause; not proven).
-template <typename L>
+// kShared: x is a ring stage in shared memory (kRing), rows `cols` values apart.
+template <typename L, bool kShared = false>
 __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols, int nrows,
                                           int ncols, bool vec, bool whole, Values<L>& w,
                                           uint32_t (&col_mag)[kCols], uint32_t (&row_mag)[kBlock]) {
@@ -203,8 +221,10 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols,
     if (vec) {
 #pragma unroll
       for (int i = 0; i < kQuads<L>; ++i)
-        q[i] = NVFP4_LDG_IF(whole || (r < nrows && ncols > 0),
-                            reinterpret_cast<const uint4*>(src) + i, (uint4{0, 0, 0, 0}));
+        q[i] = kShared ? NVFP4_LDS_IF(whole || (r < nrows && ncols > 0),
+                                      reinterpret_cast<const uint4*>(src) + i, (uint4{0, 0, 0, 0}))
+                       : NVFP4_LDG_IF(whole || (r < nrows && ncols > 0),
+                                      reinterpret_cast<const uint4*>(src) + i, (uint4{0, 0, 0, 0}));
     } else {
       uint32_t e[kCols];
 #pragma unroll
@@ -888,10 +908,12 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
   }
 }
 
+// `stage`: the tile's values in a ring stage (kRing), or null (kDirect: from x).
 template <typename L, Mode kMode>
 __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Params& p, Shared& sh,
                                               Staging& st, TilePos tile, const Copy& kr,
-                                              const Copy& kc, const Stream& seed) {
+                                              const Copy& kc, const Stream& seed,
+                                              const typename L::T* stage = nullptr) {
   const QuantizeSpec& spec = p.spec;
   const uint32_t rows = uint32_t(p.rows), cols = uint32_t(p.cols);  // < 2^31 - 256
   const uint32_t tm0 = tile.tr * kTileRows, tn0 = tile.tc * kTileCols;
@@ -924,8 +946,13 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
 
   Values<L> w;
   uint32_t col_mag[kCols], row_mag[kBlock];
-  load_tile<L>(x + (uint64_t(at.b) * rows + min(at.m0, rows)) * cols + min(at.n0, cols), cols,
-               at.nrows, at.ncols, p.vec_in, p.vec_in && inside, w, col_mag, row_mag);
+  if (stage != nullptr)  // rows kTileCols apart; rows and columns past the input are not copied
+    load_tile<L, true>(
+        stage + (kBlock * (threadIdx.x / 32)) * kTileCols + kCols * (threadIdx.x % 32), kTileCols,
+        at.nrows, at.ncols, true, inside, w, col_mag, row_mag);
+  else
+    load_tile<L>(x + (uint64_t(at.b) * rows + min(at.m0, rows)) * cols + min(at.n0, cols), cols,
+                 at.nrows, at.ncols, p.vec_in, p.vec_in && inside, w, col_mag, row_mag);
 
   if (spec.block_2d) {
     quantize_2d<L, kMode>(p, sh, st, at, w, col_mag, kr, seed);
@@ -1013,15 +1040,16 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
 // room; whether it did (else the kernel takes the tie-safe code index: slower, the same bytes).
 // Stochastic rounding of a 16-bit dtype builds its position table there instead (its launch
 // always gives the room). Every thread of the block calls.
+// `ring`: the bytes at the end of the dynamic shared memory that are the input ring (kRing).
 template <typename L, Mode kMode>
-__device__ __forceinline__ bool build_pair_table(Shared& sh) {
+__device__ __forceinline__ bool build_pair_table(Shared& sh, uint32_t ring = 0) {
   if constexpr (kPacked<L> && kMode == Mode::kStochastic) {  // the position table instead
     auto* table = reinterpret_cast<uint32_t*>(dynamic_shared());
     for (int i = threadIdx.x; i < kSrLutEntries / 2; i += kThreads)
       table[i] = sr_lut_entry(2 * i) | (uint32_t(sr_lut_entry(2 * i + 1)) << 16);
     return false;
   } else if constexpr (kPacked<L>) {
-    if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize) return false;
+    if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize + ring) return false;
     for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
     __syncthreads();
     // 16 bytes a store: address a holds entry pair_swizzle(a), and the swizzle keeps bits 0-1, so
@@ -1040,20 +1068,50 @@ __device__ __forceinline__ bool build_pair_table(Shared& sh) {
   }
 }
 
-template <typename L, Mode kMode>
+// kRing: the bulk copies of tile t's rows into ring stage s (warp 0; lane 0 announces their bytes
+// on the stage's mbarrier first). Rows past the input are not copied, nor columns past its end
+// (p.vec_in: a row's part is whole 16-byte chunks), as load_tile reads neither.
+template <typename L>
+__device__ __forceinline__ void load_stage(const typename L::T* x, const Params& p, Shared& sh,
+                                           typename L::T* stage, int s, TilePos t) {
+  if (threadIdx.x >= 32) return;
+  const uint32_t rows = uint32_t(p.rows), cols = uint32_t(p.cols);
+  const uint32_t m0 = t.tr * kTileRows, n0 = t.tc * kTileCols;
+  const uint32_t nrows = min(uint32_t(kTileRows), rows - m0);
+  const uint32_t bytes = min(uint32_t(kTileCols), cols - n0) * uint32_t(sizeof(typename L::T));
+  if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.full[s], nrows * bytes);
+  __syncwarp();
+  fence_proxy_async();  // the block read this stage last (before the barrier that led here)
+  for (uint32_t r = threadIdx.x; r < nrows; r += 32)
+    bulk_load(stage + r * kTileCols, x + (uint64_t(t.b) * rows + m0 + r) * cols + n0, bytes,
+              &sh.full[s]);
+}
+
+template <typename L, Mode kMode, Load kLoad = Load::kDirect>
 __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p) {
   __shared__ Shared sh;
+  constexpr uint32_t kRingBytes = kLoad == Load::kRing ? kStages * kStageBytes<L> : 0;
+  using T = typename L::T;
+  T* ring = reinterpret_cast<T*>(dynamic_shared() + dynamic_shared_size() - kRingBytes);
+  TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
+  if constexpr (kLoad == Load::kRing) {  // the first tile's copies go out before the tables
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) mbarrier_init(&sh.full[s], 1);
+      mbarrier_init_fence();
+    }
+    __syncthreads();
+    load_stage<L>(x, p, sh, ring, 0, tile);
+  }
   for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
   if (kMode == Mode::kFourOverSix)
     for (int i = threadIdx.x; i < 256; i += kThreads) {
       sh.class_value[i] = f16_class_value(i);
       sh.scale_value[i] = e4m3_to_float(uint8_t(i));
     }
-  const bool pairs = build_pair_table<L, kMode>(sh);
+  const bool pairs = build_pair_table<L, kMode>(sh, kRingBytes);
   __syncthreads();
   Stream seed{Seed{0, 0}};
   if constexpr (kMode == Mode::kStochastic) seed = stream_of(p.seed, p.placed, p.rows);
-  TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
   uint32_t entry = ~0u;
   Copy kr, kc;
   for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {
@@ -1061,13 +1119,32 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
       entry = tile.b;
       prepare_entry<L, kMode>(p, sh, entry, pairs, kr, kc);
     }
-    quantize_tile<L, kMode>(x, p, sh, sh.staged[k % 2], tile, kr, kc, seed);
+    const T* stage = nullptr;
+    if constexpr (kLoad == Load::kRing) {
+      // The next tile's copies into the other stage, which the block last read in the previous
+      // tile (every thread has passed that tile's barrier since); then this tile's stage.
+      TilePos next = tile;
+      advance(next, p);
+      static_assert(kStages == 2, "one tile ahead: the other stage");
+      const int s = int(k % kStages);
+      if (next.b < p.batch)
+        load_stage<L>(x, p, sh, ring + (1 - s) * (kStageBytes<L> / sizeof(T)), 1 - s, next);
+      mbarrier_wait(&sh.full[s], (k / kStages) & 1u);
+      stage = ring + s * (kStageBytes<L> / sizeof(T));
+    }
+    quantize_tile<L, kMode>(x, p, sh, sh.staged[k % 2], tile, kr, kc, seed, stage);
   }
 }
 
 template <typename L, Mode kMode>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const typename L::T* x, Params p) {
   quantize_tiles<L, kMode>(x, p);
+}
+
+// The kRing variant of quantize_kernel (nearest rounding of 16-bit inputs).
+template <typename L>
+__global__ void __launch_bounds__(kThreads) quantize_ring_kernel(const typename L::T* x, Params p) {
+  quantize_tiles<L, Mode::kNearest, Load::kRing>(x, p);
 }
 
 // 4over6 keeps two candidates per block live: one block per SM lets ptxas use the
@@ -1083,11 +1160,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // values (Values), with stochastic rounding of a 16-bit dtype the position table, or with nearest
 // rounding or 4over6 of a 16-bit dtype the pair table where K's code was built without the E2M1
 // convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also runs).
-// Queried and set once per device (once_per), not on every call.
-template <auto K, typename L, Mode kMode>
+// kRing: and the input ring after them. Queried and set once per device (once_per), not on every
+// call.
+template <auto K, typename L, Mode kMode, Load kLoad>
 ffi::Error dynamic_bytes(size_t& bytes) {
   const auto [size, err, what] = once_per(device_key(), [](bool& ok) {
     size_t n = kPacked<L> ? 0 : kValuesBytes;
+    const size_t ring = kLoad == Load::kRing ? kStages * kStageBytes<L> : 0;
     if constexpr (kPacked<L> && kMode == Mode::kStochastic) {
       n = kSrLutEntries * sizeof(uint16_t);
     } else if constexpr (kPacked<L>) {
@@ -1098,6 +1177,7 @@ ffi::Error dynamic_bytes(size_t& bytes) {
       }
       n = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
     }
+    n += ring;
     cudaError_t e = cudaSuccess;
     if (n) e = cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, int(n));
     ok = e == cudaSuccess;
@@ -1107,11 +1187,11 @@ ffi::Error dynamic_bytes(size_t& bytes) {
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error(what, err);
 }
 
-// Launches kernel K (dtype L, mode kMode) as a persistent grid over the tiles.
-template <auto K, typename L, Mode kMode>
+// Launches kernel K (dtype L, mode kMode, load kLoad) as a persistent grid over the tiles.
+template <auto K, typename L, Mode kMode, Load kLoad = Load::kDirect>
 ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p) {
   size_t shared = 0;
-  if (auto e = dynamic_bytes<K, L, kMode>(shared); e.failure()) return e;
+  if (auto e = dynamic_bytes<K, L, kMode, kLoad>(shared); e.failure()) return e;
   const uint32_t per_entry = p.row_tiles * p.col_tiles;
   const uint32_t blocks =
       std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks(K, kThreads, shared)));
@@ -1119,8 +1199,21 @@ ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p) {
   return launch<K>("quantize", blocks, kThreads, shared, stream, x, p);
 }
 
+// Whether the environment asks for the kRing kernel (NVFP4_QUANTIZE_LOAD=ring; default direct):
+// a switch for measuring the two on a GPU (benchmarks/gpu_quantize.py), read on every call.
+inline bool ring_asked() {
+  const char* load = std::getenv("NVFP4_QUANTIZE_LOAD");
+  return load != nullptr && std::string_view(load) == "ring";
+}
+
 template <typename L>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p) {
+  if constexpr (kPacked<L>) {
+    // The ring's bulk copies need 16-byte rows (vec_in) and a 16-byte aligned input.
+    if (!p.spec.stochastic_rounding && !p.spec.four_over_six().on() && p.vec_in &&
+        reinterpret_cast<uintptr_t>(x) % 16 == 0 && ring_asked())
+      return launch_tiles<quantize_ring_kernel<L>, L, Mode::kNearest, Load::kRing>(stream, x, p);
+  }
   if (p.spec.stochastic_rounding)
     return launch_tiles<quantize_kernel<L, Mode::kStochastic>, L, Mode::kStochastic>(stream, x, p);
   if (p.spec.four_over_six().on())

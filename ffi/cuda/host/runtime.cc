@@ -56,7 +56,9 @@ std::atomic<int> sm{90};
 CUstream_st* const kXlaStream = reinterpret_cast<CUstream_st*>(uintptr_t(0x5742));
 
 std::mutex shared_limits_mutex;
-std::map<const void*, size_t> shared_limits;  // cudaFuncSetAttribute's MaxDynamicSharedMemorySize
+// cudaFuncSetAttribute's MaxDynamicSharedMemorySize per kernel and emulated GPU (a GPU's function
+// attributes are its own: each device is set apart).
+std::map<std::pair<const void*, int>, size_t> shared_limits;
 
 #if defined(NVFP4_HOST_ASAN)
 constexpr size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames larger
@@ -641,7 +643,8 @@ cudaError_t check_config(const void* kernel, dim3 grid, dim3 block, size_t share
   size_t limit = kDefaultDynamicShared;
   {
     std::lock_guard<std::mutex> lock(shared_limits_mutex);
-    if (auto it = shared_limits.find(kernel); it != shared_limits.end()) limit = it->second;
+    if (auto it = shared_limits.find({kernel, emulated_sm()}); it != shared_limits.end())
+      limit = it->second;
   }
   return shared > limit ? cudaErrorInvalidValue : cudaSuccess;
 }
@@ -677,7 +680,7 @@ int blocks_per_multiprocessor(int threads, size_t shared) {
 cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes) {
   if (bytes > kMaxDynamicShared) return last_error = cudaErrorInvalidValue;
   std::lock_guard<std::mutex> lock(shared_limits_mutex);
-  shared_limits[kernel] = bytes;
+  shared_limits[{kernel, emulated_sm()}] = bytes;
   return cudaSuccess;
 }
 

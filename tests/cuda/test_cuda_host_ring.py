@@ -1,0 +1,89 @@
+"""The quantize kernel's pipelined variant (ffi/cuda/quantize.cu, Load::kRing: bulk copies of the next
+tile into a ring of shared-memory stages, completing on mbarriers) gives the CPU kernels' bytes, on the
+host model, which also checks every copy and wait (ffi/cuda/host/runtime.h). The environment switch
+NVFP4_QUANTIZE_LOAD=ring picks it where it applies (nearest rounding of 16-bit inputs with rows of whole
+16-byte chunks); elsewhere the direct kernel runs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_same_tree, cuda_host, random_normal
+from helpers.counters import only, traced
+from helpers.cuda_host import needs_module
+
+import jax_nvfp4
+
+pytestmark = needs_module
+
+OPTIONS = {
+    "row+col": dict(columnwise=True),
+    "row": dict(),
+    "col": dict(rowwise=False, columnwise=True),
+    "16x16": dict(columnwise=True, block_2d=True),
+    "row-scaled": dict(columnwise=True, row_scaled=True),
+    "rht": dict(columnwise=True, rht=True),
+    "amax given": dict(columnwise=True, amax=jnp.float32(3.0)),
+}
+# (shape): several tiles a block (the ring turns over), ragged rows and columns, batch entries.
+SHAPES = [(256, 1024), (200, 520), (3, 72, 264), (16, 8)]
+
+
+def run(x, sm, ring: bool, monkeypatch, **options):
+    """cuda_host.quantize(x) with the ring asked for or not: (result, the launched quantize kernel's name)."""
+    if ring:
+        monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+    else:
+        monkeypatch.delenv("NVFP4_QUANTIZE_LOAD", raising=False)
+    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
+    with cuda_host.emulating(sm):
+        fn.lower(x).compile()
+        with traced() as launches:
+            got = jax.block_until_ready(fn(x))
+    (kernel,) = [launch.kernel for launch in launches if "quantize" in launch.kernel]
+    return got, kernel
+
+
+@pytest.mark.parametrize("sm", [90, 100])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_ring_gives_the_cpu_bytes(name, shape, dtype, sm, monkeypatch):
+    options = OPTIONS[name]
+    if options.get("rht") and shape[-2] % 16:
+        pytest.skip("the RHT needs rows in whole 16-row blocks")
+    x = random_normal(shape, 11, dtype)
+    got, kernel = run(x, sm, True, monkeypatch, **options)
+    assert "quantize_ring_kernel" in kernel
+    assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "options"),
+    [
+        (jnp.float32, (256, 1024), {}),  # float32 keeps its values in shared memory
+        (jnp.bfloat16, (64, 250), {}),  # rows of 500 bytes: not whole 16-byte chunks
+        (jnp.bfloat16, (256, 1024), dict(rng_key=jax.random.key(1))),  # stochastic rounding
+        (jnp.bfloat16, (256, 1024), dict(four_over_six_error="mse", e4m3_max=256)),
+    ],
+    ids=["float32", "ragged-rows", "stochastic", "4over6"],
+)
+def test_where_the_ring_does_not_apply_the_direct_kernel_runs(dtype, shape, options, monkeypatch):
+    x = random_normal(shape, 12, dtype)
+    got, kernel = run(x, 90, True, monkeypatch, **options)
+    assert "ring" not in kernel
+    assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
+
+
+def test_the_ring_reads_each_input_byte_once(monkeypatch):
+    """Its bulk copies read the input once (no thread loads it from global memory), in whole sectors."""
+    x = random_normal((256, 1024), 13)
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+    fn = jax.jit(lambda x: cuda_host.quantize(x, columnwise=True, amax=jnp.float32(4.0)))
+    fn.lower(x).compile()
+    with traced() as launches:
+        jax.block_until_ready(fn(x))
+    loads = only(launches, "quantize_ring_kernel").select("global", "load", size=512)
+    assert sum(s.bytes for s in loads) == x.nbytes
+    assert sum(s.transactions for s in loads) == sum(s.ideal for s in loads) == x.nbytes // 32
