@@ -1,6 +1,7 @@
 // Kernels that test the host execution model itself (tests/cuda/test_cuda_host_model.py): what each
 // warp exchange returns, that __syncthreads() is a barrier, atomics across blocks, the launch
 // limits, and the misuse the model must abort on. Written as CUDA, as our kernels are.
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -179,7 +180,17 @@ ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int
     for (int i = 0; i < 256; ++i) o[i] = i;
     return launch<bulk_ring>("probe", 1, 32, 0, s, a, o);
   }
-  if (name == "access_pattern") return launch<access_pattern>("probe", 1, 32, 0, s, a, b, mask, o);
+  if (name == "access_pattern") {  // into a 128-byte aligned buffer: sectors counted from its start
+    struct alignas(128) Line {
+      int v[32];
+    };
+    std::vector<Line> lines((out.size() + 31) / 32);
+    int* aligned = lines[0].v;
+    std::copy(out.begin(), out.end(), aligned);
+    ffi::Error e = launch<access_pattern>("probe", 1, 32, 0, s, a, b, mask, aligned);
+    std::copy(aligned, aligned + out.size(), out.begin());
+    return e;
+  }
   throw std::invalid_argument("no probe " + name);
 }
 

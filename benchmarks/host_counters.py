@@ -1,0 +1,130 @@
+"""Profiler counters of the CUDA quantize kernel without a GPU: the CUDA host model runs the kernel on the
+CPU and counts what a profiler would (ffi/cuda/host/trace.h, tests/helpers/counters.py): bytes read and
+written against the minimum, 32-byte sectors of global accesses against the fewest their bytes fill,
+shared-memory wavefronts against the fewest (bank conflicts), and the code index each copy takes.
+
+One bf16 N(0, 1) tensor of whole 64 x 256 tiles per spec, on the sm_90 and sm_100a code paths and, for
+nearest rounding, the pipelined kernel (NVFP4_QUANTIZE_LOAD=ring). Needs the host model's module
+(`NVFP4_CUDA_HOST=ON pip install .`); the tests hold these figures to budgets
+(tests/cuda/test_cuda_host_counters.py).
+
+    python -m benchmarks.host_counters [--shape 256,1024] [--out benchmarks/results/host-counters.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+from benchmarks.timing import Report
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the host model's test helpers: its backend and the counters
+
+from helpers import cuda_host, random_normal  # noqa: E402
+from helpers.counters import Launch, traced  # noqa: E402
+
+SPECS = {
+    "row+col 1x16": dict(columnwise=True),
+    "row only": dict(),
+    "row+col 16x16": dict(columnwise=True, block_2d=True),
+    "stochastic rounding": dict(columnwise=True, rng_key=jax.random.key(1)),
+    "RHT columnwise": dict(columnwise=True, rht=True),
+    "per-token scales": dict(columnwise=True, row_scaled=True),
+    "4over6 MSE fast": dict(columnwise=True, four_over_six_error="mse", four_over_six_fast_math=True, e4m3_max=256),
+}
+VARIANTS = (("sm_90", 90, "direct"), ("sm_100a", 100, "direct"), ("sm_90", 90, "ring"))
+
+
+def output_bytes(shape, options) -> int:
+    from jax_nvfp4.core.formats import num_blocks, packed_size
+
+    m, n = shape
+    rows = m * (packed_size(n) + num_blocks(n)) if options.get("rowwise", True) else 0
+    cols = n * (packed_size(m) + num_blocks(m)) if options.get("columnwise", False) else 0
+    return rows + cols
+
+
+def quantize_launch(x, sm: int, load: str, options) -> Launch | None:
+    """The quantize kernel's traced launch, or None where the variant does not apply to the spec."""
+    os.environ["NVFP4_QUANTIZE_LOAD"] = load
+    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
+    with cuda_host.emulating(sm):
+        fn.lower(x).compile()
+        with traced() as launches:
+            jax.block_until_ready(fn(x))
+    (launch,) = [t for t in launches if "quantize" in t.kernel]
+    if load == "ring" and "ring" not in launch.kernel:
+        return None
+    return launch
+
+
+def ratio(sites) -> str:
+    total = Launch.total(sites)
+    return f"{total.transactions / total.ideal:.2f}" if total.ideal else "-"
+
+
+def row(name: str, variant: str, launch: Launch, x, options) -> str:
+    loads = launch.select("global", "load")
+    inputs = [s for s in loads if s.size >= 8]  # the input's (amaxes and seeds are 4-byte loads)
+    stores = launch.select("global", "store")
+    data_stores = [s for s in stores if s.size == 16 and s.bytes >= Launch.total(stores).bytes / 8]
+    lookups = launch.select("shared", "load", file="e2m1_lut.cuh")
+    staging = launch.select("shared", file="quantize.cu")
+    per_lookup = f"{Launch.total(lookups).per_request:.2f}" if lookups else "-"
+    index = "; ".join(
+        f"{p.split(' index: ')[0]} {p.split(': ', 1)[1]}"
+        for p in sorted(launch.paths)
+        if p.startswith(("rowwise index", "columnwise index")) and not p.endswith("none")
+    )
+    return (
+        f"| {name} | {variant} | {Launch.total(inputs).bytes / x.nbytes:.2f} | {ratio(inputs)} "
+        f"| {Launch.total(stores).bytes / output_bytes(x.shape, options):.2f} | {ratio(data_stores)} | {ratio(stores)} "
+        f"| {per_lookup} | {ratio(staging)} | {index} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="256,1024")
+    parser.add_argument("--out", help="also write the markdown report to this file")
+    args = parser.parse_args()
+    shape = tuple(map(int, args.shape.split(",")))
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    report = Report(
+        args.out,
+        [
+            "# Quantize kernel counters from the CUDA host model (no GPU)",
+            "",
+            f"{datetime.date.today()}, commit {commit.stdout.strip() or '?'}, jax {jax.__version__}; "
+            f"`python -m benchmarks.host_counters --shape {args.shape}`: bf16 N(0, 1) {shape[0]}x{shape[1]}, "
+            "amaxes computed (their kernels not counted). "
+            "Read/written: global bytes over the input / the outputs (1.00: each byte once). "
+            "Sectors and wavefronts: over the fewest the same bytes need (1.00: coalesced, conflict-free). "
+            "Table lookups: wavefronts per warp-wide lookup of the E2M1 code tables (1 is conflict-free).",
+            "",
+            "| spec | kernel | read / input | load sectors | written / outputs | code-store sectors | all store "
+            "sectors | table lookup wavefronts | staging wavefronts | code index (e2m1_lut.cuh) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ],
+    )
+    x = random_normal(shape, 0)
+    try:
+        for name, options in SPECS.items():
+            for arch, sm, load in VARIANTS:
+                launch = quantize_launch(x, sm, load, options)
+                if launch is not None:
+                    report.add(row(name, f"{arch} {load}", launch, x, options))
+    finally:
+        os.environ.pop("NVFP4_QUANTIZE_LOAD", None)
+    report.save()
+
+
+if __name__ == "__main__":
+    main()
