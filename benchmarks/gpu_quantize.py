@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,33 @@ def table_ops(x: jax.Array) -> list[tuple[str, object, tuple, int]]:
     ]
 
 
+RING_OPS = ("row+col 1x16, amax given", "row only 1x16, amax given", "row+col 16x16, amax given")
+
+
+def load_table(report: Report, x: jax.Array, copy_bw: float, calls: int) -> None:
+    """The direct kernel against the pipelined one (``NVFP4_QUANTIZE_LOAD=ring``, read by the handler on
+    every call) on the ops it applies to."""
+    report.add("| op | direct ms (% of the copy) | ring ms (% of the copy) | ring / direct |")
+    report.add("|---|---:|---:|---:|")
+    before = os.environ.get("NVFP4_QUANTIZE_LOAD")
+    try:
+        for name, fn, fn_args, moved in table_ops(x):
+            if name not in RING_OPS:
+                continue
+            times = {}
+            for load in ("direct", "ring"):
+                os.environ["NVFP4_QUANTIZE_LOAD"] = load
+                times[load] = queued_seconds(jax.jit(fn), *fn_args, calls=calls)
+            cells = " | ".join(f"{t * 1e3:.3f} ({100 * moved / t / copy_bw:.0f}%)" for t in times.values())
+            report.add(f"| {name} | {cells} | {times['ring'] / times['direct']:.2f}x |")
+    finally:
+        if before is None:
+            os.environ.pop("NVFP4_QUANTIZE_LOAD", None)
+        else:
+            os.environ["NVFP4_QUANTIZE_LOAD"] = before
+    report.add("")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4096,16384")
@@ -161,6 +189,7 @@ def main() -> None:
                 row += f" {was:.3f} ({100 * moved / (was / 1e3) / copy_bw:.0f}%) |" if was else " - |"
             report.add(row)
         report.add("")
+        load_table(report, x, copy_bw, args.calls)
     report.add("| size | producer + quantize (own amax pass) ms | producer + JAX amax (fusable) + kernel ms | saved |")
     report.add("|---|---:|---:|---:|")
     for size in map(int, args.sizes.split(",")):

@@ -11,12 +11,17 @@
 //   - A block's scale is computed once, two at a time by cvt.rn.satfinite.e4m3x2; its encode
 //     scale 1 / (s * gds) comes from a per-entry table of the 256 E4M3 codes.
 //   - Codes of nearest rounding come two at a time: on sm_90 from a 64 KB table indexed by the
-//     two products truncated to float16 (e2m1_lut.cuh; where a round-down tie is possible, as in
-//     every row-scaled copy, of their tie-safe bits), from the E2M1 convert on sm_100a/sm_120a. One
+//     two products truncated to float16, swizzled against bank conflicts (e2m1_lut.cuh; where a
+//     block scale code of the copy makes a round-down tie possible, as in every row-scaled copy, of
+//     their tie-safe bits), from the E2M1 convert on sm_100a/sm_120a. One
 //     pass over the rows unpacks each value once and gives both copies' codes: a row's 4 code bytes
 //     pack into a word, a column's into its two words.
 //   - The columnwise copy goes through a shared-memory tile (double-buffered, one barrier a
 //     tile) and is written 16 bytes a store.
+//   - The input comes from global memory when a tile's turn comes (Load::kDirect), or (kRing,
+//     NVFP4_QUANTIZE_LOAD=ring) from a ring of two shared-memory stages that bulk copies fill one
+//     tile ahead. Global and shared accesses go through cuda/memory.cuh, which the host model's
+//     profiler counts (docs/kernels.md).
 // Stochastic rounding draws one Philox hash per 1x16 block (a lane pair splits its rows' hashes);
 // for 16-bit dtypes it reads each value's position from a 64 KB table by the product's float16
 // truncation, two values a convert (e2m1_lut.cuh), and adds random byte and sign two a word;
