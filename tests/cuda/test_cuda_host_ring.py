@@ -30,12 +30,9 @@ OPTIONS = {
 SHAPES = [(256, 1024), (200, 520), (3, 72, 264), (16, 8)]
 
 
-def run(x, sm, ring: bool, monkeypatch, **options):
-    """cuda_host.quantize(x) with the ring asked for or not: (result, the launched quantize kernel's name)."""
-    if ring:
-        monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
-    else:
-        monkeypatch.delenv("NVFP4_QUANTIZE_LOAD", raising=False)
+def quantize_asking_for_the_ring(x, sm, monkeypatch, **options):
+    """cuda_host.quantize(x) with NVFP4_QUANTIZE_LOAD=ring: (result, the launched quantize kernel's name)."""
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
     fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
     with cuda_host.emulating(sm):
         fn.lower(x).compile()
@@ -54,7 +51,7 @@ def test_the_ring_gives_the_cpu_bytes(name, shape, dtype, sm, monkeypatch):
     if options.get("rht") and shape[-2] % 16:
         pytest.skip("the RHT needs rows in whole 16-row blocks")
     x = random_normal(shape, 11, dtype)
-    got, kernel = run(x, sm, True, monkeypatch, **options)
+    got, kernel = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
     assert "quantize_ring_kernel" in kernel
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
@@ -71,7 +68,7 @@ def test_the_ring_gives_the_cpu_bytes(name, shape, dtype, sm, monkeypatch):
 )
 def test_where_the_ring_does_not_apply_the_direct_kernel_runs(dtype, shape, options, monkeypatch):
     x = random_normal(shape, 12, dtype)
-    got, kernel = run(x, 90, True, monkeypatch, **options)
+    got, kernel = quantize_asking_for_the_ring(x, 90, monkeypatch, **options)
     assert "ring" not in kernel
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
