@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the host model's test helpers: its backend and the counters
 
 from helpers import cuda_host, random_normal  # noqa: E402
-from helpers.counters import Launch, traced  # noqa: E402
+from helpers.counters import Launch, quantized_bytes, traced  # noqa: E402
 
 SPECS = {
     "row+col 1x16": dict(columnwise=True),
@@ -40,15 +40,6 @@ SPECS = {
     "4over6 MSE fast": dict(columnwise=True, four_over_six_error="mse", four_over_six_fast_math=True, e4m3_max=256),
 }
 VARIANTS = (("sm_90", 90, "direct"), ("sm_100a", 100, "direct"), ("sm_90", 90, "ring"))
-
-
-def output_bytes(shape, options) -> int:
-    from jax_nvfp4.core.formats import num_blocks, packed_size
-
-    m, n = shape
-    rows = m * (packed_size(n) + num_blocks(n)) if options.get("rowwise", True) else 0
-    cols = n * (packed_size(m) + num_blocks(m)) if options.get("columnwise", False) else 0
-    return rows + cols
 
 
 def quantize_launch(x, sm: int, load: str, options) -> Launch | None:
@@ -85,7 +76,7 @@ def row(name: str, variant: str, launch: Launch, x, options) -> str:
     )
     return (
         f"| {name} | {variant} | {Launch.total(inputs).bytes / x.nbytes:.2f} | {ratio(inputs)} "
-        f"| {Launch.total(stores).bytes / output_bytes(x.shape, options):.2f} | {ratio(data_stores)} | {ratio(stores)} "
+        f"| {Launch.total(stores).bytes / quantized_bytes(x, **options):.2f} | {ratio(data_stores)} | {ratio(stores)} "
         f"| {per_lookup} | {ratio(staging)} | {index} |"
     )
 

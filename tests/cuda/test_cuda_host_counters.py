@@ -13,11 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_same_tree, cuda_host, random_normal
-from helpers.counters import Launch, only, traced
+from helpers.counters import Launch, only, quantized_bytes, traced
 from helpers.cuda_host import needs_module
 
 import jax_nvfp4
-from jax_nvfp4.core.formats import num_blocks, packed_size
 
 pytestmark = needs_module
 
@@ -33,23 +32,23 @@ SPECS = {
 }
 
 
-def quantize_traced(x, sm: int = 90, **options) -> Launch:
-    """The quantize kernel's launch of cuda_host.quantize(x, **options) (amax passes not counted)."""
+def api_options(options) -> dict:
+    """The quantize API's keywords for a spec of SPECS (stochastic rounding: a key)."""
+    options = dict(options)
     if options.pop("stochastic_rounding", False):
         options["rng_key"] = jax.random.key(3)
+    return options
+
+
+def quantize_traced(x, sm: int = 90, **options) -> Launch:
+    """The quantize kernel's launch of cuda_host.quantize(x, **options) (amax passes not counted)."""
+    options = api_options(options)
     fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
     with cuda_host.emulating(sm):
         fn.lower(x).compile()
         with traced() as launches:
             jax.block_until_ready(fn(x))
     return only(launches, KERNEL)
-
-
-def output_bytes(shape, options) -> int:
-    m, n = shape
-    rows = m * (packed_size(n) + num_blocks(n)) if options.get("rowwise", True) else 0
-    cols = n * (packed_size(m) + num_blocks(m)) if options.get("columnwise", False) else 0
-    return rows + cols
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -103,7 +102,7 @@ def test_each_input_byte_is_read_once_and_each_output_byte_written_once(name, dt
     launch = quantize_traced(x, **options)
     loads = Launch.total([s for s in launch.select("global", "load") if s.size >= 8])  # the input's
     assert loads.bytes == x.nbytes
-    assert Launch.total(launch.select("global", "store")).bytes == output_bytes(SHAPE, options)
+    assert Launch.total(launch.select("global", "store")).bytes == quantized_bytes(x, **api_options(options))
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -15,6 +15,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
+import jax_nvfp4
 from helpers.cuda_host import module
 
 
@@ -86,6 +87,13 @@ def traced() -> Iterator[list[Launch]]:
     finally:
         for t in module.trace_stop():
             launches.append(Launch(t["kernel"], dict(t["paths"]), [Site(**s) for s in t["sites"]]))
+
+
+def quantized_bytes(x, **options) -> int:
+    """Bytes of the codes and scales ``jax_nvfp4.quantize(x, **options)`` gives (the quantize kernel's
+    outputs: every byte it must write once)."""
+    t = jax_nvfp4.quantize(x, **options)
+    return sum(a.nbytes for a in (t.data, t.scale, t.data_t, t.scale_t) if a is not None)
 
 
 def only(launches: list[Launch], kernel: str) -> Launch:
