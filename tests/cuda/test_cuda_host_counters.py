@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from helpers import assert_same_tree, cuda_host, random_normal
 from helpers.counters import Launch, only, quantized_bytes, traced
@@ -142,7 +141,7 @@ def test_staging_in_shared_memory_is_nearly_conflict_free(name):
     assert staging.transactions <= 1.5 * staging.ideal, launch.select("shared", file="quantize.cu")
 
 
-def test_the_profiler_sees_a_strided_load_and_a_conflict():
+def test_the_profiler_sees_element_loads_that_span_rows():
     """The counters themselves, on the kernel: the same quantize on a shape whose rows are not a multiple
     of 8 values loads element by element (2-byte loads of a warp span 16 rows: more sectors than bytes)."""
     x = random_normal((64, 250), 8)
@@ -150,7 +149,6 @@ def test_the_profiler_sees_a_strided_load_and_a_conflict():
     loads = Launch.total(launch.select("global", "load", size=2))
     assert loads.bytes == x.nbytes
     assert loads.transactions > 2 * loads.ideal
-    np.testing.assert_array_equal(loads.requests > 0, True)
 
 
 @pytest.mark.parametrize(("stride", "wavefronts"), [(0, 1), (1, 1), (2, 2), (8, 8), (32, 32), (33, 1)])

@@ -218,7 +218,7 @@ class Block {
         reinterpret_cast<uintptr_t>(src) % 16)
       fail(current_, std::string("bulk copy at ") + site + " of " + std::to_string(bytes) +
                          " bytes: the size and both addresses must be multiples of 16");
-    for (auto it = overlapping(d, bytes); it != copies_.end() && it->first < d + bytes;) {
+    for (auto it = overlapping(d); it != copies_.end() && it->first < d + bytes;) {
       if (!it->second.done)
         fail(current_, std::string("bulk copy at ") + site +
                            " into bytes another copy in flight writes (issued at " +
@@ -258,7 +258,7 @@ class Block {
   void check_shared_access(const void* p, size_t bytes, bool store, const char* site) {
     if (copies_.empty()) return;
     const auto* a = static_cast<const unsigned char*>(p);
-    for (auto it = overlapping(a, bytes); it != copies_.end() && it->first < a + bytes; ++it) {
+    for (auto it = overlapping(a); it != copies_.end() && it->first < a + bytes; ++it) {
       const BulkCopy& c = it->second;
       const std::string what = std::string(store ? "shared store" : "shared load") + " at " + site +
                                " of bytes a bulk copy (issued at " + c.site + ") writes";
@@ -393,14 +393,12 @@ class Block {
   }
 
   // The copies that may overlap [p, ...): from the last one starting at or before p.
-  std::map<const unsigned char*, BulkCopy>::iterator overlapping(const unsigned char* p,
-                                                                 size_t bytes) {
+  std::map<const unsigned char*, BulkCopy>::iterator overlapping(const unsigned char* p) {
     auto it = copies_.upper_bound(p);
     if (it != copies_.begin()) {
       auto before = std::prev(it);
       if (before->first + before->second.bytes > p) return before;
     }
-    (void)bytes;
     return it;
   }
 

@@ -71,16 +71,14 @@ void trace_launch_end(LaunchTrace* launch, bool succeeded);
 // Shared accesses are checked against asynchronous copies in flight (runtime.h) whether or not
 // tracing is on.
 template <typename T>
-T traced_load(const char* site, Space space, const T* p) {
-  if (space == Space::kShared) check_shared_access(p, sizeof(T), false, site);
-  trace_access(site, space, Access::kLoad, p, sizeof(T), true);
-  return *p;
-}
-template <typename T>
 T traced_load_if(const char* site, Space space, bool active, const T* p, T fallback) {
   if (active && space == Space::kShared) check_shared_access(p, sizeof(T), false, site);
   trace_access(site, space, Access::kLoad, p, sizeof(T), active);
   return active ? *p : fallback;
+}
+template <typename T>
+T traced_load(const char* site, Space space, const T* p) {
+  return traced_load_if(site, space, true, p, T{});
 }
 template <typename T, typename V>
 void traced_store_if(const char* site, Space space, bool active, T* p, const V& v) {
