@@ -64,6 +64,7 @@ struct Params {
     uint32_t data_cols_t, scale_cols_t;  // of a columnwise one
   } out;
   TilePos step;       // the grid's size in tiles: a block's next tile is this far on
+  uint32_t staged;    // staged tiles in the dynamic shared memory (Shared): 2, or 1
   bool placed;        // the seed holds the copy's place in a whole tensor (Stream)
   bool vec_in;        // N % 8 == 0: a thread's 8 columns are one 16-byte load
   bool vec_rows;      // the rowwise data and scale rows of a tile are whole 16-byte chunks
@@ -99,7 +100,7 @@ enum class Mode { kNearest, kStochastic, kFourOverSix };
 // How a tile's input reaches the registers: each thread loads its values from global memory when
 // the tile's turn comes (kDirect), or bulk copies (cp.async.bulk, a row each) put the block's next
 // tile into a ring of kStages shared-memory stages while it quantizes the current one, completing
-// on an mbarrier per stage (kRing: 16-bit inputs of whole 16-byte rows, nearest rounding). Both
+// on an mbarrier per stage (kRing: 16-bit inputs of whole 16-byte rows, every rounding mode). Both
 // give the same bytes: only where the values come from differs.
 enum class Load { kDirect, kRing };
 constexpr int kStages = 2;
@@ -130,11 +131,12 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
   return (2 * col + half) ^ ((col >> 3) & 7);
 }
 
-// Per CUDA block: the code tables, the current batch entry's encode scales, and two staged
-// tiles (a tile stages into one while the last one's stores may still read the other, so one
-// barrier a tile suffices). Nearest rounding and 4over6 without the E2M1 convert also take the
-// 64 KB pair table (e2m1_lut.cuh) in dynamic shared memory, built from f16_codes; stochastic
-// rounding of a 16-bit dtype takes its 64 KB position table there (sr_table).
+// Per CUDA block, static: the code tables and the current batch entry's encode scales. Dynamic
+// (dynamic_layout): first nearest rounding's and 4over6's 64 KB pair table (e2m1_lut.cuh, built
+// from f16_codes) without the E2M1 convert, or stochastic rounding's 64 KB position table
+// (sr_table) for a 16-bit dtype, or float32's values (Values); then Params::staged staged tiles
+// (two: a tile stages into one while the last one's stores may still read the other, so one
+// barrier a tile suffices; one where two do not fit, as on sm_120); then the input ring (kRing).
 struct Shared {
   uint8_t lut[kLutSize];
   float class_value[256];              // 4over6: f16_class_value
@@ -143,7 +145,6 @@ struct Shared {
   float enc[2][kCodes];                // [rowwise, columnwise][scale code]: block_encode_scale
   int safe[2];                         // whether that copy needs the tie-safe code index
   Mbarrier full[kStages];              // kRing: stage s holds its tile (its bulk copies landed)
-  Staging staged[2];
 };
 
 // What quantizing one copy needs of its batch entry.
@@ -1045,16 +1046,16 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
 // room; whether it did (else the kernel takes the tie-safe code index: slower, the same bytes).
 // Stochastic rounding of a 16-bit dtype builds its position table there instead (its launch
 // always gives the room). Every thread of the block calls.
-// `ring`: the bytes at the end of the dynamic shared memory that are the input ring (kRing).
+// `tail`: the bytes at the end of the dynamic shared memory that hold the staging and the ring.
 template <typename L, Mode kMode>
-__device__ __forceinline__ bool build_pair_table(Shared& sh, uint32_t ring = 0) {
+__device__ __forceinline__ bool build_pair_table(Shared& sh, uint32_t tail) {
   if constexpr (kPacked<L> && kMode == Mode::kStochastic) {  // the position table instead
     auto* table = reinterpret_cast<uint32_t*>(dynamic_shared());
     for (int i = threadIdx.x; i < kSrLutEntries / 2; i += kThreads)
       table[i] = sr_lut_entry(2 * i) | (uint32_t(sr_lut_entry(2 * i + 1)) << 16);
     return false;
   } else if constexpr (kPacked<L>) {
-    if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize + ring) return false;
+    if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize + tail) return false;
     for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
     __syncthreads();
     // 16 bytes a store: address a holds entry pair_swizzle(a), and the swizzle keeps bits 0-1, so
@@ -1092,12 +1093,25 @@ __device__ __forceinline__ void load_stage(const typename L::T* x, const Params&
               &sh.full[s]);
 }
 
+// Bytes of the input ring (Shared) of dtype L's kernel loading by kLoad.
+template <typename L, Load kLoad>
+constexpr uint32_t kRingBytes = kLoad == Load::kRing ? kStages * kStageBytes<L> : 0;
+
+// The staged tiles in the block's dynamic shared memory (Shared), before the ring.
+template <typename L, Load kLoad>
+__device__ __forceinline__ Staging* staged_tiles(const Params& p) {
+  return reinterpret_cast<Staging*>(dynamic_shared() + dynamic_shared_size() -
+                                    kRingBytes<L, kLoad>) -
+         p.staged;
+}
+
 template <typename L, Mode kMode, Load kLoad = Load::kDirect>
 __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p) {
   __shared__ Shared sh;
-  constexpr uint32_t kRingBytes = kLoad == Load::kRing ? kStages * kStageBytes<L> : 0;
+  constexpr uint32_t kRing = kRingBytes<L, kLoad>;
   using T = typename L::T;
-  T* ring = reinterpret_cast<T*>(dynamic_shared() + dynamic_shared_size() - kRingBytes);
+  T* ring = reinterpret_cast<T*>(dynamic_shared() + dynamic_shared_size() - kRing);
+  Staging* staged = staged_tiles<L, kLoad>(p);
   TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
   if constexpr (kLoad == Load::kRing) {  // the first tile's copies go out before the tables
     if (threadIdx.x == 0) {
@@ -1113,7 +1127,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
       sh.class_value[i] = f16_class_value(i);
       sh.scale_value[i] = e4m3_to_float(uint8_t(i));
     }
-  const bool pairs = build_pair_table<L, kMode>(sh, kRingBytes);
+  const bool pairs = build_pair_table<L, kMode>(sh, kRing + p.staged * sizeof(Staging));
   __syncthreads();
   Stream seed{Seed{0, 0}};
   if constexpr (kMode == Mode::kStochastic) seed = stream_of(p.seed, p.placed, p.rows);
@@ -1137,7 +1151,9 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
       mbarrier_wait(&sh.full[s], (k / kStages) & 1u);
       stage = ring + s * (kStageBytes<L> / sizeof(T));
     }
-    quantize_tile<L, kMode>(x, p, sh, sh.staged[k % 2], tile, kr, kc, seed, stage);
+    NVFP4_PATH(p.staged == 2 ? "staging: two tiles" : "staging: one tile");
+    if (p.staged == 1 && k > 0) __syncthreads();  // the last tile's stores have read its staging
+    quantize_tile<L, kMode>(x, p, sh, staged[(k & 1u) * (p.staged - 1)], tile, kr, kc, seed, stage);
   }
 }
 
@@ -1146,10 +1162,12 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const typename L::T*
   quantize_tiles<L, kMode>(x, p);
 }
 
-// The kRing variant of quantize_kernel (nearest rounding of 16-bit inputs).
-template <typename L>
-__global__ void __launch_bounds__(kThreads) quantize_ring_kernel(const typename L::T* x, Params p) {
-  quantize_tiles<L, Mode::kNearest, Load::kRing>(x, p);
+// The kRing variant of quantize_kernel and quantize_4over6_kernel (16-bit inputs). Its ring takes
+// 64 KB of shared memory besides the tables, so one block fits an SM: ptxas may use the registers.
+template <typename L, Mode kMode>
+__global__ void __launch_bounds__(kThreads, 1)
+    quantize_ring_kernel(const typename L::T* x, Params p) {
+  quantize_tiles<L, kMode, Load::kRing>(x, p);
 }
 
 // 4over6 keeps two candidates per block live: one block per SM lets ptxas use the
@@ -1161,47 +1179,83 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 #if !defined(NVFP4_SASS_BUDGET)
-// The dynamic shared memory of kernel K (dtype L, mode kMode), its attribute set: float32's
-// values (Values), with stochastic rounding of a 16-bit dtype the position table, or with nearest
-// rounding or 4over6 of a 16-bit dtype the pair table where K's code was built without the E2M1
-// convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also runs).
-// kRing: and the input ring after them. Queried and set once per device (once_per), not on every
-// call.
+// The dynamic shared memory of kernel K (dtype L, mode kMode, load kLoad; Shared): its bytes and
+// how many tiles it stages (Params::staged; 0: K does not fit the device).
+struct DynamicShared {
+  size_t bytes;
+  uint32_t staged;
+};
+
+// K's dynamic shared memory, its attribute set: float32's values (Values), with stochastic
+// rounding of a 16-bit dtype the position table, or with nearest rounding or 4over6 of a 16-bit
+// dtype the pair table where K's code was built without the E2M1 convert (PTX for sm_90, which a
+// GPU newer than our sm_100a/sm_120a code also runs); two staged tiles, or one where two do not fit
+// the device's opt-in maximum beside the static Shared (sm_120's 99 KB); the ring (kRing). Where
+// even one does not fit, the pair table goes (the tie-safe code index: slower, the same bytes).
+// Queried and set once per device (once_per), not on every call.
 template <auto K, typename L, Mode kMode, Load kLoad>
-ffi::Error dynamic_bytes(size_t& bytes) {
-  const auto [size, err, what] = once_per(device_key(), [](bool& ok) {
-    size_t n = kPacked<L> ? 0 : kValuesBytes;
-    const size_t ring = kLoad == Load::kRing ? kStages * kStageBytes<L> : 0;
+ffi::Error dynamic_shared_of(DynamicShared& out) {
+  const auto [value, err, what] = once_per(device_key(), [](bool& ok) {
+    DynamicShared d{0, 0};
+    const auto failed = [&](cudaError_t e, const char* call) {
+      ok = false;
+      return std::tuple(d, e, call);
+    };
+    size_t table = kPacked<L> ? 0 : kValuesBytes;  // what the layout puts first
+    bool optional = false;                         // whether the kernel can do without it
     if constexpr (kPacked<L> && kMode == Mode::kStochastic) {
-      n = kSrLutEntries * sizeof(uint16_t);
+      table = kSrLutEntries * sizeof(uint16_t);
     } else if constexpr (kPacked<L>) {
       cudaFuncAttributes attr{};
-      if (const cudaError_t e = cudaFuncGetAttributes(&attr, K); e != cudaSuccess) {
-        ok = false;
-        return std::tuple(n, e, "cudaFuncGetAttributes");
-      }
-      n = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
+      if (const cudaError_t e = cudaFuncGetAttributes(&attr, K); e != cudaSuccess)
+        return failed(e, "cudaFuncGetAttributes");
+      table = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
+      optional = true;
     }
-    n += ring;
-    cudaError_t e = cudaSuccess;
-    if (n) e = cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, int(n));
-    ok = e == cudaSuccess;
-    return std::tuple(n, e, "cudaFuncSetAttribute");
+    int device = 0, optin = 0;
+    if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
+      return failed(e, "cudaGetDevice");
+    if (const cudaError_t e =
+            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        e != cudaSuccess)
+      return failed(e, "cudaDeviceGetAttribute");
+    const size_t room = std::max<size_t>(size_t(optin), sizeof(Shared)) - sizeof(Shared);
+    const auto need = [&](uint32_t staged) {
+      return table + staged * sizeof(Staging) + kRingBytes<L, kLoad>;
+    };
+    d.staged = need(2) <= room ? 2 : 1;
+    if (need(d.staged) > room && optional) table = 0;
+    if (need(d.staged) > room) d.staged = 0;
+    d.bytes = d.staged ? need(d.staged) : 0;
+    if (d.bytes) {
+      const cudaError_t e =
+          cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, int(d.bytes));
+      if (e != cudaSuccess) return failed(e, "cudaFuncSetAttribute");
+    }
+    return std::tuple(d, cudaSuccess, "");
   });
-  bytes = size;
+  out = value;
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error(what, err);
 }
 
-// Launches kernel K (dtype L, mode kMode, load kLoad) as a persistent grid over the tiles.
+// Launches kernel K (dtype L, mode kMode, load kLoad) as a persistent grid over the tiles; where K
+// does not fit the device, `fits` (if given) turns false and nothing launches.
 template <auto K, typename L, Mode kMode, Load kLoad = Load::kDirect>
-ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p) {
-  size_t shared = 0;
-  if (auto e = dynamic_bytes<K, L, kMode, kLoad>(shared); e.failure()) return e;
+ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p,
+                        bool* fits = nullptr) {
+  DynamicShared shared{};
+  if (auto e = dynamic_shared_of<K, L, kMode, kLoad>(shared); e.failure()) return e;
+  if (fits != nullptr) *fits = shared.staged != 0;
+  if (shared.staged == 0) {
+    if (fits != nullptr) return ffi::Error::Success();
+    return invalid("quantize: the kernel's shared memory does not fit this GPU's");
+  }
   const uint32_t per_entry = p.row_tiles * p.col_tiles;
   const uint32_t blocks =
-      std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks(K, kThreads, shared)));
+      std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks(K, kThreads, shared.bytes)));
   p.step = tile_pos(blocks, p.row_tiles, p.col_tiles);
-  return launch<K>("quantize", blocks, kThreads, shared, stream, x, p);
+  p.staged = shared.staged;
+  return launch<K>("quantize", blocks, kThreads, shared.bytes, stream, x, p);
 }
 
 // Whether the environment asks for the kRing kernel (NVFP4_QUANTIZE_LOAD=ring; default direct):
@@ -1211,19 +1265,48 @@ inline bool ring_asked() {
   return load != nullptr && std::string_view(load) == "ring";
 }
 
+// The spec's rounding mode.
+inline Mode mode_of(const QuantizeSpec& spec) {
+  return spec.stochastic_rounding    ? Mode::kStochastic
+         : spec.four_over_six().on() ? Mode::kFourOverSix
+                                     : Mode::kNearest;
+}
+
+// Launches dtype L's kernel of rounding mode M, its input loaded by kLoad (kRing: where its ring
+// fits the device, else the direct kernel: sm_120's 99 KB hold the ring beside one staged tile
+// for nearest rounding and 4over6, not beside stochastic rounding's table).
+template <typename L, Mode M, Load kLoad>
+ffi::Error launch_mode(cudaStream_t stream, const typename L::T* x, const Params& p) {
+  if constexpr (kLoad == Load::kRing) {
+    bool fits = false;
+    auto e = launch_tiles<quantize_ring_kernel<L, M>, L, M, kLoad>(stream, x, p, &fits);
+    return e.failure() || fits ? std::move(e) : launch_mode<L, M, Load::kDirect>(stream, x, p);
+  } else if constexpr (M == Mode::kFourOverSix)
+    return launch_tiles<quantize_4over6_kernel<L>, L, M>(stream, x, p);
+  else
+    return launch_tiles<quantize_kernel<L, M>, L, M>(stream, x, p);
+}
+
+template <typename L, Load kLoad>
+ffi::Error launch_loaded(cudaStream_t stream, const typename L::T* x, const Params& p) {
+  switch (mode_of(p.spec)) {
+    case Mode::kStochastic:
+      return launch_mode<L, Mode::kStochastic, kLoad>(stream, x, p);
+    case Mode::kFourOverSix:
+      return launch_mode<L, Mode::kFourOverSix, kLoad>(stream, x, p);
+    default:
+      return launch_mode<L, Mode::kNearest, kLoad>(stream, x, p);
+  }
+}
+
 template <typename L>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p) {
-  if constexpr (kPacked<L>) {
-    // The ring's bulk copies need 16-byte rows (vec_in) and a 16-byte aligned input.
-    if (!p.spec.stochastic_rounding && !p.spec.four_over_six().on() && p.vec_in &&
-        reinterpret_cast<uintptr_t>(x) % 16 == 0 && ring_asked())
-      return launch_tiles<quantize_ring_kernel<L>, L, Mode::kNearest, Load::kRing>(stream, x, p);
-  }
-  if (p.spec.stochastic_rounding)
-    return launch_tiles<quantize_kernel<L, Mode::kStochastic>, L, Mode::kStochastic>(stream, x, p);
-  if (p.spec.four_over_six().on())
-    return launch_tiles<quantize_4over6_kernel<L>, L, Mode::kFourOverSix>(stream, x, p);
-  return launch_tiles<quantize_kernel<L, Mode::kNearest>, L, Mode::kNearest>(stream, x, p);
+  // The ring takes 16-bit inputs (float32 keeps its values in shared memory already); its bulk
+  // copies need 16-byte rows (vec_in) and a 16-byte aligned input.
+  if constexpr (kPacked<L>)
+    if (p.vec_in && reinterpret_cast<uintptr_t>(x) % 16 == 0 && ring_asked())
+      return launch_loaded<L, Load::kRing>(stream, x, p);
+  return launch_loaded<L, Load::kDirect>(stream, x, p);
 }
 
 ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
@@ -1252,6 +1335,7 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                  {uint32_t(packed_size(cols)), uint32_t(num_blocks(cols)),
                   uint32_t(packed_size(rows)), uint32_t(num_blocks(rows))},
                  TilePos{},
+                 0,  // launch_tiles sets it and step
                  placed,
                  cols % kCols == 0,
                  packed_size(cols) % 16 == 0 && num_blocks(cols) % 16 == 0,
@@ -1305,6 +1389,8 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   Copy kr{per_row ? nullptr : sh.enc[0], index, g[0], !per_row};
   Copy kc{per_row ? nullptr : sh.enc[1], index, g[1], !per_row};
   const Stream seed = stream_of(p.seed, p.placed, p.rows);
+  p.staged = 2;
+  Staging* staged = staged_tiles<L, Load::kDirect>(p);
   TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
   uint32_t entry = tile.b;
   for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {
@@ -1313,7 +1399,7 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
       kr.g = g[2 * entry];
       kc.g = g[2 * entry + 1];
     }
-    quantize_tile<L, kMode>(x, p, sh, sh.staged[k % 2], tile, kr, kc, seed);
+    quantize_tile<L, kMode>(x, p, sh, staged[k % 2], tile, kr, kc, seed);
   }
 }
 }  // namespace nvfp4::cuda

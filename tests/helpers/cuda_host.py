@@ -115,7 +115,8 @@ def threads(n: int):
 
 @contextlib.contextmanager
 def emulating(sm: int):
-    """Runs the sm-specific code paths of GPU ``sm`` (90: Hopper; 100: sm_100a's FP4 convert)."""
+    """Runs the sm-specific code paths and shared-memory limit of GPU ``sm`` (90: Hopper; 100: sm_100a's
+    FP4 convert; 120: consumer Blackwell's convert and 99 KB a block)."""
     _registered()
     before = module.emulated_sm()
     module.set_emulated_sm(sm)

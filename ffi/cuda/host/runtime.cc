@@ -675,8 +675,12 @@ int blocks_per_multiprocessor(int threads, size_t shared) {
   return std::max(0, std::min({32, by_threads, by_shared}));
 }
 
+size_t max_shared_per_block() { return emulated_sm() >= 120 ? 99 * 1024 : 227 * 1024; }
+
+// The model does not see a kernel's static shared memory: it holds the dynamic bytes alone to the
+// opt-in maximum (the driver: both together; the kernels check that themselves).
 cudaError_t set_max_dynamic_shared(const void* kernel, size_t bytes) {
-  if (bytes > kMaxDynamicShared) return last_error = cudaErrorInvalidValue;
+  if (bytes > max_shared_per_block()) return last_error = cudaErrorInvalidValue;
   std::lock_guard<std::mutex> lock(shared_limits_mutex);
   shared_limits[{kernel, emulated_sm()}] = bytes;
   return cudaSuccess;
@@ -813,7 +817,13 @@ cudaError_t cudaGetDevice(int* device) {
 }
 
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
-  if (attr != cudaDevAttrMultiProcessorCount || device != 0) return cudaErrorInvalidValue;
-  *value = nvfp4::host::kMultiprocessors;
+  if (device != 0) return cudaErrorInvalidValue;
+  if (attr == cudaDevAttrMultiProcessorCount) {
+    *value = nvfp4::host::kMultiprocessors;
+  } else if (attr == cudaDevAttrMaxSharedMemoryPerBlockOptin) {
+    *value = int(nvfp4::host::max_shared_per_block());
+  } else {
+    return cudaErrorInvalidValue;
+  }
   return cudaSuccess;
 }

@@ -50,7 +50,10 @@ enum cudaError_t {
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+};
 struct alignas(8) uint2 {
   unsigned int x, y;
 };
@@ -72,7 +75,9 @@ constexpr unsigned kMaxThreadsPerBlock = 1024;
 constexpr unsigned kMaxBlockDim[3] = {1024, 1024, 64};
 constexpr unsigned kMaxGridDim[3] = {0x7FFFFFFFu, 65535, 65535};
 constexpr size_t kDefaultDynamicShared = 48 * 1024;  // without cudaFuncSetAttribute
-constexpr size_t kMaxDynamicShared = 227 * 1024;     // sm_90's opt-in maximum per block
+// The opt-in maximum of shared memory per block (static and dynamic): 227 KB on sm_90 and sm_100,
+// 99 KB on sm_120 (consumer Blackwell has 100 KB a multiprocessor).
+size_t max_shared_per_block();
 constexpr int kWarpSize = 32;
 // Few, so that persistent grids loop over several tiles per block in the tests.
 constexpr int kMultiprocessors = 2;
