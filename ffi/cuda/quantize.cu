@@ -100,8 +100,8 @@ enum class Mode { kNearest, kStochastic, kFourOverSix };
 // How a tile's input reaches the registers: each thread loads its values from global memory when
 // the tile's turn comes (kDirect), or bulk copies (cp.async.bulk, a row each) put the block's next
 // tile into a ring of kStages shared-memory stages while it quantizes the current one, completing
-// on an mbarrier per stage (kRing: 16-bit inputs of whole 16-byte rows, every rounding mode). Both
-// give the same bytes: only where the values come from differs.
+// on an mbarrier per stage (kRing: 16-bit inputs of whole 16-byte rows, nearest and stochastic
+// rounding). Both give the same bytes: only where the values come from differs.
 enum class Load { kDirect, kRing };
 constexpr int kStages = 2;
 
@@ -1093,6 +1093,17 @@ __device__ __forceinline__ void load_stage(const typename L::T* x, const Params&
               &sh.full[s]);
 }
 
+// The block's static code tables (every thread of the block calls; a barrier before they are read).
+template <Mode kMode>
+__device__ __forceinline__ void build_code_tables(Shared& sh) {
+  for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
+  if (kMode == Mode::kFourOverSix)
+    for (int i = threadIdx.x; i < 256; i += kThreads) {
+      sh.class_value[i] = f16_class_value(i);
+      sh.scale_value[i] = e4m3_to_float(uint8_t(i));
+    }
+}
+
 // Bytes of the input ring (Shared) of dtype L's kernel loading by kLoad.
 template <typename L, Load kLoad>
 constexpr uint32_t kRingBytes = kLoad == Load::kRing ? kStages * kStageBytes<L> : 0;
@@ -1121,12 +1132,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
     __syncthreads();
     load_stage<L>(x, p, sh, ring, 0, tile);
   }
-  for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
-  if (kMode == Mode::kFourOverSix)
-    for (int i = threadIdx.x; i < 256; i += kThreads) {
-      sh.class_value[i] = f16_class_value(i);
-      sh.scale_value[i] = e4m3_to_float(uint8_t(i));
-    }
+  build_code_tables<kMode>(sh);
   const bool pairs = build_pair_table<L, kMode>(sh, kRing + p.staged * sizeof(Staging));
   __syncthreads();
   Stream seed{Seed{0, 0}};
@@ -1162,8 +1168,9 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const typename L::T*
   quantize_tiles<L, kMode>(x, p);
 }
 
-// The kRing variant of quantize_kernel and quantize_4over6_kernel (16-bit inputs). Its ring takes
-// 64 KB of shared memory besides the tables, so one block fits an SM: ptxas may use the registers.
+// The kRing variant of quantize_kernel (16-bit inputs, nearest and stochastic rounding; 4over6 is
+// compute-bound, and its variant doubled ptxas's time). Its ring takes 64 KB of shared memory
+// besides the tables, so one block fits an SM: ptxas may use the registers.
 template <typename L, Mode kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     quantize_ring_kernel(const typename L::T* x, Params p) {
@@ -1274,7 +1281,7 @@ inline Mode mode_of(const QuantizeSpec& spec) {
 
 // Launches dtype L's kernel of rounding mode M, its input loaded by kLoad (kRing: where its ring
 // fits the device, else the direct kernel: sm_120's 99 KB hold the ring beside one staged tile
-// for nearest rounding and 4over6, not beside stochastic rounding's table).
+// for nearest rounding, not beside stochastic rounding's table).
 template <typename L, Mode M, Load kLoad>
 ffi::Error launch_mode(cudaStream_t stream, const typename L::T* x, const Params& p) {
   if constexpr (kLoad == Load::kRing) {
@@ -1292,8 +1299,8 @@ ffi::Error launch_loaded(cudaStream_t stream, const typename L::T* x, const Para
   switch (mode_of(p.spec)) {
     case Mode::kStochastic:
       return launch_mode<L, Mode::kStochastic, kLoad>(stream, x, p);
-    case Mode::kFourOverSix:
-      return launch_mode<L, Mode::kFourOverSix, kLoad>(stream, x, p);
+    case Mode::kFourOverSix:  // compute-bound (5x nearest rounding): its loads wait on nothing
+      return launch_mode<L, Mode::kFourOverSix, Load::kDirect>(stream, x, p);
     default:
       return launch_mode<L, Mode::kNearest, kLoad>(stream, x, p);
   }
@@ -1385,6 +1392,12 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   // The entry's global scales as the kernel keeps them in registers (here loaded, not computed:
   // prepare_entry's work is once per entry).
   const auto* g = reinterpret_cast<const GlobalScales*>(p.amax);
+  // The tables as the kernel builds them before its loop (else the compiler may read the never
+  // written shared memory as undefined and drop what depends on it: 4over6's candidates did).
+  build_code_tables<kMode>(sh);
+  for (int i = threadIdx.x; i < 2 * kCodes; i += kThreads)
+    sh.enc[i / kCodes][i % kCodes] = block_encode_scale(uint8_t(i % kCodes), g[i / kCodes]);
+  __syncthreads();
   // 4over6's exact units hold for every block (units_always_exact): an amax in [2^-104, 2^116].
   Copy kr{per_row ? nullptr : sh.enc[0], index, g[0], !per_row};
   Copy kc{per_row ? nullptr : sh.enc[1], index, g[1], !per_row};

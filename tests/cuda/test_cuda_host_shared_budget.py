@@ -53,7 +53,7 @@ def test_sm120_quantizes_every_mode_in_its_99_kb(mode, dtype, ring, monkeypatch)
     # The ring (64 KB) fits beside one staged tile, not beside a 64 KB table too.
     big_table = dtype == "float32" or mode == "stochastic"
     ring_ran = any("quantize_ring_kernel" in kernel for kernel in paths)
-    assert ring_ran == (ring and not big_table), paths
+    assert ring_ran == (ring and not big_table and mode != "4over6"), paths
     # 64 KB of values, position table or ring leave room for one staged tile; the others keep two.
     assert staging(paths) == {"staging: one tile" if big_table or ring_ran else "staging: two tiles"}, paths
 
