@@ -14,6 +14,7 @@ from jax_nvfp4 import QuantizeSpec, reference
 from jax_nvfp4.core import bits
 
 from .core import DTYPES, SPECIAL_VALUES, random_tensor
+from .numpy_eval import evaluate
 
 # ---- the public quantize: random tensors and options ----
 
@@ -136,12 +137,14 @@ def quantize_with_options(opts: dict, scale=None):
     return run
 
 
-# ---- the reference on the kernels' contract, jitted ----
+# ---- the reference on the kernels' contract, run by NumPy (numpy_eval: no XLA compile for each drawn shape) ----
 
-reference_amax = jax.jit(reference.amax_core, static_argnames=("rht_amax", "per_row"))
-_reference_core = jax.jit(reference.quantize_core, static_argnames="spec")
+
+def reference_amax(x, *, rht_amax: bool = False, per_row: bool = False):
+    """reference.amax_core, run by NumPy."""
+    return evaluate(reference.amax_core, x, rht_amax=rht_amax, per_row=per_row)
 
 
 def reference_quantize(x, amax, amax_t, seed, **opts):
-    """reference.quantize_core with these keyword options, jitted."""
-    return _reference_core(x, amax, amax_t, seed, spec=QuantizeSpec(**opts))
+    """reference.quantize_core with these keyword options, run by NumPy."""
+    return evaluate(reference.quantize_core, x, amax, amax_t, seed, spec=QuantizeSpec(**opts))

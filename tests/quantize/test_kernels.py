@@ -1,4 +1,5 @@
-"""The FFI kernels give the reference's bytes on random shapes, dtypes and values."""
+"""The FFI kernels give the reference's bytes on random shapes, dtypes and values (the reference run by NumPy,
+helpers.numpy_eval, where a drawn shape would otherwise compile it; under XLA on the large tensor)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from helpers import DTYPES, assert_same_bytes, assert_same_tensor, quantize_options, random_tensor, tensors
+from helpers.numpy_eval import evaluate
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,9 +17,9 @@ from jax_nvfp4 import _nvfp4_cpu, reference
 
 
 def quantize_both(x, **opts):
+    """The kernels' quantize and the reference's (run by NumPy)."""
     got = jax.jit(lambda x: jax_nvfp4.quantize(x, **opts))(x)
-    want = jax.jit(lambda x: reference.quantize(x, **opts))(x)
-    return got, want
+    return got, evaluate(reference.quantize, x, **opts)
 
 
 @given(tensors(), quantize_options)
@@ -34,7 +36,7 @@ def test_quantize_with_given_amax_matches_reference(x, opts, amax):
     # checked (a concrete NaN or negative one is refused: test_bad_input), and even a meaningless one gives the
     # same bytes.
     got = jax.jit(lambda x, a: jax_nvfp4.quantize(x, amax=a, **opts))(x, jnp.float32(amax))
-    want = jax.jit(lambda x, a: reference.quantize(x, amax=a, **opts))(x, jnp.float32(amax))
+    want = evaluate(lambda x, a: reference.quantize(x, amax=a, **opts), x, jnp.float32(amax))
     assert_same_tensor(got, want)
 
 
@@ -43,14 +45,14 @@ def test_dequantize_matches_reference(x, out_dtype, block_2d):
     t = jax_nvfp4.quantize(x, columnwise=True, block_2d=block_2d)
     for columnwise in (False, True):
         got = jax.jit(lambda t, c=columnwise: jax_nvfp4.dequantize(t, out_dtype, columnwise=c))(t)
-        want = jax.jit(lambda t, c=columnwise: reference.dequantize(t, out_dtype, columnwise=c))(t)
+        want = evaluate(lambda t, c=columnwise: reference.dequantize(t, out_dtype, columnwise=c), t)
         assert_same_bytes(got, want)
         assert got.shape == x.shape
 
 
 @given(tensors())
 def test_amax_matches_reference(x):
-    assert_same_bytes(jax.jit(jax_nvfp4.amax)(x), jax.jit(reference.amax)(x))
+    assert_same_bytes(jax.jit(jax_nvfp4.amax)(x), evaluate(reference.amax, x))
 
 
 def test_kernels_run_as_custom_calls():
@@ -69,8 +71,9 @@ def test_large_tensor_uses_threads_and_matches_reference():
     # Big enough for the kernels' thread split; non-multiple-of-16 dims on both axes.
     x = random_tensor(np.random.default_rng(1), (1030, 1041), ml_dtypes.bfloat16, spread=4, specials=(), frac=0)
     for block_2d in (False, True):
-        got, want = quantize_both(x, columnwise=True, block_2d=block_2d)
-        assert_same_tensor(got, want)
+        opts = dict(columnwise=True, block_2d=block_2d)
+        got = jax.jit(lambda x, o=opts: jax_nvfp4.quantize(x, **o))(x)
+        assert_same_tensor(got, jax.jit(lambda x, o=opts: reference.quantize(x, **o))(x))
     t = got
     assert_same_bytes(jax.jit(jax_nvfp4.dequantize)(t), jax.jit(reference.dequantize)(t))
 
