@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def _add_xla_flag(name: str, value) -> None:
     """Appends --name=value to XLA_FLAGS unless the environment already sets it (XLA reads them once, when jax
@@ -64,13 +66,7 @@ def pytest_configure(config):
     jax.monitoring.register_event_duration_secs_listener(on_duration)
 
 
-def _pytest_hookwrapper(function):
-    import pytest
-
-    return pytest.hookimpl(hookwrapper=True)(function)
-
-
-@_pytest_hookwrapper
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Each phase's report carries the compile seconds since the last one (xdist sends them to the controller)."""
     outcome = yield

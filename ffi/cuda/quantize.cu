@@ -132,11 +132,12 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
 }
 
 // Per CUDA block, static: the code tables and the current batch entry's encode scales. Dynamic
-// (dynamic_layout): first nearest rounding's and 4over6's 64 KB pair table (e2m1_lut.cuh, built
-// from f16_codes) without the E2M1 convert, or stochastic rounding's 64 KB position table
-// (sr_table) for a 16-bit dtype, or float32's values (Values); then Params::staged staged tiles
-// (two: a tile stages into one while the last one's stores may still read the other, so one
-// barrier a tile suffices; one where two do not fit, as on sm_120); then the input ring (kRing).
+// (sized by dynamic_shared_of): first nearest rounding's and 4over6's 64 KB pair table
+// (e2m1_lut.cuh, built from f16_codes) without the E2M1 convert, or stochastic rounding's 64 KB
+// position table (sr_table) for a 16-bit dtype, or float32's values (Values); then Params::staged
+// staged tiles (two: a tile stages into one while the last one's stores may still read the other,
+// so one barrier a tile suffices; one where two do not fit, as on sm_120); then the input ring
+// (kRing).
 struct Shared {
   uint8_t lut[kLutSize];
   float class_value[256];              // 4over6: f16_class_value
@@ -1230,9 +1231,12 @@ ffi::Error dynamic_shared_of(DynamicShared& out) {
     const auto need = [&](uint32_t staged) {
       return table + staged * sizeof(Staging) + kRingBytes<L, kLoad>;
     };
-    d.staged = need(2) <= room ? 2 : 1;
-    if (need(d.staged) > room && optional) table = 0;
-    if (need(d.staged) > room) d.staged = 0;
+    const auto staging = [&] { return need(2) <= room ? 2u : need(1) <= room ? 1u : 0u; };
+    d.staged = staging();
+    if (d.staged == 0 && optional) {
+      table = 0;
+      d.staged = staging();
+    }
     d.bytes = d.staged ? need(d.staged) : 0;
     if (d.bytes) {
       const cudaError_t e =

@@ -111,7 +111,8 @@ def _div(eqn, x, y):
 
 def _clz(eqn, x):
     bits = x.dtype.itemsize * 8
-    length = np.frexp(x.astype(np.uint64).astype(np.float64))[1]  # exact below 2^53: the bit length
+    unsigned = x.view(np.dtype(f"u{x.dtype.itemsize}"))  # a negative int's sign bit counts
+    length = np.frexp(unsigned.astype(np.float64))[1]  # exact below 2^53: the bit length
     return bits - length
 
 
@@ -163,9 +164,12 @@ def _reduce_max(eqn, x):
 
 def _gather(eqn, operand, indices):
     """The one gather the reference makes: a table lookup (operand [K], indices [..., 1]), clamped as XLA's."""
-    dn = eqn.params["dimension_numbers"]
+    dn, mode = eqn.params["dimension_numbers"], eqn.params["mode"]
+    clamped = mode in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     if operand.ndim != 1 or indices.shape[-1] != 1 or dn.collapsed_slice_dims != (0,) or dn.offset_dims != ():
         raise NotImplementedError(f"gather {dn}")
+    if not clamped:  # FILL_OR_DROP: out-of-range indices read a fill value
+        raise NotImplementedError(f"gather mode {mode}")
     return operand[np.clip(indices[..., 0], 0, operand.shape[0] - 1)]
 
 
@@ -192,7 +196,7 @@ def _scan(eqn, *args):
     return [*carry, *stacked]
 
 
-def _call(name: str):
+def _call_rule(name: str):
     """A call primitive (a nested jit, a custom_jvp's primal): its jaxpr, run here."""
 
     def rule(eqn, *args):
@@ -255,7 +259,7 @@ _RULES: dict[str, Callable] = {
     "reduce_max": _reduce_max,
     "gather": _gather,
     "scan": _scan,
-    "jit": _call("jaxpr"),
-    "pjit": _call("jaxpr"),
-    "custom_jvp_call": _call("call_jaxpr"),
+    "jit": _call_rule("jaxpr"),
+    "pjit": _call_rule("jaxpr"),
+    "custom_jvp_call": _call_rule("call_jaxpr"),
 }
