@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_same_tree, cuda_host, random_normal
-from helpers.counters import Launch, only, quantized_bytes, traced
+from helpers.counters import Launch, only, quantize_launches, quantized_bytes, traced
 from helpers.cuda_host import needs_module
 
 import jax_nvfp4
@@ -41,13 +41,7 @@ def api_options(options) -> dict:
 
 def quantize_traced(x, sm: int = 90, **options) -> Launch:
     """The quantize kernel's launch of cuda_host.quantize(x, **options) (amax passes not counted)."""
-    options = api_options(options)
-    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
-    with cuda_host.emulating(sm):
-        fn.lower(x).compile()
-        with traced() as launches:
-            jax.block_until_ready(fn(x))
-    return only(launches, KERNEL)
+    return only(quantize_launches(x, sm, **api_options(options))[1], KERNEL)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_same_tree, cuda_host, random_normal
-from helpers.counters import only, traced
+from helpers import assert_same_tree, random_normal
+from helpers.counters import only, quantize_launches
 from helpers.cuda_host import needs_module
 
 import jax_nvfp4
@@ -33,11 +33,7 @@ SHAPES = [(256, 1024), (200, 520), (3, 72, 264), (16, 8)]
 def quantize_asking_for_the_ring(x, sm, monkeypatch, **options):
     """cuda_host.quantize(x) with NVFP4_QUANTIZE_LOAD=ring: (result, the launched quantize kernel's name)."""
     monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
-    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
-    with cuda_host.emulating(sm):
-        fn.lower(x).compile()
-        with traced() as launches:
-            got = jax.block_until_ready(fn(x))
+    got, launches = quantize_launches(x, sm, **options)
     (kernel,) = [launch.kernel for launch in launches if "quantize" in launch.kernel]
     return got, kernel
 
@@ -98,10 +94,7 @@ def test_the_ring_reads_each_input_byte_once(monkeypatch):
     """Its bulk copies read the input once (no thread loads it from global memory), in whole sectors."""
     x = random_normal((256, 1024), 13)
     monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
-    fn = jax.jit(lambda x: cuda_host.quantize(x, columnwise=True, amax=jnp.float32(4.0)))
-    fn.lower(x).compile()
-    with traced() as launches:
-        jax.block_until_ready(fn(x))
+    _, launches = quantize_launches(x, columnwise=True, amax=jnp.float32(4.0))
     loads = only(launches, "quantize_ring_kernel").select("global", "load", size=512)
     assert sum(s.bytes for s in loads) == x.nbytes
     assert sum(s.transactions for s in loads) == sum(s.ideal for s in loads) == x.nbytes // 32

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_same_tree, cuda_host, random_normal
-from helpers.counters import traced
+from helpers import assert_same_tree, random_normal
+from helpers.counters import quantize_launches
 from helpers.cuda_host import needs_module
 
 import jax_nvfp4
@@ -26,13 +26,9 @@ MODES = {
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def quantize_launches(x, sm, **options):
+def quantize_paths(x, sm, **options):
     """cuda_host.quantize(x) on emulated sm: (result, {kernel name: its code paths})."""
-    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
-    with cuda_host.emulating(sm):
-        fn.lower(x).compile()
-        with traced() as launches:
-            got = jax.block_until_ready(fn(x))
+    got, launches = quantize_launches(x, sm, **options)
     return got, {launch.kernel: launch.paths for launch in launches if "quantize" in launch.kernel}
 
 
@@ -48,7 +44,7 @@ def test_sm120_quantizes_every_mode_in_its_99_kb(mode, dtype, ring, monkeypatch)
         monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
     options = MODES[mode]
     x = random_normal((3, 200, 600), 21, DTYPES[dtype])  # several tiles a block, ragged edges
-    got, paths = quantize_launches(x, 120, **options)
+    got, paths = quantize_paths(x, 120, **options)
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
     # The ring (64 KB) fits beside one staged tile, not beside a 64 KB table too.
     big_table = dtype == "float32" or mode == "stochastic"
@@ -62,6 +58,6 @@ def test_sm120_quantizes_every_mode_in_its_99_kb(mode, dtype, ring, monkeypatch)
 def test_hopper_and_datacenter_blackwell_stage_two_tiles(sm, monkeypatch):
     monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
     x = random_normal((256, 1024), 22, jnp.bfloat16)
-    _, paths = quantize_launches(x, sm, columnwise=True, rng_key=jax.random.key(5))
+    _, paths = quantize_paths(x, sm, columnwise=True, rng_key=jax.random.key(5))
     assert staging(paths) == {"staging: two tiles"}, paths
     assert any("quantize_ring_kernel" in kernel for kernel in paths), paths

@@ -15,7 +15,10 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
+import jax
+
 import jax_nvfp4
+from helpers import cuda_host
 from helpers.cuda_host import module
 
 
@@ -87,6 +90,17 @@ def traced() -> Iterator[list[Launch]]:
     finally:
         for t in module.trace_stop():
             launches.append(Launch(t["kernel"], dict(t["paths"]), [Site(**s) for s in t["sites"]]))
+
+
+def quantize_launches(x, sm: int = 90, **options) -> tuple:
+    """``cuda_host.quantize(x, **options)`` jitted and run on the emulated GPU ``sm``: (its result, the
+    launches of the run; compiling happens before the trace, so its amax passes at trace time are not in it)."""
+    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
+    with cuda_host.emulating(sm):
+        fn.lower(x).compile()
+        with traced() as launches:
+            got = jax.block_until_ready(fn(x))
+    return got, launches
 
 
 def quantized_bytes(x, **options) -> int:

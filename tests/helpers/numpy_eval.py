@@ -12,6 +12,7 @@ itself, one small op at a time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -47,10 +48,10 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts, *args) -> list:
         rule = _RULES.get(eqn.primitive.name)
         outs = None
         if rule is not None and not any(_is_key(v) for v in invals):
-            try:  # each input in its own dtype (a literal's Python number would widen the op)
+            # Each input in its own dtype (a literal's Python number would widen the op); a case without a
+            # NumPy rule (NotImplementedError) runs through jax.
+            with contextlib.suppress(NotImplementedError):
                 outs = rule(eqn, *[np.asarray(v, _dtype(var)) for v, var in zip(invals, eqn.invars, strict=True)])
-            except NotImplementedError:
-                outs = None
         if outs is None:
             outs = _through_jax(eqn, invals)
         if not eqn.primitive.multiple_results:
@@ -89,14 +90,16 @@ def _through_jax(eqn, invals) -> list:
 # ---- the rules: (eqn, *NumPy inputs) -> result (a list for primitives with multiple results) ----
 
 
-def _shift(op):
-    """XLA's shifts: an amount of the bit width or more (as unsigned) gives 0."""
+def _shift(op, logical: bool = False):
+    """XLA's shifts: an amount of the bit width or more (as unsigned) gives 0; a logical shift of a signed
+    integer shifts in zeros (NumPy's right shift of one is arithmetic)."""
 
     def rule(eqn, x, s):
         bits = x.dtype.itemsize * 8
         unsigned = s.astype(np.uint64) if s.dtype.kind == "u" else s.astype(np.int64).astype(np.uint64)
-        safe = np.minimum(unsigned, bits - 1).astype(x.dtype)
-        return np.where(unsigned >= bits, np.zeros((), x.dtype), op(x, safe))
+        v = x.view(np.dtype(f"u{x.dtype.itemsize}")) if logical else x
+        safe = np.minimum(unsigned, bits - 1).astype(v.dtype)
+        return np.where(unsigned >= bits, np.zeros((), v.dtype), op(v, safe)).astype(v.dtype).view(x.dtype)
 
     return rule
 
@@ -233,7 +236,7 @@ _RULES: dict[str, Callable] = {
     "gt": _binary(np.greater),
     "ge": _binary(np.greater_equal),
     "shift_left": _shift(np.left_shift),
-    "shift_right_logical": _shift(np.right_shift),
+    "shift_right_logical": _shift(np.right_shift, logical=True),
     "clz": _clz,
     "select_n": _select_n,
     "convert_element_type": _convert,

@@ -90,6 +90,7 @@ def test_where_numpy_and_xla_differ():
             jax.lax.div(x, s),
             jax.lax.clz(x >> s),
             jax.lax.clz(jax.lax.bitcast_convert_type(x, jnp.int32)),
+            jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(x, jnp.int32), s.astype(jnp.int32)),
             table[jnp.clip(index, 0, 15)],
             jax.lax.scan(lambda c, v: (c * 3 + v, c ^ v), x[0], x)[1],
             jax.lax.cumsum(x),
