@@ -23,11 +23,13 @@
 
 namespace nvfp4::cuda {
 
-// How a kernel finds a copy's nearest-rounding codes: kFast, by the E2M1 convert or the pair
-// table, where no product can be a round-down tie or -0.0 (tie_possible); else by the pair table
-// on tie-safe bits (kPairSafe), or without a pair table the code table's tie-safe index
-// (kLutSafe). Ordered: a pass serving two copies takes the later of their two.
-enum class Index { kFast, kPairSafe, kLutSafe };
+// How a kernel finds a copy's nearest-rounding codes: kFast, by the E2M1 convert or the class
+// table, where no product can be a round-down tie or -0.0 (tie_possible); else by the class table
+// on tie-safe bits (kClassSafe), or without a class table the code table's tie-safe index
+// (kLutSafe), which with the convert (sm_100a/sm_120a) is the convert of x * enc + 0 (it rounds
+// ties as the reference does; only -0.0 needs the extra add). Ordered: a pass serving two copies
+// takes the later of their two.
+enum class Index { kFast, kClassSafe, kLutSafe };
 
 constexpr int kLutShift = 21;
 constexpr int kLutSize = 1 << (32 - kLutShift);
@@ -86,20 +88,27 @@ NVFP4_HD bool underflow_possible(float enc) {
     return fma_rn(L::load(uint16_t(1)), enc, 0.0f) == 0.0f;
 }
 
-// ---- Codes two at a time, for the fast index (no round-down tie, no -0.0 product) ----
+// ---- Codes by float16 class, for the fast index (no round-down tie, no -0.0 product) ----
 //
-// The two products of a pair, truncated to float16 by one cvt.rz.f16x2, give a 16-bit index into
-// a 64 KB table of code bytes: the high byte of a truncated product (sign, exponent, two
-// mantissa bits) names the class [L, L + 2^e / 4) of floats that truncate to it, and every E2M1
-// rounding threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is the lower bound L of a class, so
-// the code is the same for the whole class but for its lower bound. There it is the code above
-// the threshold: right for the round-up ties (0.75, 1.75, 3.5), and the round-down ties (0.25,
-// 1.25, 2.5, 5) are what the fast index rules out. Truncation saturates at 65504 (code 7) and
-// keeps a tiny negative product's sign (code 8). A NaN product (only in a block with a NaN, whose
-// encode scale is NaN) becomes float16 NaN 0x7FFF, code 0; inf keeps its class (code 7).
+// A product truncated to float16 (one cvt.rz.f16x2 for two) has a high byte (sign, exponent, two
+// mantissa bits) that names the class [L, L + 2^e / 4) of floats that truncate to it, and every
+// E2M1 rounding threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is the lower bound L of a class, so
+// the code is the same for the whole class but for its lower bound. There it is the code above the
+// threshold: right for the round-up ties (0.75, 1.75, 3.5), and the round-down ties (0.25, 1.25,
+// 2.5, 5) are what the fast index rules out. Truncation saturates at 65504 (code 7) and keeps a
+// tiny negative product's sign (code 8). A NaN product (only in a block with a NaN, whose encode
+// scale is NaN) becomes float16 NaN 0x7FFF, code 0; inf keeps its class (code 7).
 // tests/cuda/test_cuda_host.py checks the classes exhaustively over all 2^32 floats.
+//
+// The class table is one code a 4-byte word, 32 copies side by side, and a lane reads its own:
+// class b's copy for lane l is word 32 b + l, in bank l, so a warp's 32 lookups take one
+// wavefront whatever the classes (a table indexed by the classes themselves cannot: they cluster
+// by exponent, and 32 random lookups into 32 banks take about 3.5). 256 classes x 32 lanes x 4
+// bytes: 32 KB of dynamic shared memory. (Until issue 48 a 64 KB table of code pairs, one lookup
+// for two values, took 4.3 wavefronts a lookup on N(0, 1) data, swizzled, and 10.1 unswizzled.)
 
-constexpr int kPairLutSize = 1 << 16;
+constexpr int kLaneTableWords = 256 * 32;
+constexpr int kLaneTableBytes = kLaneTableWords * 4;
 
 // The code of the floats whose float16 truncation has high byte `b`.
 NVFP4_HD uint8_t f16_class_code(uint32_t b) {
@@ -108,18 +117,6 @@ NVFP4_HD uint8_t f16_class_code(uint32_t b) {
     return (h & 0x3FFu) ? 0 : float_to_e2m1(bits_float((h & 0x8000u) << 16 | 0x7F800000u));
   return float_to_e2m1(f16_to_float(uint16_t(h | 0x80u)));  // inside the class, not its bound
 }
-
-// Entry i: the byte (code(high byte of i) << 4) | code(low byte of i).
-NVFP4_HD uint8_t pair_lut_entry(uint32_t i) {
-  return uint8_t(f16_class_code(i & 0xFFu) | (f16_class_code(i >> 8) << 4));
-}
-
-// Where entry i lies in the table: i with its bits 2-6 (the shared-memory bank of byte i) XORed
-// with bits 8-12 (v1's two mantissa bits and three exponent bits). Unswizzled, the bank is v0's
-// exponent, which a block's products share with few others: a warp's 32 lookups took 10.1
-// wavefronts on N(0,1) inputs (the host model's counters), 4.3 swizzled (ideal: 1). It is its
-// own inverse: the entry at address a is pair_swizzle(a).
-NVFP4_HD uint32_t pair_swizzle(uint32_t i) { return i ^ ((i >> 6) & 0x7Cu); }
 
 // The products fp32(v0 * enc) and fp32(v1 * enc) truncated to float16 by one convert (v1's in the
 // high half), whose high bytes are their classes. kSafe: the truncations of their tie_safe_bits,
@@ -136,22 +133,22 @@ NVFP4_HD uint32_t truncated_pair(float v0, float v1, float enc) {
   return cvt_rz_f16x2(bits_float(u1), bits_float(u0));
 }
 
-// The table byte of truncated pair h: the index (the high bytes of its halves, by one prmt)
-// swizzled, its XOR term taken from h itself (bits 24-28 are the index's 8-12) so that it does
-// not wait for the prmt.
-NVFP4_HD uint32_t pair_lookup(const uint8_t* pairs, uint32_t h) {
-  return NVFP4_LDS(pairs + (byte_perm(h, 0, 0x4431) ^ ((h >> 22) & 0x7Cu)));
+// The byte (code(v1) << 4) | code(v0) of truncated pair h from the class table at `table`, this
+// lane's copy `lane4` = 4 x lane bytes in: two lookups, each a prmt for the class and one
+// shift-add for the byte address (written in bytes, so that the table's base stays the load's
+// uniform-register operand).
+NVFP4_HD uint32_t class_pair_code(const uint8_t* table, uint32_t lane4, uint32_t h) {
+  const auto code = [&](uint32_t cls) {
+    return NVFP4_LDS(reinterpret_cast<const uint32_t*>(table + ((cls << 7) + lane4)));
+  };
+  return code(byte_perm(h, 0, 0x4441)) + (code(byte_perm(h, 0, 0x4443)) << 4);
 }
 
-// The byte (code(v1) << 4) | code(v0) of fp32(v * enc) for both, by the pair table.
-NVFP4_HD uint32_t pair_code(const uint8_t* pairs, float v0, float v1, float enc) {
-  return pair_lookup(pairs, truncated_pair<false>(v0, v1, enc));
-}
-
-// pair_code for any product (truncated_pair's kSafe), against the code table's per-value index
-// and packing.
-NVFP4_HD uint32_t pair_code_safe(const uint8_t* pairs, float v0, float v1, float enc) {
-  return pair_lookup(pairs, truncated_pair<true>(v0, v1, enc));
+// The byte (code(v1) << 4) | code(v0) of fp32(v * enc) for both, from the class table; kSafe:
+// for any product (truncated_pair's), else under the fast index.
+template <bool kSafe>
+NVFP4_HD uint32_t pair_code(const uint8_t* table, uint32_t lane4, float v0, float v1, float enc) {
+  return class_pair_code(table, lane4, truncated_pair<kSafe>(v0, v1, enc));
 }
 
 // ---- Stochastic rounding's positions, for 16-bit dtypes ----
@@ -161,7 +158,7 @@ NVFP4_HD uint32_t pair_code_safe(const uint8_t* pairs, float v0, float v1, float
 // up, which float16 keeps (to 65504); below 1.0, on floor(1024 |v|), which a truncation to a
 // multiple of 2^-24 (float16's finest step) keeps; below 2^-10 it is 0, where float16's subnormals
 // and 0 lie. Truncation saturates at 65504 and keeps inf, both past 6. So a table of 32K uint16
-// indexed by those 15 bits (64 KB of dynamic shared memory, where nearest rounding keeps its pair
+// indexed by those 15 bits (64 KB of dynamic shared memory, where nearest rounding keeps its class
 // table) gives the position; a NaN's entry is never used (its block's codes are all 0).
 // tests/cuda/test_cuda_host.py checks the table over every float32 magnitude and the codes over
 // every float16 value and random byte.

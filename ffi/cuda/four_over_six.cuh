@@ -6,7 +6,7 @@
 //
 // The quantize kernel's 1x16 chunks take a faster path with the same bytes (row_choice,
 // column_choice): a candidate's rounded value comes from the float16 class of the product (one
-// truncating convert for two values and a lookup, the pair table's classes: e2m1_lut.cuh) instead
+// truncating convert for two values and a lookup, the class table's classes: e2m1_lut.cuh) instead
 // of float_to_e2m1 and e2m1_to_float; the exact error's division moves out of the element loop
 // (exact_units); candidate encode scales come from the entry's table where it has one. The
 // grouped kernel and 16x16 blocks keep the reference path (candidates, error_terms).

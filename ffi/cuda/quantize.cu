@@ -10,10 +10,11 @@
 //     (xor 1). Maxima are taken on packed 16-bit pairs (max.NaN.xorsign.abs).
 //   - A block's scale is computed once, two at a time by cvt.rn.satfinite.e4m3x2; its encode
 //     scale 1 / (s * gds) comes from a per-entry table of the 256 E4M3 codes.
-//   - Codes of nearest rounding come two at a time: on sm_90 from a 64 KB table indexed by the
-//     two products truncated to float16, swizzled against bank conflicts (e2m1_lut.cuh; where a
-//     block scale code of the copy makes a round-down tie possible, as in every row-scaled copy, of
-//     their tie-safe bits), from the E2M1 convert on sm_100a/sm_120a. One
+//   - Codes of nearest rounding come two at a time: on sm_90 from a 32 KB table of codes by the
+//     products' float16 classes (one convert truncates two), a copy per lane so that a warp's
+//     lookups take one wavefront (e2m1_lut.cuh; where a block scale code of the copy makes a
+//     round-down tie possible, as in every row-scaled copy, by their tie-safe bits), from the E2M1
+//     convert on sm_100a/sm_120a. One
 //     pass over the rows unpacks each value once and gives both copies' codes: a row's 4 code bytes
 //     pack into a word, a column's into its two words.
 //   - The columnwise copy goes through a shared-memory tile (double-buffered, one barrier a
@@ -132,7 +133,7 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
 }
 
 // Per CUDA block, static: the code tables and the current batch entry's encode scales. Dynamic
-// (sized by dynamic_shared_of): first nearest rounding's and 4over6's 64 KB pair table
+// (sized by dynamic_shared_of): first nearest rounding's and 4over6's 32 KB class table
 // (e2m1_lut.cuh, built from f16_codes) without the E2M1 convert, or stochastic rounding's 64 KB
 // position table (sr_table) for a 16-bit dtype, or float32's values (Values); then Params::staged
 // staged tiles (two: a tile stages into one while the last one's stores may still read the other,
@@ -339,32 +340,43 @@ __device__ __forceinline__ uint32_t pack8(Code code) {
   return word;
 }
 
-// The block's pair table (e2m1_lut.cuh), in its dynamic shared memory.
-__device__ __forceinline__ const uint8_t* pair_table() { return dynamic_shared(); }
+// The block's class table (e2m1_lut.cuh), in its dynamic shared memory, and the byte offset of
+// this lane's copy in it.
+__device__ __forceinline__ const uint8_t* class_table() { return dynamic_shared(); }
+__device__ __forceinline__ uint32_t lane4() { return 4u * (threadIdx.x & 31u); }
+
+// The product fp32(x * enc) that the E2M1 convert rounds, with -0.0 as +0.0 (the convert keeps
+// the sign; the reference's code is 0): one FFMA x * enc + 0 under the fast index, where no
+// product underflows to -0.0; else x * enc, then + 0 (two instructions). The convert rounds to
+// nearest even as the reference does, ties included: it needs no tie-safe index.
+template <Index kIndex>
+__device__ __forceinline__ float convert_product(float x, float enc) {
+  return kIndex == Index::kFast ? fma_rn(x, enc, 0.0f) : x * enc + 0.0f;
+}
 
 // Codes of 8 values rounded to nearest, value k in nibble k, found as kIndex says.
 template <Index kIndex, typename Get>
 __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, float enc, Get get) {
-  if (NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast) {
-    NVFP4_PATH("nearest8: E2M1 convert");
-    // x * enc + 0: no -0.0 (the convert keeps its sign). A NaN product comes only from a NaN
-    // encode scale (a block with a NaN), whose codes are all 0.
+  if (NVFP4_HAS_FP4_CVT()) {
+    NVFP4_PATH(kIndex == Index::kFast ? "nearest8: E2M1 convert"
+                                      : "nearest8: E2M1 convert, tie-safe");
+    // A NaN product comes only from a NaN encode scale (a block with a NaN), whose codes are 0.
     uint32_t word = 0;
 #pragma unroll
     for (int k = 0; k < 8; k += 2)
-      word |= uint32_t(
-                  cvt_rn_satfinite_e2m1x2(fma_rn(get(k + 1), enc, 0.0f), fma_rn(get(k), enc, 0.0f)))
+      word |= uint32_t(cvt_rn_satfinite_e2m1x2(convert_product<kIndex>(get(k + 1), enc),
+                                               convert_product<kIndex>(get(k), enc)))
               << (4 * k);
     return enc == enc ? word : 0u;
   }
   if (kIndex != Index::kLutSafe) {  // by pairs: 4 code bytes
-    NVFP4_PATH(kIndex == Index::kFast ? "nearest8: pair table" : "nearest8: pair table, tie-safe");
+    NVFP4_PATH(kIndex == Index::kFast ? "nearest8: class table"
+                                      : "nearest8: class table, tie-safe");
     uint32_t word = 0;
 #pragma unroll
     for (int k = 6; k >= 0; k -= 2)
-      word = (word << 8) + (kIndex == Index::kFast
-                                ? pair_code(pair_table(), get(k), get(k + 1), enc)
-                                : pair_code_safe(pair_table(), get(k), get(k + 1), enc));
+      word = (word << 8) + pair_code<kIndex == Index::kClassSafe>(class_table(), lane4(), get(k),
+                                                                  get(k + 1), enc);
     return word;
   }
   NVFP4_PATH("nearest8: code table, tie-safe");
@@ -377,8 +389,8 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, Index index, fl
   switch (index) {
     case Index::kFast:
       return nearest8<Index::kFast>(lut, enc, get);
-    case Index::kPairSafe:
-      return nearest8<Index::kPairSafe>(lut, enc, get);
+    case Index::kClassSafe:
+      return nearest8<Index::kClassSafe>(lut, enc, get);
     default:
       return nearest8<Index::kLutSafe>(lut, enc, get);
   }
@@ -390,13 +402,15 @@ __device__ __forceinline__ uint32_t nearest8(const uint8_t* lut, Index index, fl
 template <Index kIndex>
 __device__ __forceinline__ uint32_t nearest2(const uint8_t* lut, float enc, float v0, float v1) {
   NVFP4_PATH(NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast ? "nearest2: E2M1 convert"
-             : kIndex == Index::kFast                      ? "nearest2: pair table"
-             : kIndex == Index::kPairSafe                  ? "nearest2: pair table, tie-safe"
+             : NVFP4_HAS_FP4_CVT()                         ? "nearest2: E2M1 convert, tie-safe"
+             : kIndex == Index::kFast                      ? "nearest2: class table"
+             : kIndex == Index::kClassSafe                 ? "nearest2: class table, tie-safe"
                                                            : "nearest2: code table, tie-safe");
-  if (NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast)
-    return cvt_rn_satfinite_e2m1x2(fma_rn(v1, enc, 0.0f), fma_rn(v0, enc, 0.0f));
-  if (kIndex == Index::kFast) return pair_code(pair_table(), v0, v1, enc);
-  if (kIndex == Index::kPairSafe) return pair_code_safe(pair_table(), v0, v1, enc);
+  if (NVFP4_HAS_FP4_CVT())
+    return cvt_rn_satfinite_e2m1x2(convert_product<kIndex>(v1, enc),
+                                   convert_product<kIndex>(v0, enc));
+  if (kIndex != Index::kLutSafe)
+    return pair_code<kIndex == Index::kClassSafe>(class_table(), lane4(), v0, v1, enc);
   return lut_code<true>(lut, v0, enc) + (lut_code<true>(lut, v1, enc) << 4);
 }
 
@@ -818,8 +832,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
   if (kMode == Mode::kNearest && fused) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
-      if (NVFP4_HAS_FP4_CVT() && kIndex == Index::kFast && enc_c[c] != enc_c[c])
-        acc[c][0] = acc[c][1] = 0;
+      if (NVFP4_HAS_FP4_CVT() && enc_c[c] != enc_c[c]) acc[c][0] = acc[c][1] = 0;
       stage_column(st, c, acc[c][0], acc[c][1], scale_c[c / 2] >> (8 * (c % 2)));
     }
   }
@@ -941,15 +954,17 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
 #endif
 
   // Each copy's code index (e2m1_lut.cuh), for the host model's path counts.
-  NVFP4_PATH(!p.o.data                      ? "rowwise index: none"
-             : kr.index == Index::kFast     ? "rowwise index: fast"
-             : kr.index == Index::kPairSafe ? "rowwise index: pair tie-safe"
-                                            : "rowwise index: code-table tie-safe");
-  NVFP4_PATH(!p.o.data_t                    ? "columnwise index: none"
-             : spec.block_2d                ? "columnwise index: the rowwise copy's"
-             : kc.index == Index::kFast     ? "columnwise index: fast"
-             : kc.index == Index::kPairSafe ? "columnwise index: pair tie-safe"
-                                            : "columnwise index: code-table tie-safe");
+  NVFP4_PATH(!p.o.data                       ? "rowwise index: none"
+             : kr.index == Index::kFast      ? "rowwise index: fast"
+             : kr.index == Index::kClassSafe ? "rowwise index: class tie-safe"
+             : NVFP4_HAS_FP4_CVT()           ? "rowwise index: convert tie-safe"
+                                             : "rowwise index: code-table tie-safe");
+  NVFP4_PATH(!p.o.data_t                     ? "columnwise index: none"
+             : spec.block_2d                 ? "columnwise index: the rowwise copy's"
+             : kc.index == Index::kFast      ? "columnwise index: fast"
+             : kc.index == Index::kClassSafe ? "columnwise index: class tie-safe"
+             : NVFP4_HAS_FP4_CVT()           ? "columnwise index: convert tie-safe"
+                                             : "columnwise index: code-table tie-safe");
 
   Values<L> w;
   uint32_t col_mag[kCols], row_mag[kBlock];
@@ -974,9 +989,9 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
     if (index == Index::kLutSafe || (kMode == Mode::kStochastic && index != Index::kFast))
       quantize_rows<L, kMode, Index::kLutSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
                                                seed);
-    else if (kMode != Mode::kStochastic && index == Index::kPairSafe)
-      quantize_rows<L, kMode, Index::kPairSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
-                                                seed);
+    else if (kMode != Mode::kStochastic && index == Index::kClassSafe)
+      quantize_rows<L, kMode, Index::kClassSafe>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
+                                                 seed);
     else
       quantize_rows<L, kMode, Index::kFast>(p, sh, st, at, w, col_mag, row_mag, kr, kc, fused,
                                             seed);
@@ -1007,15 +1022,15 @@ __device__ __forceinline__ bool reachable_scale(uint32_t s, const GlobalScales& 
 
 // The encode scales of batch entry b's 256 scale codes for both copies, and each copy's code
 // Index: kFast unless a tie is possible (tie_possible) or there is neither the convert nor the
-// pair table (`pairs`: built); row-scaled copies have no table and always take a tie-safe one
+// class table (`classes`: built); row-scaled copies have no table and always take a tie-safe one
 // (every thread of the block calls). Stochastic rounding: kFast unless a product can underflow to
 // -0.0 (underflow_possible), else kLutSafe.
 template <typename L, Mode kMode>
-__device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint32_t b, bool pairs,
+__device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint32_t b, bool classes,
                                               Copy& kr, Copy& kc) {
   const QuantizeSpec& spec = p.spec;
-  const Index safe = pairs ? Index::kPairSafe : Index::kLutSafe;
-  const bool fast = kMode == Mode::kStochastic || NVFP4_HAS_FP4_CVT() || pairs;
+  const Index safe = classes ? Index::kClassSafe : Index::kLutSafe;
+  const bool fast = kMode == Mode::kStochastic || NVFP4_HAS_FP4_CVT() || classes;
   kr = Copy{nullptr, safe, GlobalScales{}, false};
   kc = kr;
   if (spec.row_scaled) return;
@@ -1042,33 +1057,29 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   kc.index = fast && sh.safe[1] == 0 ? Index::kFast : safe;
 }
 
-// Builds the pair table in the block's dynamic shared memory where nearest rounding or 4over6 of a
-// 16-bit dtype (float32 keeps its values there) has no E2M1 convert and the launch gave it the
+// Builds the class table in the block's dynamic shared memory where nearest rounding or 4over6 of
+// a 16-bit dtype (float32 keeps its values there) has no E2M1 convert and the launch gave it the
 // room; whether it did (else the kernel takes the tie-safe code index: slower, the same bytes).
 // Stochastic rounding of a 16-bit dtype builds its position table there instead (its launch
 // always gives the room). Every thread of the block calls.
 // `tail`: the bytes at the end of the dynamic shared memory that hold the staging and the ring.
 template <typename L, Mode kMode>
-__device__ __forceinline__ bool build_pair_table(Shared& sh, uint32_t tail) {
+__device__ __forceinline__ bool build_dynamic_table(Shared& sh, uint32_t tail) {
   if constexpr (kPacked<L> && kMode == Mode::kStochastic) {  // the position table instead
     auto* table = reinterpret_cast<uint32_t*>(dynamic_shared());
     for (int i = threadIdx.x; i < kSrLutEntries / 2; i += kThreads)
       table[i] = sr_lut_entry(2 * i) | (uint32_t(sr_lut_entry(2 * i + 1)) << 16);
     return false;
   } else if constexpr (kPacked<L>) {
-    if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kPairLutSize + tail) return false;
+    if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kLaneTableBytes + tail) return false;
     for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
     __syncthreads();
-    // 16 bytes a store: address a holds entry pair_swizzle(a), and the swizzle keeps bits 0-1, so
-    // a word's 4 entries are consecutive: one high code, 4 low codes from one word of f16_codes.
+    // 16 bytes a store: words 4 j to 4 j + 3 are copies of class j / 8's code.
     auto* table = reinterpret_cast<uint4*>(dynamic_shared());
-    const auto* low = reinterpret_cast<const uint32_t*>(sh.f16_codes);
-    const auto word = [&](uint32_t a) {
-      const uint32_t i = pair_swizzle(a);
-      return low[(i & 0xFFu) / 4] | uint32_t(sh.f16_codes[i >> 8] << 4) * 0x01010101u;
-    };
-    for (uint32_t a = 16 * threadIdx.x; a < kPairLutSize; a += 16 * kThreads)
-      table[a / 16] = uint4{word(a), word(a + 4), word(a + 8), word(a + 12)};
+    for (int j = threadIdx.x; j < kLaneTableWords / 4; j += kThreads) {
+      const uint32_t code = sh.f16_codes[j / 8];
+      table[j] = uint4{code, code, code, code};
+    }
     return true;
   } else {
     return false;
@@ -1134,7 +1145,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
     load_stage<L>(x, p, sh, ring, 0, tile);
   }
   build_code_tables<kMode>(sh);
-  const bool pairs = build_pair_table<L, kMode>(sh, kRing + p.staged * sizeof(Staging));
+  const bool classes = build_dynamic_table<L, kMode>(sh, kRing + p.staged * sizeof(Staging));
   __syncthreads();
   Stream seed{Seed{0, 0}};
   if constexpr (kMode == Mode::kStochastic) seed = stream_of(p.seed, p.placed, p.rows);
@@ -1143,7 +1154,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
   for (uint32_t k = 0; tile.b < p.batch; ++k, advance(tile, p)) {
     if (tile.b != entry) {
       entry = tile.b;
-      prepare_entry<L, kMode>(p, sh, entry, pairs, kr, kc);
+      prepare_entry<L, kMode>(p, sh, entry, classes, kr, kc);
     }
     const T* stage = nullptr;
     if constexpr (kLoad == Load::kRing) {
@@ -1196,10 +1207,10 @@ struct DynamicShared {
 
 // K's dynamic shared memory, its attribute set: float32's values (Values), with stochastic
 // rounding of a 16-bit dtype the position table, or with nearest rounding or 4over6 of a 16-bit
-// dtype the pair table where K's code was built without the E2M1 convert (PTX for sm_90, which a
+// dtype the class table where K's code was built without the E2M1 convert (PTX for sm_90, which a
 // GPU newer than our sm_100a/sm_120a code also runs); two staged tiles, or one where two do not fit
 // the device's opt-in maximum beside the static Shared (sm_120's 99 KB); the ring (kRing). Where
-// even one does not fit, the pair table goes (the tie-safe code index: slower, the same bytes).
+// even one does not fit, the class table goes (the tie-safe code index: slower, the same bytes).
 // Queried and set once per device (once_per), not on every call.
 template <auto K, typename L, Mode kMode, Load kLoad>
 ffi::Error dynamic_shared_of(DynamicShared& out) {
@@ -1217,7 +1228,7 @@ ffi::Error dynamic_shared_of(DynamicShared& out) {
       cudaFuncAttributes attr{};
       if (const cudaError_t e = cudaFuncGetAttributes(&attr, K); e != cudaSuccess)
         return failed(e, "cudaFuncGetAttributes");
-      table = attr.ptxVersion >= 100 ? 0 : size_t(kPairLutSize);
+      table = attr.ptxVersion >= 100 ? 0 : size_t(kLaneTableBytes);
       optional = true;
     }
     int device = 0, optin = 0;
@@ -1387,11 +1398,11 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   if (!spec.rowwise) p.o.data = nullptr;
   if (!spec.columnwise) p.o.data_t = nullptr;
   // As prepare_entry leaves them: row-scaled copies have no table and a tie-safe index (the
-  // pair table's, where there is one: 16-bit nearest rounding without the convert).
+  // class table's, where there is one: 16-bit nearest rounding without the convert).
   const bool per_row = spec.row_scaled;
   const Index index = !per_row ? Index::kFast
                       : kPacked<L> && kMode != Mode::kStochastic && !NVFP4_HAS_FP4_CVT()
-                          ? Index::kPairSafe
+                          ? Index::kClassSafe
                           : Index::kLutSafe;
   // The entry's global scales as the kernel keeps them in registers (here loaded, not computed:
   // prepare_entry's work is once per entry).

@@ -107,8 +107,8 @@ bool fast_index_excluded(uint32_t u) {
 
 // Counts, in one pass over the float32 bit patterns, those whose E2M1 code from the quantize
 // kernel's tables differs from float_to_e2m1's: the code table by the tie-safe index, by the fast
-// index and the pair table's class of the truncated float16 (both outside the cases they are not
-// used for, counted as excluded), and the pair table's class of the truncated tie-safe bits.
+// index and the class table's class of the truncated float16 (both outside the cases they are
+// not used for, counted as excluded), and the class table's class of the truncated tie-safe bits.
 nb::tuple e2m1_tables_mismatches() {
   uint8_t lut[nvfp4::cuda::kLutSize];
   for (uint32_t i = 0; i < uint32_t(nvfp4::cuda::kLutSize); ++i) lut[i] = nvfp4::cuda::lut_entry(i);
@@ -241,8 +241,8 @@ NB_MODULE(_nvfp4_cuda_host, m) {
         "equivalent).");
   m.def("e2m1_tables_mismatches", &e2m1_tables_mismatches,
         "Exhaustive check of the quantize kernel's E2M1 tables (cuda/e2m1_lut.cuh), one pass: "
-        "(code table mismatches by the tie-safe index, by the fast index, pair table class "
-        "mismatches, cases excluded from the fast index and the pair table, pair table class "
+        "(code table mismatches by the tie-safe index, by the fast index, class table class "
+        "mismatches, cases excluded from the fast index and the class table, class table class "
         "mismatches of the tie-safe bits).");
   m.def("sr_table_mismatches", &sr_table_mismatches,
         "Exhaustive check of the quantize kernel's stochastic-rounding position table "
