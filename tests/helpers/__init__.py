@@ -36,7 +36,17 @@ from .core import (
     unpack,
 )
 from .gemm import DENSE, E2M1, dense_grads, dense_problem, rel_err, tensor_of_codes, values64
-from .golden import GOLDEN_DIR, assert_golden, assert_sr_vector, cases, load, load_sr, option_cases, sr_cases
+from .golden import (
+    GOLDEN_DIR,
+    assert_golden,
+    assert_sr_vector,
+    cases,
+    load,
+    load_sr,
+    one_per_family,
+    option_cases,
+    sr_cases,
+)
 from .kernel_cases import (
     COMBINATION_IDS,
     COMBINATIONS,
@@ -89,6 +99,7 @@ __all__ = [
     "load_sr",
     "needs_8_cpus",
     "normal",
+    "one_per_family",
     "option_cases",
     "option_entries",
     "option_quantize_cases",

@@ -40,6 +40,24 @@ def option_cases() -> list[str]:
     return [name for name in _input_files() if not _plain(np.load(GOLDEN_DIR / name))]
 
 
+def family(name: str) -> tuple[str, str]:
+    """A golden file's family: its kind (1d, 2d, edge, rht, rowscaled, 4o6_1d, 4o6sel_2d, ...) and input dtype.
+    The files of a family run one program on different shapes and values."""
+    parts = name.removesuffix(".npz").split("_")
+    return "_".join(parts[:2]) if name.startswith("4o6") else parts[0], parts[-1]
+
+
+def one_per_family() -> list[str]:
+    """The smallest golden file of each family (every kind and input dtype once), and of 4over6's families also
+    the last by name (MSE and fast math where the smallest has MAE and exact math)."""
+    files: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for name in cases() + option_cases():
+        files.setdefault(family(name), []).append((np.load(GOLDEN_DIR / name)["x"].size, name))
+    chosen = {min(group)[1] for group in files.values()}
+    chosen |= {max(group, key=lambda f: f[1])[1] for kind, group in files.items() if kind[0].startswith("4o6")}
+    return sorted(chosen)
+
+
 def load(name: str):
     """(the file, x in its input dtype, quantize options); options beyond the plain ones only where set."""
     g = np.load(GOLDEN_DIR / name)

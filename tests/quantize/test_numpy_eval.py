@@ -1,6 +1,5 @@
 """The reference run by NumPy (helpers.numpy_eval, which the property tests compare the kernels with) gives the
-reference's bytes: the golden files of every family (TransformerEngine's quantizer) and every stochastic-rounding
-vector, the
+reference's bytes: every golden file (TransformerEngine's quantizer) and every stochastic-rounding vector, the
 reference under XLA on fixed cases of every option, and XLA's semantics in the operations where NumPy's differ."""
 
 from __future__ import annotations
@@ -27,19 +26,9 @@ from jax_nvfp4 import reference
 from jax_nvfp4.reference.kernels import REFERENCE
 
 
-def _golden_subset(limit: int = 64 * 128) -> list[str]:
-    """The golden files of at most ``limit`` values, and the smallest file of each family above it (the RHT's
-    and 4over6's, on 128 x 256): every family and option, without the large files' time."""
-    families: dict[str, list[tuple[int, str]]] = {}
-    for name in cases() + option_cases():
-        family = "_".join(name.split("_")[:2]) if name.startswith("4o6") else name.split("_")[0]
-        families.setdefault(family, []).append((load(name)[1].size, name))
-    small = {name for files in families.values() for size, name in files if size <= limit}
-    return sorted(small | {min(files)[1] for files in families.values()})
-
-
-@pytest.mark.parametrize("name", _golden_subset())
+@pytest.mark.parametrize("name", cases() + option_cases())
 def test_golden_files(name):
+    """Every golden file (test_golden runs the reference under XLA on one of each family)."""
     g, x, options = load(name)
     t = evaluate(reference.quantize, x, **options)
     assert_golden(g, options["columnwise"], t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)
