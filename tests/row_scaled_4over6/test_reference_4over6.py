@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import SEED, load, unpack
+from helpers.numpy_eval import evaluate
 
 from jax_nvfp4 import QuantizeSpec, reference
 from jax_nvfp4.core import bits
@@ -16,7 +16,9 @@ from jax_nvfp4.reference import four_over_six as fos
 
 
 def _core_quantize(x, amax, amax_t=None, **options):
-    """quantize_core of [B, R, C] under a fresh jit (so a monkeypatched helper is traced)."""
+    """quantize_core of [B, R, C], traced afresh (so a monkeypatched helper is traced) and run by NumPy
+    (helpers.numpy_eval: the same program, held to XLA and the golden files in tests/quantize/test_numpy_eval.py,
+    without an XLA compile of the bit-level program for each case)."""
     options = {
         "rowwise": True,
         "columnwise": False,
@@ -24,8 +26,8 @@ def _core_quantize(x, amax, amax_t=None, **options):
         "rht": False,
         "stochastic_rounding": False,
     } | options
-    core = jax.jit(functools.partial(reference.quantize_core, spec=QuantizeSpec(**options)))
-    outs = core(x, amax, amax if amax_t is None else amax_t, SEED)
+    core = functools.partial(reference.quantize_core, spec=QuantizeSpec(**options))
+    outs = evaluate(core, x, amax, amax if amax_t is None else amax_t, SEED)
     return [np.asarray(o).view(np.uint8) if o.dtype.itemsize == 1 else np.asarray(o) for o in outs]
 
 
