@@ -142,8 +142,15 @@ FAKE_SPECS = {
 }
 
 
-@IMPLS
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+# The kernels in every dtype; the reference's frontend (three compiles of its bit-level program a case) in one.
+FAKE_RUNS = [(jax_nvfp4, d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)] + [(jax_nvfp4.reference, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize(
+    ("impl", "dtype"),
+    FAKE_RUNS,
+    ids=[f"{'kernel' if i is jax_nvfp4 else 'reference'}-{jnp.dtype(d).name}" for i, d in FAKE_RUNS],
+)
 @pytest.mark.parametrize("options", list(FAKE_SPECS.values()), ids=list(FAKE_SPECS))
 def test_fake_quantize_is_dequantize_of_quantize_bit_for_bit(impl, dtype, options):
     x = (X * 3).astype(dtype)
