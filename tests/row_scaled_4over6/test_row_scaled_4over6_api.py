@@ -32,15 +32,15 @@ import jax_nvfp4
 from jax_nvfp4 import reference
 
 
-def _quantize(x, **options):
+def _quantize_by_numpy(x, **options):
     """reference.quantize run by NumPy (helpers.numpy_eval): the same program, held to XLA and the golden files by
     tests/quantize/test_numpy_eval.py, without an XLA compile of the bit-level quantize for each case. Tests of
     jit, vmap and the golden bytes under jit call reference.quantize itself."""
     return evaluate(reference.quantize, x, **options)
 
 
-def _dequantize(t, **options):
-    """reference.dequantize run by NumPy, as _quantize."""
+def _dequantize_by_numpy(t, **options):
+    """reference.dequantize run by NumPy, as _quantize_by_numpy."""
     return evaluate(reference.dequantize, t, **options)
 
 
@@ -58,7 +58,7 @@ def _decode64(data, scale, amax, e4m3_max: int, cols: int) -> np.ndarray:
 
 def test_row_scaled_tensor_layout_and_metadata():
     x = _gaussian((3, 8, 48), dtype=jnp.bfloat16)
-    t = _quantize(x, columnwise=True, row_scaled=True)
+    t = _quantize_by_numpy(x, columnwise=True, row_scaled=True)
     assert (t.row_scaled, t.e4m3_max, t.block_2d, t.rht) == (True, 448, False, False)
     assert t.amax.shape == (3, 8) and t.amax.dtype == jnp.float32  # one per row, in x's leading shape
     assert t.amax_t.shape == (48,)  # one per column of x (row of x^T)
@@ -67,24 +67,24 @@ def test_row_scaled_tensor_layout_and_metadata():
     np.testing.assert_array_equal(np.asarray(t.amax_t), xf.reshape(-1, 48).max(0))
     np.testing.assert_array_equal(np.asarray(reference.amax(x, row_scaled=True)), xf.max(-1))
     # The columnwise copy is the row-scaled quantization of x^T, amaxes included.
-    tt = _quantize(x.reshape(24, 48).T, row_scaled=True)
+    tt = _quantize_by_numpy(x.reshape(24, 48).T, row_scaled=True)
     assert_same_bytes(t.data_t, tt.data)
     assert_same_bytes(t.scale_t, tt.scale)
     assert_same_bytes(t.amax_t, tt.amax)
     # Defaults: one amax per tensor, E = 448.
-    plain = _quantize(x)
+    plain = _quantize_by_numpy(x)
     assert (plain.row_scaled, plain.e4m3_max, plain.amax.shape) == (False, 448, ())
 
 
 def test_4over6_records_e4m3_max_and_keeps_the_layout():
     x = _gaussian((40, 72), dtype=jnp.bfloat16)
-    t = _quantize(x, columnwise=True, four_over_six_error="mse", e4m3_max=256)
-    plain = _quantize(x, columnwise=True)
+    t = _quantize_by_numpy(x, columnwise=True, four_over_six_error="mse", e4m3_max=256)
+    plain = _quantize_by_numpy(x, columnwise=True)
     assert (t.e4m3_max, t.row_scaled) == (256, False)
     for name in ("data", "scale", "data_t", "scale_t"):
         assert getattr(t, name).shape == getattr(plain, name).shape
     assert_same_bytes(t.amax, plain.amax)  # the amax is max|x| either way; E changes the scales
-    assert _quantize(x, four_over_six_error="mae").e4m3_max == 448
+    assert _quantize_by_numpy(x, four_over_six_error="mae").e4m3_max == 448
 
 
 @pytest.mark.parametrize(
@@ -119,13 +119,13 @@ def test_public_reference_quantize_gives_the_golden_bytes(name):
 )
 def test_dequantize_reads_amax_and_e4m3_max_from_the_tensor(options):
     x = _gaussian((2, 16, 48), seed=1)
-    t = _quantize(x, columnwise=True, **options)
+    t = _quantize_by_numpy(x, columnwise=True, **options)
     amax = np.asarray(t.amax)[..., None] if t.row_scaled else np.asarray(t.amax)
     want = _decode64(t.data, t.scale, amax, t.e4m3_max, 48)
-    np.testing.assert_allclose(np.asarray(_dequantize(t)), want, rtol=2.0**-22, atol=0)
+    np.testing.assert_allclose(np.asarray(_dequantize_by_numpy(t)), want, rtol=2.0**-22, atol=0)
     amax_t = np.asarray(t.amax_t)[:, None] if t.row_scaled else np.asarray(t.amax_t)
     want_t = _decode64(t.data_t, t.scale_t, amax_t, t.e4m3_max, 32)  # [N, M]
-    got_t = np.asarray(_dequantize(t, columnwise=True))
+    got_t = np.asarray(_dequantize_by_numpy(t, columnwise=True))
     np.testing.assert_allclose(got_t.reshape(32, 48).T, want_t, rtol=2.0**-22, atol=0)
 
 
@@ -135,15 +135,15 @@ def test_row_scaled_round_trip_with_the_tensors_amax():
         jnp.bfloat16
     )
     for options in (dict(), dict(four_over_six_error="mse"), dict(four_over_six_error="mae", e4m3_max=256)):
-        q = _quantize(x, row_scaled=True, **options)
-        r = _quantize(_dequantize(q), row_scaled=True, amax=q.amax, **options)
+        q = _quantize_by_numpy(x, row_scaled=True, **options)
+        r = _quantize_by_numpy(_dequantize_by_numpy(q), row_scaled=True, amax=q.amax, **options)
         assert_same_bytes(canonical_zero_codes(r.data), canonical_zero_codes(q.data))
         assert_same_bytes(r.scale, q.scale)
         assert_same_bytes(r.amax, q.amax)
     # A given per-row amax equal to the computed one gives the same tensor.
     assert_same_tensor(
-        _quantize(x, row_scaled=True, amax=reference.amax(x, row_scaled=True)),
-        _quantize(x, row_scaled=True),
+        _quantize_by_numpy(x, row_scaled=True, amax=reference.amax(x, row_scaled=True)),
+        _quantize_by_numpy(x, row_scaled=True),
     )
 
 
@@ -155,11 +155,11 @@ def test_row_scaling_keeps_rows_of_very_different_magnitudes():
     x = np.asarray(_gaussian((32, 64), seed=3)) * np.logspace(-8, 0, 32, dtype=np.float32)[:, None]
 
     def row_errors(t):
-        y = np.asarray(_dequantize(t), np.float64)
+        y = np.asarray(_dequantize_by_numpy(t), np.float64)
         return np.linalg.norm(y - x, axis=1) / np.linalg.norm(x, axis=1)
 
-    row_scaled = row_errors(_quantize(x, row_scaled=True))
-    per_tensor = row_errors(_quantize(x))
+    row_scaled = row_errors(_quantize_by_numpy(x, row_scaled=True))
+    per_tensor = row_errors(_quantize_by_numpy(x))
     assert row_scaled.max() < 0.15, row_scaled
     assert per_tensor.max() > 0.99  # the smallest rows come back as zeros
     assert per_tensor.max() > 6 * row_scaled.max()
@@ -170,7 +170,7 @@ def test_4over6_lowers_the_mean_round_trip_error(block_2d):
     x = np.asarray(_gaussian((64, 256), seed=4))
 
     def errors(**options):
-        y = np.asarray(_dequantize(_quantize(x, block_2d=block_2d, **options)), np.float64)
+        y = np.asarray(_dequantize_by_numpy(_quantize_by_numpy(x, block_2d=block_2d, **options)), np.float64)
         return np.mean((y - x) ** 2), np.mean(np.abs(y - x))
 
     plain_mse, plain_mae = errors()
@@ -238,12 +238,12 @@ def test_pytree_jit_and_vmap_keep_the_new_fields():
 
 def test_row_scaled_rht_copy_has_per_column_amaxes_of_the_transform():
     x = _gaussian((64, 32), seed=6, dtype=jnp.bfloat16)
-    t = _quantize(x, columnwise=True, rht=True, row_scaled=True)
+    t = _quantize_by_numpy(x, columnwise=True, rht=True, row_scaled=True)
     from jax_nvfp4.core import bits
 
     transformed = bits.from_bits(evaluate(lambda b: reference.rht_columns(b, x.dtype), bits.to_bits(x[None])))[0]
     np.testing.assert_array_equal(np.asarray(t.amax_t), np.abs(np.asarray(transformed, np.float32)).max(1))
-    est = _quantize(x, columnwise=True, rht=True, rht_amax_factor=2.0, row_scaled=True)
+    est = _quantize_by_numpy(x, columnwise=True, rht=True, rht_amax_factor=2.0, row_scaled=True)
     want = np.abs(np.asarray(x, np.float32)).max(0) * np.float32(2.0)
     np.testing.assert_array_equal(np.asarray(est.amax_t), want)
     with pytest.raises(ValueError, match="Random Hadamard"):
