@@ -70,6 +70,8 @@ def run_fsdp_steps(checkpoint_dir: pathlib.Path | None = None, seed: int = 0) ->
     compiled = step.lower(state, put(batches[0])).compile()
     tokens = (jnp.zeros((1, args.seq_len), jnp.int32),)
     quantized_init = flat_host(quantize_params(state.params, model=model, inputs=tokens))  # the step donates state
+    # The gradients of the first batch at the initial parameters (the step's own are not kept: it applies them).
+    grads = flat_host(jax.jit(jax.grad(loss_fn))(state.params, put(batches[0]), jax.random.key(args.seed + 1)))
     gathers = [(c.dtype, c.op_name) for c in collectives(compiled.as_text()) if c.op == "all-gather"]
     losses = []
     for batch in batches:
@@ -81,6 +83,7 @@ def run_fsdp_steps(checkpoint_dir: pathlib.Path | None = None, seed: int = 0) ->
         "devices": jax.device_count(),
         "gathers": gathers,
         "losses": losses,
+        "grads": grads,
         "params": flat_host(state.params),
         "quantized_init": quantized_init,
         "quantized": flat_host(quantized),
