@@ -1,0 +1,171 @@
+"""One linear layer's forward and backward under the NVFP4 recipe, kernel by kernel, beside bf16's.
+
+Compiles ``jax.vjp`` of ``jax_nvfp4.dot_general`` (x [M, K] . W [K, N], a bf16 cotangent; the full recipe: RHT,
+stochastic rounding, 16x16 weight blocks) and of ``lax.dot_general`` for the default backend, and lists every
+kernel of the compiled program's entry computation (custom calls, fusions, dots, copies, collectives) with the
+bytes it must read and write: its operands and its result, each once, the least HBM traffic it can have. Read
+from the compiled HLO only: nothing runs, so it works offline on any backend (on the CPU the GEMMs are XLA's own
+fusions; a GPU build shows the same custom calls and dequantize passes). Times per kernel need a GPU profiler
+trace (``jax.profiler``): not measured here.
+
+    python -m benchmarks.layer_breakdown [--shape 8192,4096,4096] [--impl auto] [--out results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jax_nvfp4
+from benchmarks.timing import Report, device_name
+
+DENSE = (((1,), (0,)), ((), ()))
+# Instructions that move no data of their own: views, tuples, parameters, constants.
+FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all", "partition-id", "replica-id"}
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+BYTES |= {"s64": 8, "u64": 8, "f64": 8, "f4e2m1fn": 0.5}
+SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape (a tuple's: its elements'), e.g. ``(u8[1,384,256]{2,1,0}, f32[1]{0})``."""
+    total = 0.0
+    for dtype, dims in SHAPE.findall(shape):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += count * BYTES.get(dtype if not dtype.startswith("f8") else "u8", 0)
+    return total
+
+
+@dataclasses.dataclass
+class Kernel:
+    name: str
+    what: str  # the custom call's target, the fusion's kind, or the opcode
+    op: str  # the JAX operation it came from (its op_name, shortened)
+    read: float
+    written: float
+
+
+def kernels(hlo: str) -> list[Kernel]:
+    """The data-moving instructions of the entry computation of compiled HLO text, in program order."""
+    entry = hlo[hlo.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}")]
+    shapes: dict[str, str] = {}
+    out = []
+    for line in entry.splitlines()[1:]:
+        m = INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, shape, opcode, operands, rest = m.groups()
+        shapes[name] = shape
+        if opcode in FREE:
+            continue
+        target = re.search(r'custom_call_target="([^"]+)"', rest)
+        kind = re.search(r"kind=(k\w+)", rest)
+        what = target.group(1) if target else f"fusion {kind.group(1)}" if kind else opcode
+        op_name = re.search(r'op_name="([^"]+)"', rest)
+        op = "/".join(op_name.group(1).split("/")[-2:]) if op_name else ""
+        read = sum(shape_bytes(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", operands))
+        out.append(Kernel(name, what, op, read, shape_bytes(shape)))
+    return out
+
+
+def category(k: Kernel) -> str:
+    """What a kernel is for, by its custom call or name."""
+    for key in ("amax", "quantize", "dequantize"):
+        if f"nvfp4_{key}" in k.what:
+            return key
+    if k.what == "dot" or "dot" in k.name or "ynn" in k.name or "_gemm" in k.op:
+        return "GEMM"  # the dots and their epilogues (the scale product, the cast)
+    return "other"
+
+
+def compiled_step(dot, shape: tuple[int, int, int]):
+    m, k, n = shape
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (m, n))]
+
+    def step(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: dot(x, w), x, w)
+        return y, *vjp(dy)
+
+    return jax.jit(step).lower(*args).compile()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8192,4096,4096", help="M,K,N: x [M, K] . W [K, N]")
+    parser.add_argument("--impl", default="auto", help="the recipe's GEMM impl (auto, emulated, scaled_dot)")
+    parser.add_argument("--out", help="also write the markdown report to this file")
+    args = parser.parse_args()
+    shape = tuple(int(s) for s in args.shape.split(","))
+    recipe = jax_nvfp4.Recipe(impl=args.impl)
+    key = jax.random.key(0)
+    nvfp4 = kernels(
+        compiled_step(lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key), shape).as_text()
+    )
+    bf16 = kernels(compiled_step(lambda x, w: lax.dot_general(x, w, DENSE), shape).as_text())
+
+    mb = 1e6
+    report = Report(
+        args.out,
+        [
+            f"# One linear layer, kernel by kernel: {device_name()} ({jax.default_backend()})",
+            "",
+            f"{datetime.date.today()}, jax {jax.__version__}; `python -m benchmarks.layer_breakdown --shape "
+            f"{args.shape} --impl {args.impl}`: forward + backward (`jax.vjp`, a bf16 cotangent) of x [M, K] . "
+            f"W [K, N] = {shape[0]} x {shape[1]} . {shape[1]} x {shape[2]}, bf16, the full recipe (RHT, stochastic "
+            "rounding, 16x16 weight blocks). Bytes: each kernel's operands read once and its result written "
+            "once (the least HBM traffic it can have), from the compiled HLO; no times (they need a GPU trace).",
+            "",
+            "| # | kernel | what | from | MB read | MB written |",
+            "|---:|---|---|---|---:|---:|",
+        ],
+    )
+    shown = [k for k in nvfp4 if k.read + k.written >= 1e5]
+    for i, k in enumerate(shown):
+        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f} |")
+    small = [k for k in nvfp4 if k.read + k.written < 1e5]
+    report.add(
+        f"| | {len(small)} more under 0.1 MB each | | | {sum(k.read for k in small) / mb:.2f} | "
+        f"{sum(k.written for k in small) / mb:.2f} |"
+    )
+    report.add("")
+    report.add("| | kernels | MB read | MB written | MB in all | x bf16's |")
+    report.add("|---|---:|---:|---:|---:|---:|")
+    bf16_total = sum(k.read + k.written for k in bf16)
+    for cat in ("amax", "quantize", "dequantize", "GEMM", "other"):
+        ks = [k for k in nvfp4 if category(k) == cat]
+        moved = sum(k.read + k.written for k in ks)
+        report.add(
+            f"| NVFP4 {cat} | {len(ks)} | {sum(k.read for k in ks) / mb:.1f} | "
+            f"{sum(k.written for k in ks) / mb:.1f} | {moved / mb:.1f} | {moved / bf16_total:.2f} |"
+        )
+    total = sum(k.read + k.written for k in nvfp4)
+    report.add(
+        f"| **NVFP4** | {len(nvfp4)} | {sum(k.read for k in nvfp4) / mb:.1f} | "
+        f"{sum(k.written for k in nvfp4) / mb:.1f} | {total / mb:.1f} | {total / bf16_total:.2f} |"
+    )
+    report.add(
+        f"| **bf16** | {len(bf16)} | {sum(k.read for k in bf16) / mb:.1f} | "
+        f"{sum(k.written for k in bf16) / mb:.1f} | {bf16_total / mb:.1f} | 1.00 |"
+    )
+    report.add("")
+    report.add("bf16's kernels:")
+    report.add("")
+    report.add("| # | kernel | what | from | MB read | MB written |")
+    report.add("|---:|---|---|---|---:|---:|")
+    for i, k in enumerate(bf16):
+        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f} |")
+    report.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""benchmarks.layer_breakdown: the kernels of one linear layer's compiled forward and backward, and their bytes."""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+import jax_nvfp4
+from benchmarks.layer_breakdown import DENSE, category, compiled_step, kernels, shape_bytes
+
+
+def test_shape_bytes_counts_every_element_of_a_tuple():
+    assert shape_bytes("(u8[1,384,256]{2,1,0}, f8e4m3fn[1,384,32]{2,1,0}, f32[1]{0})") == 384 * 256 + 384 * 32 + 4
+    assert shape_bytes("bf16[8,16]{1,0}") == 256 and shape_bytes("f32[]") == 4
+
+
+def test_the_recipe_layer_runs_its_quantizer_kernels_once_per_operand():
+    """x, W and dy: one amax and one quantize kernel each (the copies each GEMM needs come from one pass), and the
+    GEMMs' operands read from their outputs; bf16's layer has neither."""
+    shape, key = (64, 128, 96), jax.random.key(0)
+    nvfp4 = kernels(compiled_step(lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, rng_key=key), shape).as_text())
+    count = {c: sum(category(k) == c for k in nvfp4) for c in ("amax", "quantize", "GEMM")}
+    assert count["amax"] == 3 and count["quantize"] == 3 and count["GEMM"] >= 3, count
+    quantized = sum(k.written for k in nvfp4 if category(k) == "quantize")
+    m, k, n = shape
+    # x and dy: rowwise and columnwise copies (a byte for 2 codes, a scale per 16); W: 16x16 blocks, both copies.
+    codes = 2 * (m * k + k * n + m * n) / 2
+    assert quantized == codes + 2 * (m * k + m * n) / 16 + 2 * k * n / 16
+    bf16 = kernels(compiled_step(lambda x, w: lax.dot_general(x, w, DENSE), shape).as_text())
+    assert not [k for k in bf16 if category(k) in ("amax", "quantize", "dequantize")]
