@@ -1108,7 +1108,10 @@ __device__ __forceinline__ void load_stage(const typename L::T* x, const Params&
 // The block's static code tables (every thread of the block calls; a barrier before they are read).
 template <Mode kMode>
 __device__ __forceinline__ void build_code_tables(Shared& sh) {
-  for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
+  // The code table serves the tie-safe index without the E2M1 convert only (with it, the convert
+  // does).
+  if (!NVFP4_HAS_FP4_CVT())
+    for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
   if (kMode == Mode::kFourOverSix)
     for (int i = threadIdx.x; i < 256; i += kThreads) {
       sh.class_value[i] = f16_class_value(i);

@@ -15,8 +15,8 @@ def test_shape_bytes_counts_every_element_of_a_tuple():
 
 
 def test_the_recipe_layer_runs_its_quantizer_kernels_once_per_operand():
-    """x, W and dy: one amax and one quantize kernel each (the copies each GEMM needs come from one pass), and the
-    GEMMs' operands read from their outputs; bf16's layer has neither."""
+    """x, W and dy: one amax and one quantize kernel each (the copies each GEMM needs come from one pass),
+    writing exactly the codes and scales of those copies; bf16's layer has neither."""
     shape, key = (64, 128, 96), jax.random.key(0)
     nvfp4 = kernels(compiled_step(lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, rng_key=key), shape).as_text())
     count = {c: sum(category(k) == c for k in nvfp4) for c in ("amax", "quantize", "GEMM")}

@@ -28,7 +28,7 @@ from jax_nvfp4.reference.kernels import REFERENCE
 
 @pytest.mark.parametrize("name", cases() + option_cases())
 def test_golden_files(name):
-    """Every golden file (test_golden runs the reference under XLA on one of each family)."""
+    """Every golden file (test_golden runs the reference under XLA on one or two of each family)."""
     g, x, options = load(name)
     t = evaluate(reference.quantize, x, **options)
     assert_golden(g, options["columnwise"], t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)
