@@ -70,7 +70,7 @@ from examples.lm.data import prepare_data
 from examples.lm.distributed import join, rerun_as_processes
 from examples.lm.mesh import make_mesh, mesh_name, parse_mesh
 from examples.lm.model import MOE_TOP_K, RULE_RUNS, RUNS, build_model
-from examples.lm.report import describe_result, plot, plot_seeds, print_seed_table
+from examples.lm.report import describe_result, plot, plot_seeds, print_seed_table, provenance
 from examples.lm.training import train
 
 
@@ -283,7 +283,7 @@ def main() -> None:
     print(f"wrote {args.out}")
     if args.json:
         args_json = {**vars(args), "mesh": mesh_name(args.mesh)}
-        out = {"args": args_json, "results": results}
+        out = {"made_by": provenance(), "args": args_json, "results": results}
         if args.seeds > 1:
             out["results_by_seed"] = {str(seed): r for seed, r in by_seed.items()}
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import pathlib
+import platform
+import subprocess
+import sys
 from typing import Any
 
 import matplotlib
@@ -18,6 +22,45 @@ import matplotlib.pyplot as plt
 COLORS = {"plain": "tab:orange", "rht": "tab:green", "sr": "tab:purple", "full": "tab:red", "full-est": "tab:brown"}
 COLORS.update({"4o6": "tab:cyan", "4o6-mae": "tab:gray", "per-token": "tab:olive", "full-keep-last": "tab:pink"})
 COLORS.update({"full-keep-ends": "magenta", "full-mxfp8-attn": "gold", "bf16": "tab:blue"})
+
+
+def provenance() -> dict[str, Any]:
+    """What made a results file: the command, the commit (None outside a git checkout; "+dirty" with local
+    changes), the date, Python, jax and jaxlib, and the machine, so that a record says what it reproduces."""
+    import jax
+    import jaxlib.version
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], capture_output=True, text=True, timeout=10, cwd=pathlib.Path(__file__).parent
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return {
+        "command": " ".join(["python -m examples.train_lm", *sys.argv[1:]]),
+        "commit": commit,
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.version.__version__,
+        "machine": f"{platform.machine()}, {len(jax.devices('cpu'))} jax CPU device(s), {_cpu_name()}",
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def smooth(x: np.ndarray, window: int) -> np.ndarray:

@@ -88,9 +88,24 @@ def build_info() -> dict:
     }
 
 
+# What each compiled module is, and what to do where it is not built: one line each in the report.
+MODULE_ROLES = {
+    "cpu": ("the CPU kernels", "the pure-JAX reference runs each op instead (slower, the same bytes)"),
+    "cuda": (
+        "the GPU kernels",
+        "only a GPU needs it; a source install builds it where it finds nvcc and a GPU (NVFP4_CUDA=ON: always)",
+    ),
+    "cuda_host": (
+        "the CUDA kernels run on the CPU by a host model, for the tests only",
+        "only the test suite uses it (NVFP4_CUDA_HOST=ON builds it)",
+    ),
+}
+
+
 def _module_line(name: str, config: dict | None) -> str:
+    role, absent = MODULE_ROLES.get(name, (name, ""))
     if config is None:
-        return f"  {name:<10} not built"
+        return f"  {name:<10} not built: {absent}" if absent else f"  {name:<10} not built"
     parts = [f"built against jaxlib {config['jaxlib']} (XLA FFI API {config['xla_ffi_api']})", config["compiler"]]
     parts.append(f"-march={config['cpu_arch']}" if config["cpu_arch"] else "the compiler's default -march")
     if "cuda_architectures" in config:
@@ -99,16 +114,20 @@ def _module_line(name: str, config: dict | None) -> str:
         parts[:0] = [f"CUDA architectures {', '.join(archs)}", config["cuda_compiler"], runtime]
     if config["sanitizers"]:
         parts.append("ASan + UBSan")
-    return f"  {name:<10} {'; '.join(parts)}"
+    return f"  {name:<10} {role}: {'; '.join(parts)}"
 
 
 def report(info: dict | None = None) -> str:
     """``build_info()`` as readable lines."""
     info = build_info() if info is None else info
     lines = [f"jax_nvfp4 {info['version']} (installed: jax {info['jax']}, jaxlib {info['jaxlib']})"]
-    lines.append("compiled modules:")
+    lines.append("compiled modules (the kernels this installation carries; how each was built):")
     lines += [_module_line(name, config) for name, config in info["modules"].items()]
-    lines.append("devices:")
+    lines.append(
+        "devices (what jax sees here; per op, what runs it: 'kernel' a compiled module's, 'reference' the pure-JAX"
+        " spec; the GEMM that Recipe(impl='auto') picks: 'scaled_dot' on FP4 tensor cores, else 'emulated', the"
+        " dot of the dequantized operands):"
+    )
     for platform, entry in info["devices"].items():
         kinds = sorted(set(entry["devices"]))
         lines.append(f"  {platform}: {len(entry['devices'])} x {', '.join(kinds)}; GEMM impl='auto': {entry['gemm']}")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_nvfp4
-from jax_nvfp4.build_info import OPS
+from jax_nvfp4.build_info import MODULE_ROLES, OPS
 from jax_nvfp4.ops import ffi
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -151,3 +151,6 @@ def test_python_m_jax_nvfp4_prints_build_info():
     assert text.startswith(f"jax_nvfp4 {jax_nvfp4.__version__} ")
     assert re.search(r"^  cpu: \d+ x cpu; GEMM impl='auto': emulated$", text, re.MULTILINE)
     assert re.search(r"^    nvfp4_quantize +kernel$", text, re.MULTILINE)
+    for name, config in printed["modules"].items():  # each module's line says what it is, or why it may be absent
+        role, absent = MODULE_ROLES[name]
+        assert f"  {name:<10} " + (f"not built: {absent}" if config is None else f"{role}: built against") in text

@@ -15,7 +15,7 @@ from jax_nvfp4.flax.linen import (
     quantize_model,
     quantize_params,
 )
-from jax_nvfp4.flax.rules import Rule, keep_ends
+from jax_nvfp4.flax.rules import Rule, UnmatchedRuleWarning, keep_ends
 
 __all__ = [
     "RNG_STREAM",
@@ -25,6 +25,7 @@ __all__ = [
     "NVFP4DotGeneral",
     "NVFP4Model",
     "Rule",
+    "UnmatchedRuleWarning",
     "keep_ends",
     "nvfp4_rules",
     "quantize_model",

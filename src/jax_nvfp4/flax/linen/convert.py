@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jax_nvfp4.flax.linen import diagnostics
 from jax_nvfp4.flax.linen.layers import NVFP4Layer, stream_key
-from jax_nvfp4.flax.rules import Rule, check_rules, recipe_for
+from jax_nvfp4.flax.rules import OnUnmatched, Rule, check_rules, recipe_for, report_unmatched
 from jax_nvfp4.linear.dot_general import dot_general
 from jax_nvfp4.linear.einsum import einsum
 from jax_nvfp4.linear.recipe import Recipe
@@ -89,15 +89,19 @@ def _einsum_call(module: nn.Einsum, recipe: Recipe, inputs, einsum_str: str | No
     return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
 
 
-def interceptor(rules: Iterable[Rule]):
-    """The ``nn.intercept_methods`` interceptor that applies ``rules`` (see ``nvfp4_rules``)."""
+def interceptor(rules: Iterable[Rule], seen: set[str] | None = None):
+    """The ``nn.intercept_methods`` interceptor that applies ``rules`` (see ``nvfp4_rules``); it adds the path of
+    every layer the rules decide to ``seen``, if given."""
     rules = check_rules(rules)
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
         if context.method_name != "__call__" or not isinstance(module, _LAYERS) or isinstance(module, NVFP4Layer):
             return next_fun(*args, **kwargs)
-        recipe = recipe_for(rules, module_path(module))
+        path = module_path(module)
+        if seen is not None:
+            seen.add(path)
+        recipe = recipe_for(rules, path)
         if recipe is None:
             return next_fun(*args, **kwargs)
         if isinstance(module, nn.Einsum):
@@ -108,16 +112,21 @@ def interceptor(rules: Iterable[Rule]):
 
 
 @contextlib.contextmanager
-def nvfp4_rules(rules: Iterable[Rule]) -> Iterator[None]:
+def nvfp4_rules(rules: Iterable[Rule], *, on_unmatched: OnUnmatched = "warn") -> Iterator[None]:
     """Inside, the linen ``Dense`` / ``DenseGeneral`` / ``Einsum`` layers that ``rules`` match run in NVFP4.
 
     For instance::
 
       with nvfp4_rules([Rule(".*mlp.*", Recipe())]):
           y = model.apply(variables, x, rngs={"nvfp4": key})
+
+    On leaving, a rule that matched none of the layers called inside is reported: ``on_unmatched="warn"`` (an
+    ``UnmatchedRuleWarning`` naming the paths seen), ``"raise"`` (ValueError) or ``"ignore"``.
     """
-    with nn.intercept_methods(interceptor(rules)):
+    rules, seen = check_rules(rules), set()
+    with nn.intercept_methods(interceptor(rules, seen)):
         yield
+    report_unmatched(rules, seen, on_unmatched, "nvfp4_rules")
 
 
 class NVFP4Model(nn.Module):
@@ -125,24 +134,33 @@ class NVFP4Model(nn.Module):
 
     module: nn.Module
     rules: tuple[Rule, ...]
+    on_unmatched: OnUnmatched = "warn"
 
     def setup(self) -> None:
         nn.share_scope(self, self.module)  # the wrapped model's parameter tree, not nested under "module"
 
     def __call__(self, *args, **kwargs):
-        with nvfp4_rules(self.rules):
-            return self.module(*args, **kwargs)
+        seen: set[str] = set()
+        with nn.intercept_methods(interceptor(self.rules, seen)):
+            out = self.module(*args, **kwargs)
+        report_unmatched(self.rules, seen, self.on_unmatched, f"quantize_model({type(self.module).__name__})")
+        return out
 
 
-def quantize_model(module: nn.Module, rules: Iterable[Rule]) -> NVFP4Model:
+def quantize_model(module: nn.Module, rules: Iterable[Rule], *, on_unmatched: OnUnmatched = "warn") -> NVFP4Model:
     """An unmodified linen model whose layers ``rules`` match run in NVFP4 (see the module docstring).
 
     ``quantize_model(model, rules).init`` / ``.apply`` take and give ``model``'s own variables; pass the
-    ``"nvfp4"`` RNG stream (``rngs={"nvfp4": key}``) for stochastic rounding when training.
+    ``"nvfp4"`` RNG stream (``rngs={"nvfp4": key}``) for stochastic rounding when training. Each call (``init``
+    and ``apply``; under ``jax.jit``, when traced) reports a rule that matched none of the layers it ran:
+    ``on_unmatched="warn"`` (an ``UnmatchedRuleWarning`` naming the layers' paths and, where the model has
+    numbered blocks, the ``keep_ends(block=...)`` pattern they suggest), ``"raise"`` (ValueError) or
+    ``"ignore"``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"quantize_model takes a flax.linen Module, got {type(module).__name__}")
-    return NVFP4Model(module, check_rules(rules))
+    report_unmatched((), (), on_unmatched, "quantize_model")  # checks the value
+    return NVFP4Model(module, check_rules(rules), on_unmatched)
 
 
 __all__ = ["NVFP4Model", "interceptor", "module_path", "nvfp4_rules", "quantize_model"]

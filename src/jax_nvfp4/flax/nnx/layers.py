@@ -29,7 +29,7 @@ from flax import nnx
 from jax_nvfp4.core.tensor import QuantizedWeight
 from jax_nvfp4.flax.linen.layers import RNG_STREAM
 from jax_nvfp4.flax.linen.layers import promote_dtype as _promote_each
-from jax_nvfp4.flax.rules import check_rules, recipe_for
+from jax_nvfp4.flax.rules import OnUnmatched, check_rules, recipe_for, report_unmatched
 from jax_nvfp4.linear.dot_general import dot_general, quantize_weight
 from jax_nvfp4.linear.einsum import einsum
 from jax_nvfp4.linear.recipe import Recipe
@@ -208,7 +208,12 @@ def _node_path(path) -> str:
 
 
 def quantize_model(
-    model: nnx.Module, rules, *, rngs: nnx.Rngs | nnx.RngStream | None = None, replace: bool = False
+    model: nnx.Module,
+    rules,
+    *,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    replace: bool = False,
+    on_unmatched: OnUnmatched = "warn",
 ) -> nnx.Module:
     """Route the GEMMs of an unmodified NNX model's layers that ``rules`` match through NVFP4, in place;
     returns ``model``.
@@ -224,13 +229,22 @@ def quantize_model(
     stream) and ``None`` restoring the plain ``dot_general`` / ``einsum``. That is a precision schedule: the
     same model, its parameters and an ``nnx.Optimizer``'s state carried over, switched to other rules part-way
     through training (e.g. to bf16 for the last steps).
+
+    A rule that matches none of these layers' paths is reported before anything changes:
+    ``on_unmatched="warn"`` (an ``UnmatchedRuleWarning`` naming the paths and, where the model has numbered
+    blocks, the ``keep_ends(block=...)`` pattern they suggest), ``"raise"`` (ValueError) or ``"ignore"``.
     """
     rules = check_rules(rules)
-    found = [(_node_path(path), node) for path, node in nnx.iter_graph(model)]
+    found = [
+        (_node_path(path), node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Einsum | nnx.Linear | nnx.LinearGeneral)
+    ]
+    report_unmatched(rules, [path for path, _ in found], on_unmatched, f"quantize_model({type(model).__name__})")
     for path, node in found:
         if isinstance(node, nnx.Einsum):
             _route(node, "einsum_op", path, rules, NVFP4Einsum, jnp.einsum, rngs, replace)
-        elif isinstance(node, nnx.Linear | nnx.LinearGeneral):
+        else:
             _route(node, "dot_general", path, rules, NVFP4DotGeneral, jax.lax.dot_general, rngs, replace)
     return model
 
