@@ -201,6 +201,7 @@ def check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def main() -> None:
+    made_by = provenance()  # at the start: the code that runs is the checkout's now, not at the end
     parser = make_parser()
     args = parser.parse_args()
     if args.d_model % args.heads or min(args.steps, args.eval_every, args.batch, args.seeds) < 1:
@@ -283,7 +284,7 @@ def main() -> None:
     print(f"wrote {args.out}")
     if args.json:
         args_json = {**vars(args), "mesh": mesh_name(args.mesh)}
-        out = {"made_by": provenance(), "args": args_json, "results": results}
+        out = {"made_by": made_by, "args": args_json, "results": results}
         if args.seeds > 1:
             out["results_by_seed"] = {str(seed): r for seed, r in by_seed.items()}
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
