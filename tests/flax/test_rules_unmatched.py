@@ -77,7 +77,8 @@ def _init_reports_nothing(converted, x) -> None:
 
 
 def _run_recording(model, variables, x):
-    """model.apply (eager: the recorded values must not be tracers), with {path: (module, inputs, output)} of each Dense it called."""
+    """model.apply, eagerly (a recorded value must not be a tracer): {path: (module, inputs, output)} of each
+    Dense it called."""
     calls = {}
 
     def record(next_fun, args, kwargs, context):
