@@ -65,7 +65,7 @@ class ListLM(nn.Module):
         return self.head(x)
 
 
-def _x():
+def _model_input():
     return jax.random.normal(jax.random.key(1), (2, 16, WIDTH))
 
 
@@ -93,7 +93,7 @@ def _run_recording(model, variables, x):
 
 
 def test_keep_ends_finds_flax_automatic_block_names_and_reports_the_head_it_misses():
-    model, x = AutoNamedLM(), _x()
+    model, x = AutoNamedLM(), _model_input()
     rules = keep_ends(BLOCKS, first=1, last=1, recipe=RTN)
     converted = quantize_model(model, rules)
     with pytest.warns(UnmatchedRuleWarning, match=r"1 rule\(s\) matched no layer: \['\(\.\*/\)\?head'\]") as got:
@@ -116,7 +116,7 @@ def test_keep_ends_finds_flax_automatic_block_names_and_reports_the_head_it_miss
 
 def test_list_attribute_blocks_are_found():
     rules = keep_ends(BLOCKS, first=1, last=1)
-    _init_reports_nothing(quantize_model(ListLM(), rules), _x())
+    _init_reports_nothing(quantize_model(ListLM(), rules), _model_input())
     kept = {
         p for p in ("layers_0/Dense_0", "layers_1/Dense_1", "layers_3/Dense_0", "head") if recipe_for(rules, p) is None
     }
@@ -128,16 +128,18 @@ def test_list_attribute_blocks_are_found():
 def test_unnamed_blocks_raise_naming_the_block_pattern_to_pass():
     converted = quantize_model(DecoderLM(), keep_ends(BLOCKS, first=1, last=1), on_unmatched="raise")
     with pytest.raises(ValueError, match=r"2 rule\(s\) matched no layer.*block='DecoderLayer_\{i\}'"):
-        jax.eval_shape(converted.init, jax.random.key(0), _x())
+        jax.eval_shape(converted.init, jax.random.key(0), _model_input())
     rules = keep_ends(BLOCKS, first=1, last=1, block="DecoderLayer_{i}")
-    _init_reports_nothing(quantize_model(DecoderLM(), rules, on_unmatched="raise"), _x())
+    _init_reports_nothing(quantize_model(DecoderLM(), rules, on_unmatched="raise"), _model_input())
     assert recipe_for(rules, "DecoderLayer_3/Dense_1") is None and recipe_for(rules, "DecoderLayer_2/Dense_1")
     # "ignore": nothing said.
-    _init_reports_nothing(quantize_model(DecoderLM(), keep_ends(BLOCKS, first=1, last=1), on_unmatched="ignore"), _x())
+    _init_reports_nothing(
+        quantize_model(DecoderLM(), keep_ends(BLOCKS, first=1, last=1), on_unmatched="ignore"), _model_input()
+    )
 
 
 def test_the_rules_context_reports_on_leaving():
-    model, x = AutoNamedLM(), _x()
+    model, x = AutoNamedLM(), _model_input()
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
     rules = [Rule("block1/.*", RTN)]
     with pytest.warns(UnmatchedRuleWarning, match="nvfp4_rules.*'block1/.*'"), nvfp4_rules(rules):
