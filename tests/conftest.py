@@ -32,20 +32,9 @@ for _name, _share in EXAMPLE_SHARE.items():
 settings.load_profile(PROFILE)
 
 
-# The tests of about a minute each, run first: pytest-xdist hands each worker a share of the collection in order
-# and the workers then take each other's tails, so a long test late in the order keeps one worker busy while the
-# other has nothing left (the suite's last minute on two cores).
-LONG_TESTS_FIRST = (
-    "tests/multiprocess/test_multiprocess.py::",
-    "tests/cuda/test_cuda_host.py::test_e2m1_tables_are_exhaustively_right",
-    "tests/flax/test_rules.py::test_a_converted_linen_model_trains_with_stochastic_rounding",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    """The long tests first (LONG_TESTS_FIRST); with NVFP4_KERNEL_CASES_ONLY=1 (.ci/sanitize), drop the cases that
-    run only the pure-JAX reference (``impl`` = the reference): they run no C++, and the whole suite runs them."""
-    items.sort(key=lambda item: not item.nodeid.startswith(LONG_TESTS_FIRST))  # stable: the rest keep their order
+    """With NVFP4_KERNEL_CASES_ONLY=1 (.ci/sanitize), drop the cases that run only the pure-JAX reference
+    (``impl`` = the reference): they run no C++, and the whole suite runs them."""
     if os.environ.get("NVFP4_KERNEL_CASES_ONLY") != "1":
         return
     from jax_nvfp4 import reference
