@@ -13,6 +13,7 @@ from typing import Any
 import matplotlib
 import numpy as np
 
+from benchmarks.timing import device_name
 from examples.lm.mesh import mesh_name
 from examples.lm.model import describe, describe_moe
 
@@ -49,18 +50,8 @@ def provenance() -> dict[str, Any]:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.version.__version__,
-        "machine": f"{platform.machine()}, {len(jax.devices('cpu'))} jax CPU device(s), {_cpu_name()}",
+        "machine": f"{platform.machine()}, {len(jax.devices('cpu'))} jax CPU device(s), {device_name()}",
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def smooth(x: np.ndarray, window: int) -> np.ndarray:

@@ -125,12 +125,18 @@ def numbered_block_pattern(paths: Iterable[str]) -> str | None:
     return max(numbers, key=lambda pattern: (len(numbers[pattern]), -pattern.count("/")))
 
 
+def check_on_unmatched(on_unmatched: OnUnmatched) -> OnUnmatched:
+    """``on_unmatched`` if it is one of "warn", "raise" or "ignore" (ValueError otherwise)."""
+    if on_unmatched not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_unmatched must be 'warn', 'raise' or 'ignore', got {on_unmatched!r}")
+    return on_unmatched
+
+
 def report_unmatched(rules: Sequence[Rule], paths: Iterable[str], on_unmatched: OnUnmatched, where: str) -> None:
     """Warn (``"warn"``), raise ValueError (``"raise"``) or do nothing (``"ignore"``) when a rule of ``rules``
     matches none of the layer ``paths`` that ``where`` saw; the message names the paths and, where the model has
     numbered blocks, the ``keep_ends`` block pattern they suggest."""
-    if on_unmatched not in ("warn", "raise", "ignore"):
-        raise ValueError(f"on_unmatched must be 'warn', 'raise' or 'ignore', got {on_unmatched!r}")
+    check_on_unmatched(on_unmatched)
     paths = sorted(set(paths))
     unmatched = [rule.module_path for rule in rules if not any(re.fullmatch(rule.module_path, p) for p in paths)]
     if not unmatched or on_unmatched == "ignore":
@@ -149,6 +155,7 @@ def report_unmatched(rules: Sequence[Rule], paths: Iterable[str], on_unmatched: 
 __all__ = [
     "Rule",
     "UnmatchedRuleWarning",
+    "check_on_unmatched",
     "check_rules",
     "keep_ends",
     "numbered_block_pattern",

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jax_nvfp4.flax.linen import diagnostics
 from jax_nvfp4.flax.linen.layers import NVFP4Layer, stream_key
-from jax_nvfp4.flax.rules import OnUnmatched, Rule, check_rules, recipe_for, report_unmatched
+from jax_nvfp4.flax.rules import OnUnmatched, Rule, check_on_unmatched, check_rules, recipe_for, report_unmatched
 from jax_nvfp4.linear.dot_general import dot_general
 from jax_nvfp4.linear.einsum import einsum
 from jax_nvfp4.linear.recipe import Recipe
@@ -124,6 +124,7 @@ def nvfp4_rules(rules: Iterable[Rule], *, on_unmatched: OnUnmatched = "warn") ->
     ``UnmatchedRuleWarning`` naming the paths seen), ``"raise"`` (ValueError) or ``"ignore"``.
     """
     rules, seen = check_rules(rules), set()
+    check_on_unmatched(on_unmatched)  # before the body runs, not after it
     with nn.intercept_methods(interceptor(rules, seen)):
         yield
     report_unmatched(rules, seen, on_unmatched, "nvfp4_rules")
@@ -159,8 +160,7 @@ def quantize_model(module: nn.Module, rules: Iterable[Rule], *, on_unmatched: On
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"quantize_model takes a flax.linen Module, got {type(module).__name__}")
-    report_unmatched((), (), on_unmatched, "quantize_model")  # checks the value
-    return NVFP4Model(module, check_rules(rules), on_unmatched)
+    return NVFP4Model(module, check_rules(rules), check_on_unmatched(on_unmatched))
 
 
 __all__ = ["NVFP4Model", "interceptor", "module_path", "nvfp4_rules", "quantize_model"]
