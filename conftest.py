@@ -24,12 +24,21 @@ def _gpu_plugin_installed() -> bool:
 # The sharding tests use 8 CPU devices.
 _add_xla_flag("xla_force_host_platform_device_count", 8)
 # On the CPU, compiling is most of the suite's time (the reference is bit-level integer emulation, thousands
-# of ops a quantize), and LLVM's optimization of the compiled code is a large share of it: the suite turns it
-# off, about a quarter less time in all. The results checked do not depend on it (the reference computes in
-# integers, the kernels are our C++, the GEMMs library calls), and the suite passes at XLA's default too:
-# XLA_FLAGS=--xla_backend_optimization_level=3 pytest. GPU runs keep the default.
-if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and not _gpu_plugin_installed():
+# of ops a quantize), so the suite compiles for speed of compiling, unless XLA_FLAGS already sets the optimization
+# level (then XLA's own defaults stand, as in CI's Python 3.11 subset: XLA_FLAGS=--xla_backend_optimization_level=3):
+# - LLVM's optimization of the compiled code off: about a quarter less time in all;
+# - XLA's older elemental fusion emitters instead of the MLIR fusion pipeline, whose per-fusion passes were the
+#   largest share of a compile: about a third less of XLA's compile time for the reference (docs/testing.md).
+# The results checked do not depend on either (the reference computes in integers, the kernels are our C++, the
+# GEMMs library calls; a float op gives IEEE results under both emitters), and the suite passes at XLA's
+# defaults too. GPU runs keep the defaults. (jax 0.10's XLA accepts the extra option too.)
+if (
+    os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
+    and not _gpu_plugin_installed()
+    and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
+):
     _add_xla_flag("xla_backend_optimization_level", 0)
+    _add_xla_flag("xla_backend_extra_options", "xla_cpu_disable_new_fusion_emitters")
 
 
 # ---- Where the suite's time goes: `pytest --time-report=N` prints, after the run, the N test files and the
