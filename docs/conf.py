@@ -1,8 +1,9 @@
 """Sphinx configuration: MyST Markdown pages, the API reference from the docstrings (autodoc + napoleon), furo.
 
 Build: ``pip install ".[docs]" && sphinx-build -W -b html docs docs/_build/html`` from the repository root. The
-API pages import the installed package (its compiled modules included), so install it first (or put a built
-``src`` on ``PYTHONPATH``). The runnable snippets are doctests that ``pytest`` collects (pyproject.toml).
+API pages import the installed package (its compiled modules included), so install it first (or put the
+repository root, with an in-place build of ``jax_nvfp4_kernels``, on ``PYTHONPATH``). The runnable snippets are
+doctests that ``pytest`` collects (pyproject.toml).
 """
 
 project = "jax_nvfp4"

@@ -1,4 +1,4 @@
-// The grouped ops of a mixture of experts on the GPU (src/jax_nvfp4/reference/grouped.py is the
+// The grouped ops of a mixture of experts on the GPU (jax_nvfp4/reference/grouped.py is the
 // spec), bit-identical to it: x [B, M, N] holds token rows sorted by group, group_sizes [B, G] how
 // many each group takes. Global block j (rows 16j..16j+15) of group g (its rows only, the others
 // zero) is block p = j + g of the grouped columnwise copy, which has P = ceil(M/16) + G - 1

@@ -112,7 +112,7 @@ NVFP4_HD int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
 // Element counts of the four arrays that quantizing one [rows, cols] entry gives: the rowwise
 // codes and scales, and those of the columnwise copy (of the transpose). The C++ twin of
-// QuantizeSpec.copy_shapes (src/jax_nvfp4/core/spec.py).
+// QuantizeSpec.copy_shapes (jax_nvfp4/core/spec.py).
 struct CopySizes {
   int64_t data, scale, data_t, scale_t;
 };
@@ -211,7 +211,7 @@ inline ffi::Error check_amax(const ffi::AnyBuffer& x, ffi::RemainingRets& outs, 
 }
 
 // The shape of a grouped op: x [B, M, N] in G groups of token rows, whose columnwise copy has
-// P = ceil(M/16) + G - 1 blocks of 16 rows (src/jax_nvfp4/reference/grouped.py).
+// P = ceil(M/16) + G - 1 blocks of 16 rows (jax_nvfp4/reference/grouped.py).
 struct GroupedShape {
   int64_t batch = 0, rows = 0, cols = 0, groups = 0, blocks = 0;
 

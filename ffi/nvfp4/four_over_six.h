@@ -4,7 +4,7 @@
 // E2M1 6) and map-4 (a 1.5x larger scale, the max on 4, so the values use the
 // finer low end of the grid). The candidate with the smaller error is kept;
 // ties and NaN errors keep map-6. Exact float32 numerics of
-// src/jax_nvfp4/reference/four_over_six.py (tests/golden/README.md).
+// jax_nvfp4/reference/four_over_six.py (tests/golden/README.md).
 #pragma once
 
 #include <cstddef>

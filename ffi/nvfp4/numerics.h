@@ -2,7 +2,7 @@
 //
 // Every function is the exact IEEE float32 computation written in
 // tests/golden/README.md (TransformerEngine's reference quantizer). The pure-JAX
-// spec in src/jax_nvfp4/reference/ computes the same bits. Callers must run with
+// spec in jax_nvfp4/reference/ computes the same bits. Callers must run with
 // subnormals preserved (no flush-to-zero, no fast-math, no FMA contraction).
 #pragma once
 
@@ -213,7 +213,7 @@ NVFP4_HD uint8_t float_to_e2m1(float v) {
   return uint8_t(m | (v < 0.0f ? 8 : 0));
 }
 
-// ---- stochastic rounding (src/jax_nvfp4/reference/stochastic.py is the spec) ----
+// ---- stochastic rounding (jax_nvfp4/reference/stochastic.py is the spec) ----
 
 // 256 times the E2M1 grid position of magnitude bits `mag` (the position: 0 for 0, 2 for 1.0, 7 for
 // 6), rounded half up: from 1.0 on the top 9 bits of exponent and mantissa less 252 and 8 more

@@ -41,7 +41,7 @@ def test_modules_are_those_that_import():
     modules = jax_nvfp4.build_info()["modules"]
     assert modules["cpu"] is not None
     assert (modules["cuda"] is not None) == ffi.cuda_module_built()
-    host_built = importlib.util.find_spec("jax_nvfp4._nvfp4_cuda_host") is not None
+    host_built = importlib.util.find_spec("jax_nvfp4_kernels._nvfp4_cuda_host") is not None
     assert (modules["cuda_host"] is not None) == host_built
     if os.environ.get("NVFP4_EXPECT_CUDA_MODULE") == "1":
         assert modules["cuda"] is not None
@@ -87,7 +87,7 @@ def test_cuda_architectures_are_those_in_the_binary():
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump: the test extra has it)")
-    binary = importlib.util.find_spec("jax_nvfp4._nvfp4_cuda").origin
+    binary = importlib.util.find_spec("jax_nvfp4_kernels._nvfp4_cuda").origin
     code, ptx = set(), set()
     for entry in ffi.cuda_architectures():  # CMake's spelling: "90" is both, "90-real" code, "90-virtual" PTX
         arch, _, part = entry.partition("-")

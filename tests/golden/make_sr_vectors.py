@@ -1,6 +1,6 @@
 """Writes the stochastic-rounding test vectors tests/golden/sr_*.npz with the pure-JAX reference.
 
-Run from the repository root: ``PYTHONPATH=src python tests/golden/make_sr_vectors.py``. TransformerEngine's golden
+Run from the repository root: ``PYTHONPATH=. python tests/golden/make_sr_vectors.py``. TransformerEngine's golden
 files (the other .npz files here) have no stochastic rounding; these are the project's own, made by
 ``jax_nvfp4.reference`` (``amax_core`` and ``quantize_core``, on the kernels' contract [B, M, N]) from fixed inputs
 (numpy's ``default_rng``) and a fixed Philox key. Regenerate them only when the random stream or the encode

@@ -25,7 +25,7 @@ from jax_nvfp4.ops import grouped as grouped_op
 from jax_nvfp4.ops import quantize as quantize_op
 
 try:
-    from jax_nvfp4 import _nvfp4_cuda_host as module
+    from jax_nvfp4_kernels import _nvfp4_cuda_host as module
 except ImportError:
     module = None
 
@@ -45,7 +45,7 @@ needs_module = pytest.mark.skipif(
 @functools.cache
 def _registered() -> None:
     if module is None:
-        raise ImportError("jax_nvfp4._nvfp4_cuda_host is missing: build with -C cmake.define.NVFP4_CUDA_HOST=ON")
+        raise ImportError("jax_nvfp4_kernels._nvfp4_cuda_host is missing: build with NVFP4_CUDA_HOST=ON")
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(PREFIX + name, capsule, platform="cpu")
 

@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jax_nvfp4
-from jax_nvfp4 import _nvfp4_cpu, reference
+from jax_nvfp4 import reference
+from jax_nvfp4_kernels import _nvfp4_cpu
 
 
 def quantize_both(x, **opts):

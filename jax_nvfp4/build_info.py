@@ -31,9 +31,9 @@ def _module_platform(device) -> str:
 
 def _host_model_config() -> dict | None:
     """The test-only CUDA host model's build settings (``NVFP4_CUDA_HOST=ON``), None where not built."""
-    if importlib.util.find_spec("jax_nvfp4._nvfp4_cuda_host") is None:
+    if importlib.util.find_spec("jax_nvfp4_kernels._nvfp4_cuda_host") is None:
         return None
-    return dict(importlib.import_module("jax_nvfp4._nvfp4_cuda_host").build_config())
+    return dict(importlib.import_module("jax_nvfp4_kernels._nvfp4_cuda_host").build_config())
 
 
 def _devices() -> dict[str, dict]:

@@ -7,16 +7,18 @@ from collections.abc import Iterable, Sequence
 
 import jax
 
+# The compiled modules are the package jax_nvfp4_kernels (CMakeLists.txt), installed by the wheel beside this one:
+# a source checkout's jax_nvfp4/ runs with the installed kernels, or with an in-place build's.
 try:
-    from jax_nvfp4 import _nvfp4_cpu
-except ImportError as e:  # e.g. `python -m pytest` in a source checkout imports ./jax_nvfp4
+    from jax_nvfp4_kernels import _nvfp4_cpu
+except ImportError as e:
     raise ImportError(
-        "jax_nvfp4's compiled module _nvfp4_cpu is missing: install the package (pip install .) "
-        "and import it from outside the source tree"
+        "jax_nvfp4's compiled module jax_nvfp4_kernels._nvfp4_cpu is missing: install the package "
+        "(pip install .), which builds it"
     ) from e
 
 try:  # built only where the CUDA toolkit was found
-    from jax_nvfp4 import _nvfp4_cuda
+    from jax_nvfp4_kernels import _nvfp4_cuda
 except ImportError:
     _nvfp4_cuda = None
 
