@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -112,7 +113,7 @@ def test_the_checkout_imports_its_own_package_with_built_kernels():
     # The kernels are a build's (installed, or an in-place build's folder, which git ignores), never tracked.
     assert pathlib.Path(kernels).name == "__init__.py"
     assert "/jax_nvfp4_kernels/" in (REPO / ".gitignore").read_text().split()
-    if (REPO / ".git").exists():
+    if (REPO / ".git").exists() and shutil.which("git"):  # CI's smoke subset runs with no git on PATH
         tracked = subprocess.run(["git", "ls-files", "jax_nvfp4_kernels"], cwd=REPO, capture_output=True, text=True)
         assert tracked.returncode == 0 and tracked.stdout == ""
 
