@@ -28,9 +28,9 @@ _add_xla_flag("xla_force_host_platform_device_count", 8)
 # level (then XLA's own defaults stand, as in CI's Python 3.11 subset: XLA_FLAGS=--xla_backend_optimization_level=3):
 # - LLVM's optimization of the compiled code off: about a quarter less time in all;
 # - on jax 0.11, XLA's older elemental fusion emitters instead of the MLIR fusion pipeline, whose per-fusion
-#   passes were the largest share of a compile: the whole suite took a quarter less (docs/testing.md). jax 0.12's
-#   XLA has no older emitters and ignores the option (CI's Python 3.12 run resolves jax 0.12: no change there);
-#   jax 0.10's accepts it (not measured).
+#   passes were the largest share of a compile: two of the costliest test files took 11% less (docs/testing.md).
+#   jax 0.12's XLA has no older emitters and ignores the option (CI's Python 3.12 run resolves jax 0.12: no
+#   change there); jax 0.10's accepts it (not measured).
 # The results checked do not depend on either (the reference computes in integers, the kernels are our C++, the
 # GEMMs library calls; a float op gives IEEE results under both emitters), and the suite passes at XLA's
 # defaults too. GPU runs keep the defaults.
