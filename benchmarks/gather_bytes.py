@@ -52,19 +52,22 @@ def layer_of(op_name: str) -> str:
     return match.group(1) if match else op_name.replace("\\'", "'")
 
 
-def gathered_bytes(precision: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, dict[str, int]]:
-    """{layer: {dtype: bytes}} of the all-gathers in one compiled training step."""
+def gathered_bytes(
+    precision: str, args: argparse.Namespace, mesh: jax.sharding.Mesh
+) -> tuple[dict[str, dict[str, int]], int]:
+    """{layer: {dtype: bytes}} of the all-gathers in one compiled training step, and its temporary bytes per
+    device (XLA's memory analysis: activations, residuals, gathered weights)."""
     model = build_model(precision, args, mesh)
     init = lambda: model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]  # noqa: E731
     params = sharded_params(init, mesh)
 
     batch = jax.device_put(jnp.zeros((args.batch, args.seq_len + 1), jnp.int32), NamedSharding(mesh, P(BATCH)))
-    hlo = jax.jit(jax.value_and_grad(functools.partial(next_byte_loss, model))).lower(params, batch).compile().as_text()
+    compiled = jax.jit(jax.value_and_grad(functools.partial(next_byte_loss, model))).lower(params, batch).compile()
     found: dict[str, dict[str, int]] = collections.defaultdict(collections.Counter)
-    for c in collectives(hlo):
+    for c in collectives(compiled.as_text()):
         if c.op == "all-gather":
             found[layer_of(c.op_name)][c.dtype] += c.nbytes
-    return found
+    return found, compiled.memory_analysis().temp_size_in_bytes
 
 
 def as_bf16(by_dtype: dict[str, int]) -> int:
@@ -77,7 +80,7 @@ def main() -> None:
         batch=8, seq_len=128, d_model=128, layers=4, heads=4, weight_blocks="16x16", mesh=parse_mesh(ARGS.mesh)
     )
     mesh = make_mesh(args.mesh, args)
-    nvfp4, bf16 = gathered_bytes("plain", args, mesh), gathered_bytes("bf16", args, mesh)
+    (nvfp4, nvfp4_temp), (bf16, bf16_temp) = gathered_bytes("plain", args, mesh), gathered_bytes("bf16", args, mesh)
     report = Report(
         ARGS.out,
         [
@@ -107,6 +110,11 @@ def main() -> None:
     cpu = [sum(sum(by_dtype.values()) for by_dtype in m.values()) for m in (nvfp4, bf16)]
     cpu_row = f"{cpu[0]:,} | {cpu[1]:,} | {cpu[0] / cpu[1]:.0%} |"
     report.add("| step, bytes XLA on CPU moves (floats as f32) | | | " + cpu_row)
+    report.add("")
+    report.add(
+        f"Temporary memory of the step per device (XLA's memory analysis: activations, residuals, gathered "
+        f"weights): NVFP4 {nvfp4_temp:,} B, bf16 {bf16_temp:,} B."
+    )
     report.save()
 
 

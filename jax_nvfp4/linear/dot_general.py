@@ -6,7 +6,9 @@ NVFP4 training recipe on the canonical problem x [B, M, K], W^T [B, N, K]
 
   fprop  y  = x  . W^T    x in 1x16 blocks along K, W in 16x16 blocks
   dgrad  dx = dy . W      dy in 1x16 blocks along N; W's columnwise copy, which
-                          for 16x16 blocks holds the same codes and scales transposed
+                          for 16x16 blocks holds the same codes and scales transposed:
+                          then only the rowwise copy is made, and the backward pass
+                          transposes its bytes
   wgrad  dW = dy^T . x    the columnwise 1x16 copies of dy and x (blocked along M),
                           both of the Random Hadamard Transform along M (the recipe's default)
 
@@ -15,7 +17,10 @@ operand is quantized once, with one global amax per tensor, or per token for
 x and dy with Recipe.row_scaled_activations / row_scaled_gradients (their
 columnwise copies then have one per feature), and with 4over6 block scaling
 where Recipe.four_over_six names it. The residuals kept for the backward pass
-are the quantized columnwise copies of x and W.
+are the quantized columnwise copy of x and, for W, its columnwise copy (1x16
+blocks) or, for 16x16 blocks, the rowwise copy the forward GEMM read, in the
+layout that GEMM gathered it to on a mesh: one copy of W is quantized, kept and
+all-gathered a step, where two were.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from jax_nvfp4.core.checks import check_key, check_out_dtype, mesh_axis_names, u
 from jax_nvfp4.core.formats import INPUT_DTYPES
 from jax_nvfp4.core.pipeline import dequantize_fn, quantize_batch, row_axes
 from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
+from jax_nvfp4.core.transpose import with_columnwise_copy
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.mxfp8.matmul import MXFP8
@@ -75,14 +81,24 @@ def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: DotConfig
 
 
 def _matmul_fwd(x, w, key, config: DotConfig):
-    qx = _quantize(x, config.recipe, "x", columnwise=True)
-    qw = _quantize(w, config.recipe, "w", columnwise=True)
-    y = batched_gemm(qx, qw, config.out_dtype, impl=config.recipe.impl)
-    return y, (columnwise_only(qx), columnwise_only(qw), key)
+    recipe = config.recipe
+    qx = _quantize(x, recipe, "x", columnwise=True)
+    if recipe.weight_block_2d:
+        # One copy: the backward pass transposes the bytes of the one the forward GEMM read (and gathered).
+        y, qw = batched_gemm(
+            qx, _quantize(w, recipe, "w", columnwise=False), config.out_dtype, impl=recipe.impl, keep_c=True
+        )
+    else:
+        qw = _quantize(w, recipe, "w", columnwise=True)
+        y = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl)
+        qw = columnwise_only(qw)
+    return y, (columnwise_only(qx), qw, key)
 
 
 def _matmul_bwd(config: DotConfig, residuals, dy):
-    qx, qw, key = residuals  # the columnwise copies: x^T [B, K, *M] and W [B, K, N]
+    qx, qw, key = residuals  # x^T [B, K, *M] columnwise; W's columnwise copy [B, K, N], or its rowwise [B, N, K]
+    if qw.data_t is None:
+        qw = with_columnwise_copy(qw)
     config.recipe.check_rng_key(key)
     qdy = _quantize(dy, config.recipe, "dy", columnwise=True, key=key)
     impl = config.recipe.impl

@@ -82,10 +82,11 @@ class _Copy:
         return split(self.data.shape, self.contract_ndim)[0]
 
 
-def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype, impl: str) -> jax.Array:
+def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype, impl: str, keep_c: bool) -> tuple[jax.Array, ...]:
+    """The primitive's results: y, and with ``keep_c`` c's codes and E4M3 bytes as the GEMM read them."""
     batch = (a.data.shape[0],)
     # Scales travel as their E4M3 bytes: XLA on CPU widens float8 collectives to f16.
-    (y,) = gemm_p.bind(
+    return gemm_p.bind(
         a.data,
         lax.bitcast_convert_type(a.scale, jnp.uint8),
         jnp.broadcast_to(amax_a, batch),
@@ -96,8 +97,8 @@ def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype, impl: str) -> jax.Array
         length=a.length,
         out_dtype=jnp.dtype(out_dtype),
         impl=impl,
+        keep_c=keep_c,
     )
-    return y
 
 
 def _row_scale(op: _Copy, before: int, after: int) -> jax.Array:
@@ -121,28 +122,38 @@ def batched_gemm(
     c_columnwise: bool = False,
     bias: jax.Array | None = None,
     impl: GemmImpl = "auto",
-) -> jax.Array:
+    keep_c: bool = False,
+) -> jax.Array | tuple[jax.Array, NVFP4Tensor]:
     """Batched tensors a [B, ...] and c [B, ...] -> [B, *Ra, *Rc] of ``out_dtype``, contracting one copy of each.
 
     The rowwise copy of [B, *R, L] contracts L (its rows R); the columnwise
     copy contracts R (its rows are L). Both copies contract the same axes. The
     global decode scales, then ``bias`` (float32, broadcast against the
     output), apply in the order of the module docstring. ``impl``: see ``gemm``.
+    ``keep_c``: also return c with the copy the GEMM read (alone) in the layout the GEMM
+    gathered it to on a mesh, for another GEMM to reuse without gathering it again.
     """
     ca, cc = _Copy.of(a, a_columnwise), _Copy.of(c, c_columnwise)
     if ca.contract_ndim != cc.contract_ndim or ca.length != cc.length:
         raise ValueError("the two GEMM operands contract different axes")
-    return _gemm(ca, cc, jnp.dtype(out_dtype), bias, resolve_impl(impl, "the GEMM's impl"))
+    y, *kept = _gemm(ca, cc, jnp.dtype(out_dtype), bias, resolve_impl(impl, "the GEMM's impl"), keep_c)
+    if not keep_c:
+        return y
+    data, scale = kept[0], lax.bitcast_convert_type(kept[1], jnp.float8_e4m3fn)
+    if c_columnwise:
+        return y, dataclasses.replace(c, data=None, scale=None, data_t=data, scale_t=scale)
+    return y, dataclasses.replace(c, data=data, scale=scale, data_t=None, scale_t=None, amax_t=None)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "impl"))
-def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None, impl: str) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "keep_c"))
+def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None, impl: str, keep_c: bool) -> tuple:
+    """y, and with ``keep_c`` the primitive's copy of c's codes and scale bytes."""
     plain = not (ca.per_row or cc.per_row) and ca.e4m3_max == cc.e4m3_max == 448
     if plain and bias is None:
-        return _bind(ca, cc, ca.amax, cc.amax, out_dtype, impl)  # the scale product inside
+        return tuple(_bind(ca, cc, ca.amax, cc.amax, out_dtype, impl, keep_c))  # the scale product inside
     # Global decode scale 1 in the primitive (amax = 6 * 448); the scales apply to its float32 result.
     unit = jnp.float32(E2M1_MAX * E4M3_MAX)
-    y = _bind(ca, cc, unit, unit, jnp.float32, impl)
+    y, *kept = _bind(ca, cc, unit, unit, jnp.float32, impl, keep_c)
     ra, rc = len(ca.rows), len(cc.rows)
     per_tensor = [
         jnp.broadcast_to(decode_scale(op.amax, op.e4m3_max), y.shape[:1]) for op in (ca, cc) if not op.per_row
@@ -156,7 +167,7 @@ def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None, im
         y = y * _row_scale(cc, ra, 0)
     if bias is not None:
         y = y + bias
-    return y.astype(out_dtype)
+    return (y.astype(out_dtype), *kept)
 
 
 def _bias(bias, out_shape: tuple[int, ...]) -> jax.Array:

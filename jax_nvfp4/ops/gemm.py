@@ -8,6 +8,9 @@ float32; only the float32 accumulation rounds), or "scaled_dot", by ``lax.scaled
 float4_e2m1fn. One primitive, so that it partitions as a whole: whatever collective brings the operands
 to the layout of the output moves their packed codes and scales, never dequantized values. Scales travel
 as their E4M3 bytes (uint8): XLA on CPU widens float8 collectives to f16.
+
+``keep_c``: the primitive also returns c's codes and scales as the GEMM read them, in the layout it
+gathered them to, so that a later GEMM (the backward pass's, of a 16x16-block weight) reuses that gather.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) 
     )
 
 
-def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl):
+def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl, keep_c):
     sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum}[impl]
     acc = sums(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
     # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit. The barrier
@@ -109,15 +112,17 @@ def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndi
     scale = lax.optimization_barrier(global_decode_scale(a_amax, c_amax))
     y = (acc * scale[:, None, None]).astype(out_dtype)
     a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
-    return (y.reshape(a_data.shape[0], *a_rows, *c_rows),)
+    y = y.reshape(a_data.shape[0], *a_rows, *c_rows)
+    return (y, c_data, c_scale) if keep_c else (y,)
 
 
-def _abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl):
+def _abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl, keep_c):
     a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
-    return (shaped((a_data.shape[0], *a_rows, *c_rows), out_dtype),)
+    y = shaped((a_data.shape[0], *a_rows, *c_rows), out_dtype)
+    return (y, shaped(c_data.shape, c_data.dtype), shaped(c_scale.shape, c_scale.dtype)) if keep_c else (y,)
 
 
-def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype, impl):
+def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype, impl, keep_c):
     f = Factors(axis_sizes)
     _, lp, ls = f.dim("l", length, blocked=True)
     lead_l = [f"k{i}" for i in range(contract_ndim - 1)]
@@ -125,6 +130,12 @@ def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype
     c_rows = [f"c{i}" for i in range(len(in_shapes[3]) - 1 - contract_ndim)]
     a, c = (" ".join(["b", *rows, *lead_l]) for rows in (a_rows, c_rows))
     rule = f"{a} {lp}, {a} {ls}, b, {c} {lp}, {c} {ls}, b -> " + " ".join(["b", *a_rows, *c_rows])
+    if keep_c:
+        # c as read: factors of their own, not linked to c's (Shardy keeps the reduction's out of results, and a
+        # row factor would carry c's sharding before the gather onto it); the partition function gives them
+        # the layout the GEMM read c in.
+        kept = " ".join(["b", *(f"{f}k" for f in (*c_rows, *lead_l))])
+        rule += f", {kept} lpc, {kept} lsc"
     reduction = (*lead_l, "lb") if "lb" in lp else tuple(lead_l)
     return f.rule(rule, reduction_factors=reduction)
 
@@ -136,7 +147,7 @@ def _common_prefix(a: tuple[str, ...], c: tuple[str, ...]) -> tuple[str, ...]:
     return a[:n]
 
 
-def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype, impl):
+def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype, impl, keep_c):
     """Keep the output sharded as wanted; move the *quantized* operands to fit.
 
     The output takes the sharding propagation asks for (by default a's rows
@@ -174,15 +185,15 @@ def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, len
     local_length = length // mesh_size(mesh, contract[-1])
 
     def local(*args):
-        (y,) = kernel(*args, length=local_length, out_dtype=jnp.dtype(jnp.float32))
+        y, *kept = kernel(*args, length=local_length, out_dtype=jnp.dtype(jnp.float32))
         if all_reduced:
             y = lax.psum(y, all_reduced)
         for dim, axes in scatter.items():
             y = lax.psum_scatter(y, axes, scatter_dimension=dim, tiled=True)
-        return (y.astype(out_dtype),)
+        return (y.astype(out_dtype), *kept)
 
     a_op, c_op = (b, *rows[:ra], *contract), (b, *rows[ra:], *contract)
-    return [a_op, a_op, (b,), c_op, c_op, (b,)], [tuple(out)], local
+    return [a_op, a_op, (b,), c_op, c_op, (b,)], [tuple(out), *([c_op, c_op] if keep_c else [])], local
 
 
 gemm_p = define(

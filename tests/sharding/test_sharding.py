@@ -324,6 +324,29 @@ def test_fsdp_all_gather_bytes_against_bf16():
     assert sum(c.nbytes // {"bf16": 2, "f32": 4}[c.dtype] * 2 for c in bf16) == 512 * 128 * 2
 
 
+@pytest.mark.parametrize("weight_block_2d", [True, False])
+def test_fsdp_training_step_gathers_the_weight_once(weight_block_2d):
+    """Forward and backward of one FSDP layer: a 16x16-block weight's one quantized copy is gathered once (the
+    backward pass transposes the gathered bytes); 1x16 blocks gather both of its copies. Gradients as unsharded."""
+    mesh = jax.make_mesh((8,), ("f",), devices=CPUS[:8], axis_types=(AxisType.Auto,))
+    x, w, ct = _random((256, 128)), _random((128, 512), seed=1), _random((256, 512), seed=2)  # whole 16-token blocks
+    dims = (((1,), (0,)), ((), ()))
+    recipe = jax_nvfp4.Recipe(weight_block_2d=weight_block_2d)
+    dot = functools.partial(jax_nvfp4.dot_general, recipe=recipe, rng_key=jax.random.key(3))
+
+    def loss(x, w):
+        return jnp.sum(dot(x, w, dims).astype(jnp.float32) * ct)
+
+    step = jax.jit(jax.grad(loss, (0, 1)))
+    sharded = [jax.device_put(a, NamedSharding(mesh, P("f", None))) for a in (x, w)]
+    gathers = [c for c in collectives(step.lower(*sharded).compile().as_text()) if c.op == "all-gather"]
+    assert {c.dtype for c in gathers} == {"u8"}, gathers
+    one_copy = 512 * 128 // 2 + 512 * 128 // 16  # codes + scales of W
+    assert sum(c.nbytes for c in gathers) == one_copy * (1 if weight_block_2d else 2)
+    for got, want in zip(step(*sharded), step(x, w), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
 def test_flax_dense_general_with_axes_under_a_global_mesh():
     """Flax initializes DenseGeneral's kernel flat and reshapes it; under ``jax.set_mesh`` the layer must not
     constrain the flat value to the kernel's three axes (google/flax#3676). Sharded == unsharded, bitwise."""

@@ -1,0 +1,64 @@
+"""The columnwise copy of a 16x16-block tensor, made from its rowwise copy by moving bytes.
+
+With 16x16 blocks both copies quantize the same blocks of 256 values with the same global amax, so
+the columnwise copy (the quantization of x^T) holds the rowwise codes nibble-transposed and the
+block scales transposed: no value is quantized again. A weight's quantized copy is therefore made,
+kept and all-gathered once, and its other copy is this local transpose of the bytes (byte-equal to
+what quantizing with ``columnwise=True`` makes: tests/gemm/test_weight_copy.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_nvfp4.core.formats import BLOCK
+from jax_nvfp4.core.tensor import NVFP4Tensor
+
+
+def _transpose_codes(data: jax.Array, rows: int, cols: int) -> jax.Array:
+    """Packed codes [B, rows, ceil(cols/2)] -> [B, cols, ceil(rows/2)] (a padding nibble is 0)."""
+    b = data.shape[0]
+    codes = jnp.stack([data & jnp.uint8(0x0F), data >> 4], axis=-1).reshape(b, rows, -1)[:, :, :cols]
+    codes = codes.transpose(0, 2, 1)
+    if rows % 2:
+        codes = jnp.pad(codes, ((0, 0), (0, 0), (0, 1)))
+    pairs = codes.reshape(b, cols, -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _transpose_scales(scale: jax.Array, rows: int, cols: int) -> jax.Array:
+    """Block scales [B, rows, ceil(cols/16)], each block's repeated on its 16 rows -> [B, cols, ceil(rows/16)]."""
+    b, blocks = scale.shape[0], -(-rows // BLOCK)
+    s = lax.bitcast_convert_type(scale, jnp.uint8)
+    s = jnp.pad(s, ((0, 0), (0, blocks * BLOCK - rows), (0, 0)))
+    s = s.reshape(b, blocks, BLOCK, -1)[:, :, 0].transpose(0, 2, 1)  # one row per block: [B, cols/16, blocks]
+    s = jnp.repeat(s, BLOCK, axis=1)[:, :cols]
+    return lax.bitcast_convert_type(s, jnp.float8_e4m3fn)
+
+
+def with_columnwise_copy(t: NVFP4Tensor) -> NVFP4Tensor:
+    """``t`` (16x16 blocks, its rowwise copy) with the columnwise copy filled in from the rowwise bytes.
+
+    A batched tensor [B, R, L] (one row axis, as ``dot_general`` makes a weight's) or one from
+    ``quantize`` [..., L] (its rows flattened). Equal, byte for byte, to quantizing the same input
+    with ``columnwise=True``: codes, scales and amax.
+    """
+    if not t.block_2d:
+        raise ValueError("only a tensor in 16x16 blocks has a columnwise copy that is its rowwise one transposed")
+    if t.data is None:
+        raise ValueError("the columnwise copy is made from the rowwise copy, which this tensor lacks")
+    if t.batched and len(t.shape) != 3:
+        raise ValueError(f"a batched tensor needs one row axis, [B, R, L], to transpose its copy; got {t.shape}")
+    rows, cols = (t.shape[1], t.shape[2]) if t.batched else (t.rows, t.cols)
+    data = t.data.reshape(-1, rows, t.data.shape[-1])
+    scale = t.scale.reshape(-1, rows, t.scale.shape[-1])
+    data_t, scale_t = _transpose_codes(data, rows, cols), _transpose_scales(scale, rows, cols)
+    if not t.batched:
+        data_t, scale_t = data_t[0], scale_t[0]
+    return dataclasses.replace(
+        t, data_t=data_t, scale_t=scale_t, amax_t=t.amax, spec=dataclasses.replace(t.spec, columnwise=True)
+    )
