@@ -18,6 +18,8 @@ Public API:
   MXFP8: a layer's GEMMs in MXFP8 instead (pass it as recipe=; ``jax_nvfp4.mxfp8``).
   quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
     (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
+  cache_weight(kernel, recipe) -> CachedWeight: the kernel with its forward copy quantized once, for
+    training with gradient accumulation (dot_general reuses the copy and differentiates the kernel)
   all_gather(t, axis_name, *, axis=0, tiled=True): gather a quantized tensor in shard_map
   build_info() -> dict: the version, the compiled modules' build settings (jaxlib, CUDA architectures)
     and what runs each op on the current devices (``python -m jax_nvfp4`` prints it)
@@ -31,8 +33,8 @@ from jax_nvfp4.build_info import build_info
 from jax_nvfp4.core import pipeline
 from jax_nvfp4.core.fake_quantize import fake_quantize_fn
 from jax_nvfp4.core.spec import QuantizeSpec
-from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
-from jax_nvfp4.linear.dot_general import dequantize_weight, dot_general, quantize_weight
+from jax_nvfp4.core.tensor import CachedWeight, NVFP4Tensor, QuantizedWeight
+from jax_nvfp4.linear.dot_general import cache_weight, dequantize_weight, dot_general, quantize_weight
 from jax_nvfp4.linear.einsum import einsum
 from jax_nvfp4.linear.gemm import gemm
 from jax_nvfp4.linear.recipe import FourOverSix, Recipe
@@ -52,11 +54,13 @@ __all__ = [
     "NVFP4Tensor",
     "QuantizeSpec",
     "QuantizedWeight",
+    "CachedWeight",
     "Recipe",
     "all_gather",
     "amax",
     "build_info",
     "dequantize",
+    "cache_weight",
     "dequantize_weight",
     "dot_general",
     "einsum",

@@ -114,3 +114,36 @@ class QuantizedWeight:
         if index is not Ellipsis:
             raise TypeError("a QuantizedWeight is indexed only as [...] (the whole weight)")
         return self
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kernel", "quantized"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class CachedWeight:
+    """A layer's kernel for training, with its forward copy quantized once (``jax_nvfp4.cache_weight``).
+
+    ``kernel``: the high-precision kernel ``[*in, *out]``, which gradients flow to; ``quantized``: the
+    ``QuantizedWeight`` that ``quantize_weight(kernel, recipe)`` made of it. ``jax_nvfp4.dot_general`` takes it
+    as ``rhs`` and differentiates it as ``kernel``, but its GEMMs read ``quantized`` instead of quantizing the
+    kernel again: with gradient accumulation, each weight is quantized once per optimizer step.
+    """
+
+    kernel: jax.Array
+    quantized: QuantizedWeight
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.kernel.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.kernel.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index):
+        # NNX layers read their kernel as ``param[...]``: the whole weight, as it is.
+        if index is not Ellipsis:
+            raise TypeError("a CachedWeight is indexed only as [...] (the whole weight)")
+        return self

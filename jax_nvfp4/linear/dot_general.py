@@ -40,7 +40,7 @@ from jax.typing import DTypeLike
 from jax_nvfp4.core.checks import check_key, check_out_dtype, mesh_axis_names, unknown_mesh_axes
 from jax_nvfp4.core.formats import INPUT_DTYPES
 from jax_nvfp4.core.pipeline import dequantize_fn, quantize_batch, row_axes
-from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
+from jax_nvfp4.core.tensor import CachedWeight, NVFP4Tensor, QuantizedWeight
 from jax_nvfp4.core.transpose import with_columnwise_copy
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
@@ -57,9 +57,13 @@ class DotConfig(NamedTuple):
     w_dtype: np.dtype
 
 
-def _quantize(x: jax.Array, recipe: Recipe, operand: str, columnwise: bool, key=None) -> NVFP4Tensor:
+def _quantize(
+    x: jax.Array, recipe: Recipe, operand: str, columnwise: bool, key=None, *, rowwise: bool = True
+) -> NVFP4Tensor:
     """Operand "x", "w" or "dy" [B, *R, L] quantized as ``recipe`` specifies, by the public pipeline."""
     spec = recipe.spec(operand, columnwise=columnwise, tokens=math.prod(x.shape[1:-1]))
+    if not rowwise:
+        spec = dataclasses.replace(spec, rowwise=False)
     return quantize_batch(KERNELS, x, spec, rng_key=key)
 
 
@@ -80,19 +84,25 @@ def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: DotConfig
     return _fprop(x, _quantize(w, config.recipe, "w", columnwise=False), config.recipe, config.out_dtype)
 
 
-def _matmul_fwd(x, w, key, config: DotConfig):
+def _forward(x, w, qw: NVFP4Tensor | None, key, config: DotConfig):
+    """y and the backward pass's residuals; ``qw``: W's rowwise copy where it was cached, else None."""
     recipe = config.recipe
     qx = _quantize(x, recipe, "x", columnwise=True)
     if recipe.weight_block_2d:
         # One copy: the backward pass transposes the bytes of the one the forward GEMM read (and gathered).
-        y, qw = batched_gemm(
-            qx, _quantize(w, recipe, "w", columnwise=False), config.out_dtype, impl=recipe.impl, keep_c=True
-        )
-    else:
+        qw = _quantize(w, recipe, "w", columnwise=False) if qw is None else qw
+        y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl, keep_c=True)
+    elif qw is None:
         qw = _quantize(w, recipe, "w", columnwise=True)
+        y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl), columnwise_only(qw)
+    else:  # 1x16 blocks: the columnwise copy holds other blocks, quantized here
         y = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl)
-        qw = columnwise_only(qw)
-    return y, (columnwise_only(qx), qw, key)
+        kept = _quantize(w, recipe, "w", columnwise=True, rowwise=False)
+    return y, (columnwise_only(qx), kept, key)
+
+
+def _matmul_fwd(x, w, key, config: DotConfig):
+    return _forward(x, w, None, key, config)
 
 
 def _matmul_bwd(config: DotConfig, residuals, dy):
@@ -112,8 +122,28 @@ def _matmul_bwd(config: DotConfig, residuals, dy):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cached_matmul(x: jax.Array, w: jax.Array, qw: NVFP4Tensor, key: jax.Array | None, config: DotConfig) -> jax.Array:
+    """``_matmul`` with W's rowwise copy given (``CachedWeight``); differentiated as a function of x and w."""
+    del w, key
+    return _fprop(x, qw, config.recipe, config.out_dtype)
+
+
+def _cached_matmul_fwd(x, w, qw, key, config: DotConfig):
+    return _forward(x, w, qw, key, config)
+
+
+def _cached_matmul_bwd(config: DotConfig, residuals, dy):
+    dx, dw, _ = _matmul_bwd(config, residuals, dy)
+    return dx, dw, None, None  # no cotangent for the cached codes: gradients flow to the kernel
+
+
+_cached_matmul.defvjp(_cached_matmul_fwd, _cached_matmul_bwd)
+
+
 # Jitted so that eager calls run as one compiled program, not op by op.
 _jitted_matmul = jax.jit(_matmul, static_argnums=3)
+_jitted_cached_matmul = jax.jit(_cached_matmul, static_argnums=4)
 _jitted_mxfp8_matmul = jax.jit(mxfp8_matmul, static_argnums=(2, 3))
 
 
@@ -166,14 +196,16 @@ def _int_dims(dimension_numbers) -> lax.DotDimensionNumbers:
     return tuple(tuple(tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
 
 
-def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, recipe: Recipe) -> jax.Array:
-    """``dot_general`` with a ``QuantizedWeight`` as rhs: x quantized, the stored W as it is."""
+def _weight_problem(lhs, rhs: QuantizedWeight | CachedWeight, dims, preferred_element_type):
+    """x [1, M, K] and the result's type of ``dot_general`` with a stored weight as rhs (its first
+    ``contract_ndim`` axes contracted, no batch axes)."""
+    contract_ndim = (rhs if isinstance(rhs, QuantizedWeight) else rhs.quantized).contract_ndim
     dims = _int_dims(dims)
     (lc, rc), (lb, rb) = dims
-    if rb or lb or rc != tuple(range(rhs.contract_ndim)):
+    if rb or lb or rc != tuple(range(contract_ndim)):
         raise ValueError(
-            f"a QuantizedWeight of shape {rhs.shape} contracts its first {rhs.contract_ndim} axes and has no batch "
-            f"axes; got dimension_numbers {dims}"
+            f"a {type(rhs).__name__} of shape {rhs.shape} contracts its first {contract_ndim} axes and has no "
+            f"batch axes; got dimension_numbers {dims}"
         )
     stand_in = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
     dot = functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type)
@@ -183,8 +215,47 @@ def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, re
             f"NVFP4 dot_general takes and produces bfloat16, float16 or float32, not lhs {lhs.dtype} -> {out.dtype}"
         )
     lf = [d for d in range(lhs.ndim) if d not in lc]
-    x = lhs.transpose(*lf, *lc).reshape(1, -1, math.prod(lhs.shape[d] for d in lc))
+    return lhs.transpose(*lf, *lc).reshape(1, -1, math.prod(lhs.shape[d] for d in lc)), out
+
+
+def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, recipe: Recipe) -> jax.Array:
+    """``dot_general`` with a ``QuantizedWeight`` as rhs: x quantized, the stored W as it is."""
+    x, out = _weight_problem(lhs, rhs, dims, preferred_element_type)
     return _jitted_fprop(x, rhs.tensor, recipe, out.dtype).reshape(out.shape)
+
+
+def _apply_cached(lhs, rhs: CachedWeight, dims, preferred_element_type, recipe: Recipe, rng_key) -> jax.Array:
+    """``dot_general`` with a ``CachedWeight`` as rhs: differentiable in its kernel, its GEMMs read its cached copy."""
+    q = rhs.quantized
+    if not isinstance(q, QuantizedWeight) or q.shape != rhs.shape or q.dtype != rhs.dtype:
+        raise ValueError(
+            f"a CachedWeight's quantized copy must be quantize_weight of its kernel ({rhs.shape}, {rhs.dtype}); "
+            f"got {getattr(q, 'shape', None)}, {getattr(q, 'dtype', None)}"
+        )
+    if q.tensor.spec != recipe.spec("w", columnwise=False, tokens=1):
+        raise ValueError(
+            "this CachedWeight was quantized with another recipe than the one dot_general runs: make it with "
+            "jax_nvfp4.cache_weight(kernel, recipe) for the same recipe"
+        )
+    check_operands("NVFP4 dot_general", rhs=rhs.kernel)
+    x, out = _weight_problem(lhs, rhs, dims, preferred_element_type)
+    w = rhs.kernel.reshape(math.prod(rhs.shape[: q.contract_ndim]), -1).T[None]  # W^T [1, N, K]
+    config = DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)
+    return _jitted_cached_matmul(x, w, q.tensor, rng_key, config).reshape(out.shape)
+
+
+def cache_weight(kernel: jax.Array, recipe: Recipe | None = None, *, contract_ndim: int = 1) -> CachedWeight:
+    """A kernel ``[*in, *out]`` with its forward copy quantized now, for ``dot_general`` to reuse in training.
+
+    Gradient accumulation quantizes a weight once per optimizer step this way: make the cache once, outside
+    the loop over micro-batches, and pass ``CachedWeight(kernel, cache.quantized)`` (the kernel being
+    differentiated, the cached copy closed over) to ``dot_general`` in each. Its GEMMs then read the cached
+    copy, which is what quantizing ``kernel`` there would give, bit for bit, and its gradient flows to
+    ``kernel``. With 1x16 weight blocks (``Recipe(weight_block_2d=False)``) only the forward copy is cached:
+    the backward pass still quantizes the kernel along its other axis.
+    """
+    kernel = jnp.asarray(kernel)
+    return CachedWeight(kernel, quantize_weight(lax.stop_gradient(kernel), recipe, contract_ndim=contract_ndim))
 
 
 def check_options(
@@ -220,6 +291,8 @@ def _lax_sharding(result, lhs, rhs, dimension_numbers, precision=None, preferred
     """The sharding ``lax.dot_general`` gives its result on Explicit axes: its own rule, or ``out_sharding``."""
     del result, precision
     # A QuantizedWeight's kernel has no layout of its own (its arrays are the packed W^T).
+    if isinstance(rhs, CachedWeight):
+        rhs = rhs.kernel
     rhs = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype) if isinstance(rhs, QuantizedWeight) else jnp.asarray(rhs)
     dot = functools.partial(
         lax.dot_general,
@@ -253,7 +326,9 @@ def dot_general(
     Args:
       lhs, rhs: bfloat16, float16 or float32 arrays; ``rhs`` may be a
         ``QuantizedWeight`` (``quantize_weight``): inference, the forward GEMM
-        with the stored weight, which is not quantized again (no gradients).
+        with the stored weight, which is not quantized again (no gradients);
+        or a ``CachedWeight`` (``cache_weight``): training with the weight
+        quantized once per step, differentiated as its kernel.
       dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
       precision: ignored; the GEMM is NVFP4 with float32 accumulation.
       preferred_element_type: the output dtype (bfloat16, float16 or float32).
@@ -285,6 +360,11 @@ def dot_general(
         if isinstance(recipe, MXFP8):
             raise TypeError("a QuantizedWeight holds NVFP4 codes: it runs with an NVFP4 Recipe, not MXFP8")
         y = _apply_quantized(jnp.asarray(lhs), rhs, dimension_numbers, preferred_element_type, recipe)
+        return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
+    if isinstance(rhs, CachedWeight):
+        if isinstance(recipe, MXFP8):
+            raise TypeError("a CachedWeight holds NVFP4 codes: it runs with an NVFP4 Recipe, not MXFP8")
+        y = _apply_cached(jnp.asarray(lhs), rhs, dimension_numbers, preferred_element_type, recipe, rng_key)
         return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     check_operands("NVFP4 dot_general", lhs=lhs, rhs=rhs)

@@ -1,0 +1,128 @@
+"""cache_weight: a weight quantized once per optimizer step, reused by every micro-batch, differentiated as its kernel."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import DENSE, assert_same_bytes, dense_problem, random_normal
+from jax import lax
+
+import jax_nvfp4
+from jax_nvfp4 import CachedWeight, Recipe, cache_weight
+
+
+@pytest.mark.parametrize(
+    "recipe", [Recipe(), Recipe(weight_block_2d=False), Recipe(rht=False, stochastic_rounding=False, impl="scaled_dot")]
+)
+def test_cached_weight_gives_the_same_outputs_and_gradients(recipe):
+    """y, dx and dW with the cached copy equal quantizing the kernel in the GEMM, bit for bit (the same key)."""
+    x, w, dy = dense_problem(32, 48, 40)
+    key = jax.random.key(4)
+    dot = functools.partial(jax_nvfp4.dot_general, recipe=recipe, rng_key=key)
+    cache = cache_weight(w, recipe)
+    want_y, want_vjp = jax.vjp(lambda x, w: dot(x, w, DENSE), x, w)
+    got_y, got_vjp = jax.vjp(lambda x, w: dot(x, CachedWeight(w, cache.quantized), DENSE), x, w)
+    assert_same_bytes(got_y, want_y)
+    for got, want in zip(got_vjp(dy), want_vjp(dy), strict=True):
+        assert_same_bytes(got, want)
+
+
+def test_cached_dense_general_kernel():
+    """A DenseGeneral kernel [heads, kv, embed] contracting two axes (contract_ndim=2)."""
+    x, w = random_normal((8, 4, 16), 1), random_normal((4, 16, 32), 2)
+    dims = (((1, 2), (0, 1)), ((), ()))
+    dot = functools.partial(jax_nvfp4.dot_general, recipe=Recipe(stochastic_rounding=False))
+    cache = cache_weight(w, Recipe(stochastic_rounding=False), contract_ndim=2)
+    want = jax.grad(lambda w: jnp.sum(dot(x, w, dims).astype(jnp.float32) ** 2))(w)
+    got = jax.grad(lambda w: jnp.sum(dot(x, CachedWeight(w, cache.quantized), dims).astype(jnp.float32) ** 2))(w)
+    assert_same_bytes(got, want)
+
+
+def _weight_quantizes(hlo: str, shape: str) -> list[bool]:
+    """For each quantize custom call of a ``shape`` result in compiled HLO: whether it sits in a while loop's body."""
+    computation, found, bodies = None, [], set()
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line.rstrip())
+        if header:
+            computation = header.group(1)
+        bodies.update(re.findall(r"body=%?([\w.\-]+)", line))
+        if 'custom_call_target="nvfp4_quantize"' in line and f"({shape}" in line:
+            found.append(computation)
+    return [c in bodies for c in found]
+
+
+def _scan_quantizes(jaxpr, shape: tuple[int, ...]) -> int:
+    """Quantize equations on a [*shape] input inside the scans of ``jaxpr`` (nested jaxprs included)."""
+
+    def subjaxprs(value):
+        if isinstance(value, tuple | list):
+            for v in value:
+                yield from subjaxprs(v)
+        elif hasattr(value, "eqns"):
+            yield value
+        elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):  # a closed jaxpr
+            yield value.jaxpr
+
+    def count(j, inside: bool) -> int:
+        n = 0
+        for eqn in j.eqns:
+            if inside and eqn.primitive.name == "nvfp4_quantize" and eqn.invars[0].aval.shape == shape:
+                n += 1
+            for sub in (s for v in eqn.params.values() for s in subjaxprs(v)):
+                n += count(sub, inside or eqn.primitive.name == "scan")
+        return n
+
+    return count(jaxpr.jaxpr, False)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_gradient_accumulation_quantizes_the_weight_once_per_step(cached):
+    """A lax.scan over 4 micro-batches, each taking its own gradient: with cache_weight the program quantizes W
+    once, outside the loop, and gives the same gradients as quantizing it in each micro-batch."""
+    recipe = Recipe()
+    xs, w = random_normal((4, 32, 64), 0), random_normal((64, 48), 1) * 0.1
+    key = jax.random.key(2)
+
+    def step(w, xs, cached):
+        cache = cache_weight(w, recipe) if cached else None
+
+        def micro_batch(acc, i):
+            def loss(w):
+                rhs = CachedWeight(w, cache.quantized) if cached else w
+                y = jax_nvfp4.dot_general(xs[i], rhs, DENSE, recipe=recipe, rng_key=jax.random.fold_in(key, i))
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+
+            return acc + jax.grad(loss)(w).astype(jnp.float32), None
+
+        return lax.scan(micro_batch, jnp.zeros(w.shape, jnp.float32), jnp.arange(xs.shape[0]))[0]
+
+    jitted = jax.jit(functools.partial(step, cached=cached))
+    # What we emit: W^T [1, 48, 64] quantized in the loop body, or not at all there.
+    assert _scan_quantizes(jax.make_jaxpr(functools.partial(step, cached=cached))(w, xs), (1, 48, 64)) == (
+        0 if cached else 1
+    )
+    # What runs: one quantize of W (its codes u8[1, 48, 32]), outside the loop. Without the cache XLA's
+    # loop-invariant code motion may hoist it too (it does on the CPU); with it, that is by construction.
+    in_loop = _weight_quantizes(jitted.lower(w, xs).compile().as_text(), "u8[1,48,32]")
+    if cached:
+        assert in_loop == [False]
+    assert_same_bytes(jitted(w, xs), jax.jit(functools.partial(step, cached=not cached))(w, xs))
+
+
+def test_cached_weight_errors():
+    x, w = random_normal((16, 32), 0), random_normal((32, 16), 1)
+    cache = cache_weight(w, Recipe(stochastic_rounding=False))
+    with pytest.raises(ValueError, match="another recipe"):
+        jax_nvfp4.dot_general(x, CachedWeight(w, cache.quantized), DENSE, recipe=Recipe(weight_block_2d=False))
+    with pytest.raises(ValueError, match="quantize_weight of its kernel"):
+        jax_nvfp4.dot_general(x, CachedWeight(w[:, :8], cache.quantized), DENSE)
+    with pytest.raises(ValueError, match="contracts its first 1 axes"):
+        jax_nvfp4.dot_general(x.T, cache, (((0,), (1,)), ((), ())), recipe=Recipe(stochastic_rounding=False))
+    with pytest.raises(TypeError, match="not MXFP8"):
+        jax_nvfp4.dot_general(x, cache, DENSE, recipe=jax_nvfp4.MXFP8())
+    assert np.asarray(cache[...].kernel).shape == (32, 16)
