@@ -1,4 +1,4 @@
-"""cache_weight: a weight quantized once per optimizer step, reused by every micro-batch, differentiated as its kernel."""
+"""cache_weight: a weight quantized once per optimizer step, reused by each micro-batch, differentiated as kernel."""
 
 from __future__ import annotations
 
