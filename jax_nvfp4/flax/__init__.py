@@ -5,12 +5,14 @@ here); NNX lives in ``jax_nvfp4.flax.nnx``.
 """
 
 from jax_nvfp4.flax.linen import (
+    CACHE,
     RNG_STREAM,
     MoEMLP,
     NVFP4Dense,
     NVFP4DenseGeneral,
     NVFP4DotGeneral,
     NVFP4Model,
+    cache_weights,
     nvfp4_rules,
     quantize_model,
     quantize_params,
@@ -18,6 +20,7 @@ from jax_nvfp4.flax.linen import (
 from jax_nvfp4.flax.rules import Rule, UnmatchedRuleWarning, keep_ends
 
 __all__ = [
+    "CACHE",
     "RNG_STREAM",
     "MoEMLP",
     "NVFP4Dense",
@@ -26,6 +29,7 @@ __all__ = [
     "NVFP4Model",
     "Rule",
     "UnmatchedRuleWarning",
+    "cache_weights",
     "keep_ends",
     "nvfp4_rules",
     "quantize_model",

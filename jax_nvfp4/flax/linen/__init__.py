@@ -3,21 +3,25 @@ the mixture-of-experts MLP (``moe``). ``jax_nvfp4.flax`` re-exports the names mo
 
 from jax_nvfp4.flax.linen.convert import NVFP4Model, nvfp4_rules, quantize_model
 from jax_nvfp4.flax.linen.layers import (
+    CACHE,
     RNG_STREAM,
     NVFP4Dense,
     NVFP4DenseGeneral,
     NVFP4DotGeneral,
+    cache_weights,
     quantize_params,
 )
 from jax_nvfp4.flax.linen.moe import MoEMLP
 
 __all__ = [
+    "CACHE",
     "RNG_STREAM",
     "MoEMLP",
     "NVFP4Dense",
     "NVFP4DenseGeneral",
     "NVFP4DotGeneral",
     "NVFP4Model",
+    "cache_weights",
     "nvfp4_rules",
     "quantize_model",
     "quantize_params",

@@ -19,8 +19,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as flax_dtypes
+from jax import lax
 
-from jax_nvfp4.core.tensor import QuantizedWeight
+from jax_nvfp4.core.tensor import CachedWeight, QuantizedWeight
 from jax_nvfp4.flax.linen import diagnostics
 from jax_nvfp4.linear.dot_general import dot_general, quantize_weight
 from jax_nvfp4.linear.recipe import Recipe
@@ -29,6 +30,10 @@ from jax_nvfp4.mxfp8 import MXFP8
 RNG_STREAM = "nvfp4"
 """The Flax RNG stream the layers draw their stochastic-rounding keys from: train with
 ``model.apply(variables, x, rngs={"nvfp4": key})`` (a fresh key each step)."""
+
+CACHE = "nvfp4_cache"
+"""The Flax variable collection of the quantized weights ``cache_weights`` makes: apply the model with
+``{"params": params, "nvfp4_cache": cache}`` and its NVFP4 GEMMs read them instead of quantizing the kernels."""
 
 
 def stream_key(module: nn.Module, recipe: Recipe) -> jax.Array | None:
@@ -50,10 +55,15 @@ class NVFP4DotGeneral(nn.Module):
     recipe: Recipe = Recipe()
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-        """``jax_nvfp4.dot_general`` with this module's recipe."""
+        """``jax_nvfp4.dot_general`` with this module's recipe (and its cached weight, where ``CACHE`` has one)."""
         if "rng_key" not in kwargs:
             kwargs["rng_key"] = stream_key(self, self.recipe)
-        y = dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
+        operand = rhs
+        if self.has_variable(CACHE, "kernel") and not isinstance(rhs, QuantizedWeight):
+            operand = CachedWeight(rhs, self.get_variable(CACHE, "kernel"))
+        y = dot_general(
+            lhs, operand, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs
+        )
         if isinstance(rhs, QuantizedWeight):
             return y
         return diagnostics.observe(self, lhs, rhs, dimension_numbers, self.recipe, y)
@@ -200,5 +210,47 @@ def quantize_params(params, recipe: Recipe | None = None, *, model: nn.Module, i
         with nn.intercept_methods(quantize_kernels):
             _, variables = model.apply({"params": params}, *inputs, mutable=["params"], **kwargs)
         return variables["params"]
+
+    return run(params, tuple(inputs), kwargs)
+
+
+def _cached_axes(dimension_numbers) -> int | None:
+    """How many leading kernel axes a GEMM contracts, where a cache can serve it (no batch axes), else None."""
+    (_, rc), (lb, rb) = dimension_numbers
+    rc = tuple(int(a) for a in rc)
+    return len(rc) if not lb and not rb and rc == tuple(range(len(rc))) else None
+
+
+def cache_weights(params, *, model: nn.Module, inputs: tuple = (), **kwargs):
+    """The ``CACHE`` collection: every NVFP4 GEMM's weight of ``model`` quantized once, for a training step.
+
+    With gradient accumulation, make it once per optimizer step from the step's ``params`` and apply the
+    model in each micro-batch with ``{"params": params, "nvfp4_cache": cache}``: the GEMMs read the cached
+    copies (what quantizing the kernels there would give, bit for bit) and the gradients still flow to
+    ``params``. Runs ``model.apply`` on ``inputs`` (a batch of one will do; inside a jitted step XLA drops
+    everything but the weights' quantization) to find the ``NVFP4DotGeneral`` GEMMs, each cached as it
+    quantizes its weight: with the kernel as the layer promotes it and the layer's recipe. GEMMs with batch
+    axes (``NVFP4DenseGeneral(batch_dims=...)``) and MXFP8 layers are not cached. A cache made from other
+    parameters than the ones applied is not detected: make it each step.
+    """
+
+    def cache_kernels(next_fun, args, kw, context):
+        module = context.module
+        if isinstance(module, NVFP4DotGeneral) and context.method_name == "__call__":
+            _, rhs, dimension_numbers = args[:3]
+            contract_ndim = _cached_axes(dimension_numbers)
+            cacheable = not isinstance(module.recipe, MXFP8) and not isinstance(rhs, QuantizedWeight)
+            if cacheable and contract_ndim is not None:
+                kernel = lax.stop_gradient(rhs)
+                module.put_variable(
+                    CACHE, "kernel", quantize_weight(kernel, module.recipe, contract_ndim=contract_ndim)
+                )
+        return next_fun(*args, **kw)
+
+    @jax.jit
+    def run(params, inputs, kwargs):
+        with nn.intercept_methods(cache_kernels):
+            _, variables = model.apply({"params": params}, *inputs, mutable=[CACHE], **kwargs)
+        return variables.get(CACHE, {})
 
     return run(params, tuple(inputs), kwargs)

@@ -1,0 +1,48 @@
+"""cache_weights (linen): the NVFP4 layers' weights quantized once per step, read from the "nvfp4_cache" collection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_same_bytes, eqns_named, normal
+
+from jax_nvfp4 import Recipe
+
+flax_nn = pytest.importorskip("flax.linen")
+from jax_nvfp4.flax import CACHE, NVFP4Dense, NVFP4DenseGeneral, cache_weights  # noqa: E402
+
+
+class _Model(flax_nn.Module):
+    """16x16-block layers (one promoting float32 params to bf16, one contracting two axes), a 1x16-block one."""
+
+    @flax_nn.compact
+    def __call__(self, x):
+        h = NVFP4DenseGeneral((2, 16), dtype=jnp.bfloat16, name="qkv")(x)
+        y = NVFP4DenseGeneral(32, axis=(-2, -1), name="out")(h)
+        y = NVFP4Dense(48, recipe=Recipe(weight_block_2d=False), name="mlp")(jax.nn.gelu(y))
+        return flax_nn.Dense(8, name="head")(y)
+
+
+def test_linen_cache_gives_the_same_loss_and_gradients_without_quantizing_the_weights():
+    model, x = _Model(), normal((4, 16, 32), 0, jnp.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    cache = cache_weights(params, model=model, inputs=(x[:1],))
+    assert set(cache) == {"qkv", "out", "mlp"}  # the NVFP4 layers, not the bf16 head
+    stored = cache["qkv"]["NVFP4DotGeneral_0"]["kernel"]
+    assert stored.dtype == jnp.bfloat16 and stored.shape == params["qkv"]["kernel"].shape  # as the layer promotes it
+
+    def loss(params, extra):
+        y = model.apply({"params": params, **extra}, x, rngs={"nvfp4": jax.random.key(1)})
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    want = jax.jit(jax.value_and_grad(loss))(params, {})
+    got = jax.jit(jax.value_and_grad(loss))(params, {CACHE: cache})
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_same_bytes(g, w)
+    # The two 16x16-block kernels are not quantized again; the 1x16 one still is along its other axis.
+    count = [
+        len(eqns_named(jax.make_jaxpr(jax.grad(loss))(params, extra), "nvfp4_quantize"))
+        for extra in ({}, {CACHE: cache})
+    ]
+    assert count[1] == count[0] - 2, count
