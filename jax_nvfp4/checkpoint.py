@@ -5,6 +5,10 @@ and a ``QuantizedWeight``'s kernel shape live in the pytree structure, which a c
 without a target does not have. ``save`` writes both: the arrays (E4M3 scales as their bytes) as an
 orbax ``StandardSave`` item and the metadata of every quantized node as a JSON item, so ``restore``
 rebuilds the same tree, byte for byte, from the directory alone. Needs ``orbax-checkpoint``.
+
+A tensor in 16x16 blocks with both copies is stored with its rowwise copy alone (its columnwise copy is
+those bytes transposed, ``core.transpose``) and rebuilt on restore: about half the bytes. Checkpoints
+written before that (both copies stored) restore as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 from jax_nvfp4.core.spec import QuantizeSpec
 from jax_nvfp4.core.tensor import NVFP4Tensor, QuantizedWeight
+from jax_nvfp4.core.transpose import with_columnwise_copy
 
 _ARRAYS = ("data", "scale", "amax", "data_t", "scale_t", "amax_t")
 _SCALES = ("scale", "scale_t")  # float8_e4m3fn: stored as uint8 bytes
@@ -36,11 +41,30 @@ def _scale_bytes(scale):
     return np.asarray(scale).view(np.uint8)
 
 
+_TRANSPOSED = "transposed"  # the metadata's "columnwise": rebuilt from the rowwise copy on restore
+
+
+@jax.jit
+def _same_bytes(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.array_equal(jax.lax.bitcast_convert_type(a, jnp.uint8), jax.lax.bitcast_convert_type(b, jnp.uint8))
+
+
+def _transposes(t: NVFP4Tensor) -> bool:
+    """Whether ``t``'s columnwise copy is its rowwise copy transposed (16x16 blocks, both copies, checked)."""
+    if not (t.block_2d and t.data is not None and t.data_t is not None) or (t.batched and len(t.shape) != 3):
+        return False
+    made = with_columnwise_copy(dataclasses.replace(t, data_t=None, scale_t=None, amax_t=None))
+    return all(bool(_same_bytes(getattr(made, n), getattr(t, n))) for n in ("data_t", "scale_t", "amax_t"))
+
+
 def _tensor_parts(t: NVFP4Tensor) -> tuple[dict[str, jax.Array], dict[str, Any]]:
-    arrays = {name: getattr(t, name) for name in _ARRAYS if getattr(t, name) is not None}
-    arrays = {k: _scale_bytes(v) if k in _SCALES else v for k, v in arrays.items()}
+    transposed = _transposes(t)
+    names = [n for n in _ARRAYS if getattr(t, n) is not None and not (transposed and n in _ARRAYS[3:])]
+    arrays = {k: _scale_bytes(getattr(t, k)) if k in _SCALES else getattr(t, k) for k in names}
     spec = dataclasses.asdict(t.spec)
     meta = {"shape": list(t.shape), "dtype": np.dtype(t.dtype).name, "spec": spec, "batched": t.batched}
+    if transposed:
+        meta["columnwise"] = _TRANSPOSED
     return arrays, meta
 
 
@@ -56,13 +80,14 @@ def _tensor_from(arrays: dict[str, Any], meta: dict[str, Any]) -> NVFP4Tensor:
     spec = dict(meta["spec"])
     if spec.get("amax_mesh_axes") is not None:
         spec["amax_mesh_axes"] = tuple(spec["amax_mesh_axes"])
-    return NVFP4Tensor(
+    t = NVFP4Tensor(
         **values,
         shape=tuple(meta["shape"]),
         dtype=jnp.dtype(meta["dtype"]),
         spec=QuantizeSpec(**spec),
         batched=meta["batched"],
     )
+    return with_columnwise_copy(t) if meta.get("columnwise") == _TRANSPOSED else t
 
 
 def _split(node) -> tuple[dict[str, jax.Array], dict[str, Any]]:

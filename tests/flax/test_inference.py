@@ -149,3 +149,41 @@ def test_orbax_round_trip_and_a_bf16_checkpoint_into_the_quantized_model(tmp_pat
         loaded = loader.restore(tmp_path / "bf16")
     served = quantize_params(loaded, model=model, inputs=(x[:1],))
     assert_same_bytes(model.apply({"params": served}, x), model.apply({"params": bf16}, x))
+
+
+def test_a_16x16_tensor_is_saved_with_one_copy_and_restored_with_both(tmp_path, monkeypatch):
+    """Both copies of a 16x16-block tensor restore byte for byte from its rowwise copy alone (the columnwise
+    copy is not written); 1x16 tensors keep both copies; a checkpoint written with both copies still restores."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from jax_nvfp4 import checkpoint
+
+    x = normal((3, 40, 56), 1, jnp.bfloat16)
+    tree = {
+        "w": jax_nvfp4.quantize(x, block_2d=True, columnwise=True),
+        "x": jax_nvfp4.quantize(x, columnwise=True),
+    }
+    checkpoint.save(tmp_path / "one", tree)
+    restored = checkpoint.restore(tmp_path / "one")
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(tree), strict=True):
+        assert_same_bytes(got, want)
+    assert jax.tree.structure(restored) == jax.tree.structure(tree)
+    stored = {m["path"][0]: m["tensor"].get("columnwise") for m in _saved_metadata(tmp_path / "one")}
+    assert stored == {"w": "transposed", "x": None}
+    with ocp.StandardCheckpointer() as reader:
+        written = reader.restore(tmp_path / "one" / "arrays")
+    assert set(written["w"]) == {"data", "scale", "amax"} and "data_t" in written["x"]
+
+    # A checkpoint written with both copies (as before this format): the writer told they differ.
+    assert checkpoint._transposes(tree["w"]) and not checkpoint._transposes(tree["x"])
+    monkeypatch.setattr(checkpoint, "_transposes", lambda t: False)
+    checkpoint.save(tmp_path / "both", tree)
+    assert all(m["tensor"].get("columnwise") is None for m in _saved_metadata(tmp_path / "both"))
+    for got, want in zip(jax.tree.leaves(checkpoint.restore(tmp_path / "both")), jax.tree.leaves(tree), strict=True):
+        assert_same_bytes(got, want)
+
+
+def _saved_metadata(directory) -> list[dict]:
+    import json
+    import pathlib
+
+    return json.loads((pathlib.Path(directory) / "nvfp4" / "metadata").read_text())["quantized"]
