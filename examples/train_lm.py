@@ -118,6 +118,14 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--weight-blocks", choices=("16x16", "1x16"), default="16x16", help="NVFP4 weight blocks")
     parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split each step's batch into N micro-batches and sum their gradients (lax.scan); each NVFP4 weight "
+        "is quantized once per step (jax_nvfp4.flax.cache_weights) and read by every micro-batch",
+    )
+    parser.add_argument(
         "--runs",
         type=parse_runs,
         default=("full-keep-ends", "bf16"),
@@ -217,6 +225,8 @@ def main() -> None:
             parser.error(f"--moe --capacity-factor must be a positive number, got {args.capacity_factor}")
     elif args.dispatch != "ragged":
         parser.error("--dispatch needs --moe")
+    if args.grad_accum < 1 or args.batch % args.grad_accum:
+        parser.error(f"--grad-accum must be at least 1 and divide --batch {args.batch}, got {args.grad_accum}")
     if (args.switch_at is None) != (args.switch_to is None):
         parser.error("--switch-at and --switch-to go together")
     if args.switch_at is not None and (not 0 < args.switch_at < 1 or args.steps < 2):

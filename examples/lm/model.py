@@ -23,7 +23,7 @@ import optax
 import jax_nvfp4
 from examples.lm.data import VOCAB
 from examples.lm.mesh import RULES
-from jax_nvfp4.flax import RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, Rule, keep_ends, quantize_model
+from jax_nvfp4.flax import CACHE, RNG_STREAM, NVFP4Dense, NVFP4DenseGeneral, Rule, keep_ends, quantize_model
 from jax_nvfp4.flax.linen.moe import MoEMLP
 
 DTYPE = jnp.bfloat16  # activations; parameters stay float32
@@ -78,14 +78,21 @@ MODEL_ARGS = ("d_model", "layers", "heads", "seq_len", "weight_blocks")
 
 
 def next_byte_loss(
-    model: nn.Module, params: Any, batch: jax.Array, key: jax.Array | None = None, load_balance: float = 0.0
+    model: nn.Module,
+    params: Any,
+    batch: jax.Array,
+    key: jax.Array | None = None,
+    load_balance: float = 0.0,
+    cache: Any = None,
 ) -> jax.Array:
     """Mean cross-entropy of predicting each next byte of the windows ``batch`` [B, seq_len + 1].
 
     ``key`` feeds the NVFP4 layers' stochastic rounding (needed for gradients when the recipe has it).
-    ``load_balance``: the weight of the MoE layers' mean load-balancing loss added to it (no MoE: none)."""
+    ``load_balance``: the weight of the MoE layers' mean load-balancing loss added to it (no MoE: none).
+    ``cache``: the NVFP4 layers' weights quantized once for the step (``jax_nvfp4.flax.cache_weights``)."""
     rngs = None if key is None else {RNG_STREAM: key}
-    logits, state = model.apply({"params": params}, batch[:, :-1], rngs=rngs, mutable=["losses"])
+    variables = {"params": params} if cache is None else {"params": params, CACHE: cache}
+    logits, state = model.apply(variables, batch[:, :-1], rngs=rngs, mutable=["losses"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
     balance = jax.tree.leaves(state)
     return loss + load_balance * sum(balance) / len(balance) if balance else loss

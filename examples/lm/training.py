@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
+from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,7 +28,7 @@ from examples.lm.data import windows
 from examples.lm.mesh import BATCH, mesh_name, shard_state, sharded_params
 from examples.lm.model import MODEL_ARGS, RECIPES, TransformerLM, build_model, describe, next_byte_loss
 from jax_nvfp4 import checkpoint
-from jax_nvfp4.flax.linen.layers import quantize_params
+from jax_nvfp4.flax.linen.layers import cache_weights, quantize_params
 
 LOAD_BALANCE = 0.01  # --moe: the weight of the load-balancing loss in the training loss
 
@@ -106,18 +107,44 @@ def init_state(
 
 
 def make_train_step(
-    loss_fn: Callable[..., jax.Array], *, rounding_key: jax.Array, jit_step: Callable
+    loss_fn: Callable[..., jax.Array],
+    *,
+    rounding_key: jax.Array,
+    jit_step: Callable,
+    grad_accum: int = 1,
+    cache_fn: Callable[[Any, jax.Array], Any] | None = None,
 ) -> tuple[Callable, Callable]:
-    """The jitted training step of a model's loss ``loss_fn(params, batch, key, load_balance)`` (stochastic
-    rounding: ``rounding_key`` folded with the step count) and the jitted evaluation of its loss."""
+    """The jitted training step of a model's loss ``loss_fn(params, batch, key, load_balance, cache)`` (stochastic
+    rounding: ``rounding_key`` folded with the step count) and the jitted evaluation of its loss.
+
+    ``grad_accum`` > 1: the batch is split into that many micro-batches whose gradients a ``lax.scan`` sums (each
+    micro-batch's key folded in); ``cache_fn(params, batch)`` then quantizes the weights once for the step, which
+    every micro-batch reads (None: each quantizes them itself)."""
 
     @jit_step
     def train_step(state: train_state.TrainState, batch: jax.Array) -> tuple[train_state.TrainState, jax.Array]:
         key = jax.random.fold_in(rounding_key, state.step)
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key, LOAD_BALANCE)
-        return state.apply_gradients(grads=grads), loss
+        if grad_accum == 1:
+            loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key, LOAD_BALANCE)
+            return state.apply_gradients(grads=grads), loss
+        micro = batch.reshape(grad_accum, -1, batch.shape[-1])
+        cache = None if cache_fn is None else cache_fn(state.params, micro[0])
+
+        def accumulate(total, i):
+            step = jax.value_and_grad(loss_fn)(state.params, micro[i], jax.random.fold_in(key, i), LOAD_BALANCE, cache)
+            return jax.tree.map(jnp.add, total, step), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+        (loss, grads), _ = lax.scan(accumulate, zeros, jnp.arange(grad_accum))
+        return state.apply_gradients(grads=jax.tree.map(lambda g: g / grad_accum, grads)), loss / grad_accum
 
     return train_step, jax.jit(loss_fn)
+
+
+def weight_cache(model: nn.Module) -> Callable[[Any, jax.Array], Any]:
+    """``cache_fn`` for ``make_train_step``: the NVFP4 layers' weights of ``model`` quantized once (found by a
+    forward pass on one window of the batch, which XLA drops inside the step but for the weights' quantization)."""
+    return lambda params, batch: cache_weights(params, model=model, inputs=(batch[:1, :-1],))
 
 
 def train(
@@ -134,8 +161,9 @@ def train(
     switch_step, switch_to = switch_of(run, args)
     state, jit_step, put = init_state(model, args, mesh)
     rounding_key = jax.random.key(args.seed + 1)  # stochastic rounding: a fresh key each step, folded in
-    make_steps = functools.partial(make_train_step, rounding_key=rounding_key, jit_step=jit_step)
-    train_step, eval_step = make_steps(functools.partial(next_byte_loss, model))
+    grad_accum = getattr(args, "grad_accum", 1)
+    make_steps = functools.partial(make_train_step, rounding_key=rounding_key, jit_step=jit_step, grad_accum=grad_accum)
+    train_step, eval_step = make_steps(functools.partial(next_byte_loss, model), cache_fn=weight_cache(model))
 
     def evaluate(params: Any) -> float:
         return float(np.mean([eval_step(params, put(b)) for b in data["val_batches"]]))
@@ -147,7 +175,7 @@ def train(
             jax.block_until_ready(state)
             t_switch = time.perf_counter()
             model = build_model(switch_to, args, mesh)
-            train_step, eval_step = make_steps(functools.partial(next_byte_loss, model))
+            train_step, eval_step = make_steps(functools.partial(next_byte_loss, model), cache_fn=weight_cache(model))
             progress.clear()
             print(f"{label} step {step:5d}  switched to {describe(switch_to, args)}", flush=True)
         state, loss = train_step(state, put(windows(data["train"], train_starts[step - 1], args.seq_len)))

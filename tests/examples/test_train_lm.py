@@ -208,6 +208,34 @@ def test_a_precision_schedule_switches_the_run_part_way():
     assert training.switch_of("bf16", switched_args) == (None, None)  # the run switched to is not switched
 
 
+def test_grad_accum_reads_the_weights_quantized_once_per_step(monkeypatch, capsys):
+    """--grad-accum 2 sums two micro-batches' gradients in a lax.scan; with the weight cache the step gives the
+    loss and parameters that each micro-batch quantizing the weights itself gives, bit for bit, with fewer
+    quantizes (none of a 16x16-block weight in the loop). A count that does not divide --batch is refused."""
+    flags = "--steps 1 --batch 4 --seq-len 16 --d-model 32 --layers 1 --heads 2 --runs full --grad-accum 2"
+    args = train_lm.make_parser().parse_args(flags.split())
+    model = build_model("full", args, None)
+    state = training.init_state(model, args)[0]
+    make = functools.partial(training.make_train_step, rounding_key=jax.random.key(1), jit_step=jax.jit, grad_accum=2)
+    cached = make(functools.partial(next_byte_loss, model), cache_fn=training.weight_cache(model))[0]
+    plain = make(functools.partial(next_byte_loss, model))[0]
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (4, 17), np.int32))
+    (got_state, got_loss), (want_state, want_loss) = cached(state, batch), plain(state, batch)
+    for got, want in zip(
+        jax.tree.leaves((got_loss, got_state.params)), jax.tree.leaves((want_loss, want_state.params)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    counts = []
+    for step in (cached, plain):  # quantizes in the loop over micro-batches
+        (scan,) = eqns_named(jax.make_jaxpr(step)(state, batch), "scan")
+        counts.append(len(eqns_named(scan.params["jaxpr"], "nvfp4_quantize")))
+    assert counts[1] - counts[0] == 6, counts  # q, k, v, out, mlp_up, mlp_down
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", "--batch", "8", "--grad-accum", "3"])
+    with pytest.raises(SystemExit):
+        train_lm.main()
+    assert "--grad-accum" in capsys.readouterr().err
+
+
 SWITCH_ERRORS = [["--switch-at", "0.5"], ["--switch-to", "bf16"], ["--switch-at", "1", "--switch-to", "bf16"]]
 
 

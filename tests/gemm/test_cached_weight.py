@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DENSE, assert_same_bytes, dense_problem, random_normal
+from helpers import DENSE, assert_same_bytes, dense_problem, eqns_named, random_normal
 from jax import lax
 
 import jax_nvfp4
@@ -57,27 +57,9 @@ def _weight_quantizes(hlo: str, shape: str) -> list[bool]:
 
 
 def _scan_quantizes(jaxpr, shape: tuple[int, ...]) -> int:
-    """Quantize equations on a [*shape] input inside the scans of ``jaxpr`` (nested jaxprs included)."""
-
-    def subjaxprs(value):
-        if isinstance(value, tuple | list):
-            for v in value:
-                yield from subjaxprs(v)
-        elif hasattr(value, "eqns"):
-            yield value
-        elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):  # a closed jaxpr
-            yield value.jaxpr
-
-    def count(j, inside: bool) -> int:
-        n = 0
-        for eqn in j.eqns:
-            if inside and eqn.primitive.name == "nvfp4_quantize" and eqn.invars[0].aval.shape == shape:
-                n += 1
-            for sub in (s for v in eqn.params.values() for s in subjaxprs(v)):
-                n += count(sub, inside or eqn.primitive.name == "scan")
-        return n
-
-    return count(jaxpr.jaxpr, False)
+    """Quantize equations on a [*shape] input inside the one scan of ``jaxpr``."""
+    (scan,) = eqns_named(jaxpr, "scan")
+    return sum(e.invars[0].aval.shape == shape for e in eqns_named(scan.params["jaxpr"], "nvfp4_quantize"))
 
 
 @pytest.mark.parametrize("cached", [False, True])
