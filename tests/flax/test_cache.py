@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -46,3 +48,34 @@ def test_linen_cache_gives_the_same_loss_and_gradients_without_quantizing_the_we
         for extra in ({}, {CACHE: cache})
     ]
     assert count[1] == count[0] - 2, count
+
+
+def test_nnx_cached_weights_give_the_same_gradients_quantizing_each_weight_once():
+    """Two micro-batches in one step: inside cached_weights each layer's kernel is quantized once (on entry, in the
+    layer's dtype), not in each micro-batch, with the same gradients bit for bit; the caches are gone after."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_nvfp4.flax import nnx as nvfp4_nnx
+
+    recipe = Recipe(stochastic_rounding=False)
+    rngs = nnx.Rngs(0)
+    model = nnx.Sequential(
+        nvfp4_nnx.NVFP4Linear(32, 48, recipe=recipe, dtype=jnp.bfloat16, rngs=rngs),
+        nvfp4_nnx.NVFP4LinearGeneral(48, (2, 16), recipe=recipe, rngs=rngs),
+    )
+    xs = normal((2, 8, 32), 1, jnp.bfloat16)
+    graphdef, state = nnx.split(model)
+
+    def loss(model, x):
+        return jnp.sum(model(x).astype(jnp.float32) ** 2)
+
+    def step(state, cached: bool):
+        model = nnx.merge(graphdef, state)
+        with nvfp4_nnx.cached_weights(model) if cached else contextlib.nullcontext():
+            grads = [nnx.grad(loss)(model, xs[i]) for i in range(2)]
+        assert not hasattr(model.layers[0].dot_general, "weight_cache")
+        return jax.tree.map(jnp.add, *grads)
+
+    for got, want in zip(jax.tree.leaves(step(state, True)), jax.tree.leaves(step(state, False)), strict=True):
+        assert_same_bytes(got, want)
+    count = [len(eqns_named(jax.make_jaxpr(lambda s, c=c: step(s, c))(state), "nvfp4_quantize")) for c in (False, True)]
+    assert count[0] - count[1] == 2, count  # each W: once instead of once per micro-batch

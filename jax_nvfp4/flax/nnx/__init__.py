@@ -10,6 +10,8 @@ from jax_nvfp4.flax.nnx.layers import (
     NVFP4Einsum,
     NVFP4Linear,
     NVFP4LinearGeneral,
+    WeightCache,
+    cached_weights,
     quantize_model,
     quantize_params,
 )
@@ -22,6 +24,8 @@ __all__ = [
     "NVFP4Einsum",
     "NVFP4Linear",
     "NVFP4LinearGeneral",
+    "WeightCache",
+    "cached_weights",
     "quantize_model",
     "quantize_params",
 ]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_nvfp4.core.tensor import QuantizedWeight
+from jax_nvfp4.core.tensor import CachedWeight, QuantizedWeight
 from jax_nvfp4.flax.linen.layers import RNG_STREAM
 from jax_nvfp4.flax.linen.layers import promote_dtype as _promote_each
 from jax_nvfp4.flax.rules import OnUnmatched, check_rules, recipe_for, report_unmatched
@@ -121,6 +121,9 @@ class NVFP4DotGeneral(NVFP4Op):
         if observer is not None:
             return observer(self, lhs, rhs, dimension_numbers, precision, preferred_element_type, kwargs)
         self._key(kwargs)
+        cache = getattr(self, "weight_cache", None)
+        if cache is not None and not isinstance(rhs, QuantizedWeight):
+            rhs = CachedWeight(rhs, cache[...])
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe, **kwargs)
 
 
@@ -157,23 +160,62 @@ def quantize_params(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Modu
     module's forward GEMM does (with ``recipe``, else the module's own), and the layer then applies it directly,
     quantizing only its inputs.
     """
-    for _, node in nnx.iter_graph(model):
-        if not (isinstance(node, nnx.Linear | nnx.LinearGeneral) and isinstance(node.dot_general, NVFP4DotGeneral)):
-            continue
-        if isinstance(node.dot_general.recipe, MXFP8):
-            continue
+    for node, contract_ndim in _nvfp4_layers(model):
+        if contract_ndim is None:
+            raise ValueError("quantize_params: an nnx.LinearGeneral with batch_axis has no quantized path")
         kernel = node.kernel[...]
-        if isinstance(kernel, QuantizedWeight):
-            continue
-        if isinstance(node, nnx.LinearGeneral):
-            if node.batch_axis:
-                raise ValueError("quantize_params: an nnx.LinearGeneral with batch_axis has no quantized path")
-            contract_ndim = len(node.in_features)
-        else:
-            contract_ndim = 1
         node.kernel = nnx.Param(quantize_weight(kernel, recipe or node.dot_general.recipe, contract_ndim=contract_ndim))
         node.promote_dtype = promote_dtype
     return model
+
+
+class WeightCache(nnx.Variable):
+    """An ``NVFP4DotGeneral``'s weight quantized once for a training step (``cached_weights``): not a parameter,
+    so ``nnx.grad`` does not differentiate it; the gradients flow to the layer's kernel."""
+
+
+def _nvfp4_layers(model: nnx.Module) -> Iterator[tuple[nnx.Module, int | None]]:
+    """The NVFP4 ``nnx.Linear`` / ``nnx.LinearGeneral`` layers of ``model`` whose kernel is not quantized yet
+    (not MXFP8), each with the number of leading kernel axes it contracts (None: batch axes, no stored form)."""
+    for _, node in nnx.iter_graph(model):
+        if not (isinstance(node, nnx.Linear | nnx.LinearGeneral) and isinstance(node.dot_general, NVFP4DotGeneral)):
+            continue
+        if isinstance(node.dot_general.recipe, MXFP8) or isinstance(node.kernel[...], QuantizedWeight):
+            continue
+        if isinstance(node, nnx.LinearGeneral):
+            yield node, None if node.batch_axis else len(node.in_features)
+        else:
+            yield node, 1
+
+
+@contextlib.contextmanager
+def cached_weights(model: nnx.Module) -> Iterator[nnx.Module]:
+    """Within the block, every NVFP4 layer of ``model`` reads its weight quantized once, on entry.
+
+    For gradient accumulation: enter it once per optimizer step (inside the jitted step), run the micro-batches'
+    forward and backward passes in it, and update the parameters after it. Each ``NVFP4DotGeneral`` then reads
+    its layer's kernel quantized on entry (a ``WeightCache`` variable, which ``nnx.grad`` does not differentiate)
+    and its gradient still flows to the kernel, bit for bit as without the cache. The kernel is cached in the
+    layer's ``dtype`` where it has one (as the layer promotes it), else as stored; a layer whose call promotes it
+    otherwise raises. The caches are removed on exit, so no stale copy outlives the step. ``nnx.LinearGeneral``
+    layers with ``batch_axis`` and MXFP8 layers are not cached.
+    """
+    ops = []
+    for layer, contract_ndim in _nvfp4_layers(model):
+        if contract_ndim is None:
+            continue
+        kernel = layer.kernel[...]
+        kernel = kernel if layer.dtype is None else kernel.astype(layer.dtype)
+        op = layer.dot_general
+        op.weight_cache = WeightCache(
+            quantize_weight(jax.lax.stop_gradient(kernel), op.recipe, contract_ndim=contract_ndim)
+        )
+        ops.append(op)
+    try:
+        yield model
+    finally:
+        for op in ops:
+            del op.weight_cache
 
 
 class NVFP4Linear(nnx.Linear):
@@ -281,6 +323,8 @@ __all__ = [
     "NVFP4Einsum",
     "NVFP4Linear",
     "NVFP4LinearGeneral",
+    "WeightCache",
+    "cached_weights",
     "quantize_model",
     "quantize_params",
 ]
