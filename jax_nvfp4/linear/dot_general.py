@@ -72,6 +72,17 @@ def columnwise_only(t: NVFP4Tensor) -> NVFP4Tensor:
     return NVFP4Tensor(None, None, t.amax, t.data_t, t.scale_t, t.amax_t, t.shape, t.dtype, t.spec, t.batched)
 
 
+def weight_residual(qw: NVFP4Tensor) -> NVFP4Tensor:
+    """A quantized W's residual for the backward pass: its columnwise copy alone, or, quantized rowwise alone
+    (16x16 blocks: ``Recipe.spec("w", columnwise=not weight_block_2d)``), that one copy."""
+    return qw if qw.data_t is None else columnwise_only(qw)
+
+
+def dgrad_weight(qw: NVFP4Tensor) -> NVFP4Tensor:
+    """W's columnwise copy from its residual (``weight_residual``): as kept, or transposed from the rowwise one."""
+    return with_columnwise_copy(qw) if qw.data_t is None else qw
+
+
 def _fprop(x: jax.Array, qw: NVFP4Tensor, recipe: Recipe, out_dtype: np.dtype) -> jax.Array:
     """The forward GEMM without residuals: x [B, *M, K] quantized, against quantized W^T [B, N, K]."""
     return batched_gemm(_quantize(x, recipe, "x", columnwise=False), qw, out_dtype, impl=recipe.impl)
@@ -107,8 +118,7 @@ def _matmul_fwd(x, w, key, config: DotConfig):
 
 def _matmul_bwd(config: DotConfig, residuals, dy):
     qx, qw, key = residuals  # x^T [B, K, *M] columnwise; W's columnwise copy [B, K, N], or its rowwise [B, N, K]
-    if qw.data_t is None:
-        qw = with_columnwise_copy(qw)
+    qw = dgrad_weight(qw)
     config.recipe.check_rng_key(key)
     qdy = _quantize(dy, config.recipe, "dy", columnwise=True, key=key)
     impl = config.recipe.impl

@@ -75,7 +75,7 @@ from jax.sharding import PartitionSpec
 
 from jax_nvfp4.core.pipeline import max_entry
 from jax_nvfp4.core.tensor import NVFP4Tensor
-from jax_nvfp4.linear.dot_general import columnwise_only
+from jax_nvfp4.linear.dot_general import columnwise_only, dgrad_weight, weight_residual
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.moe.dispatch import (
@@ -216,9 +216,9 @@ def _dispatch_dot(buffer, w, key, recipe: Recipe, mesh: _Mesh):
 
 def _dispatch_fwd(buffer, w, key, recipe: Recipe, mesh: _Mesh):
     qx = _to_experts(_quantize(buffer, recipe, "x", True, mesh.tokens), mesh.expert, mesh.world)
-    qw = _quantize(w, recipe, "w", True, mesh.tokens)
+    qw = _quantize(w, recipe, "w", not recipe.weight_block_2d, mesh.tokens)  # 16x16: one copy
     y = batched_gemm(qx, qw, buffer.dtype, impl=recipe.impl)
-    return y, (columnwise_only(qx), columnwise_only(qw), key, jnp.zeros((0,), w.dtype))
+    return y, (columnwise_only(qx), weight_residual(qw), key, jnp.zeros((0,), w.dtype))
 
 
 def _dispatch_bwd(recipe: Recipe, mesh: _Mesh, residuals, dy):
@@ -226,7 +226,7 @@ def _dispatch_bwd(recipe: Recipe, mesh: _Mesh, residuals, dy):
     recipe.check_rng_key(key)
     # dy [E/D, D R, N] is made at the experts' side: quantized there (global amax).
     qdy = _quantize(dy, recipe, "dy", True, mesh.tokens, _shard_key(key, mesh))
-    dx = batched_gemm(qdy, qw, qx.dtype, c_columnwise=True, impl=recipe.impl)
+    dx = batched_gemm(qdy, dgrad_weight(qw), qx.dtype, c_columnwise=True, impl=recipe.impl)
     dw = _weight_grad(qdy, qx, w_like.dtype, recipe, mesh)
     return _to_tokens(dx, mesh.expert), dw, None
 
@@ -250,9 +250,9 @@ def _combine_dot(h, w, key, recipe: Recipe, mesh: _Mesh):
 
 def _combine_fwd(h, w, key, recipe: Recipe, mesh: _Mesh):
     qh = _quantize(h, recipe, "x", True, mesh.tokens)
-    qw = _quantize(w, recipe, "w", True, mesh.tokens)
+    qw = _quantize(w, recipe, "w", not recipe.weight_block_2d, mesh.tokens)  # 16x16: one copy
     y = batched_gemm(qh, qw, h.dtype, impl=recipe.impl)
-    return _to_tokens(y, mesh.expert), (columnwise_only(qh), columnwise_only(qw), key, jnp.zeros((0,), w.dtype))
+    return _to_tokens(y, mesh.expert), (columnwise_only(qh), weight_residual(qw), key, jnp.zeros((0,), w.dtype))
 
 
 def _combine_bwd(recipe: Recipe, mesh: _Mesh, residuals, dout):
@@ -260,7 +260,7 @@ def _combine_bwd(recipe: Recipe, mesh: _Mesh, residuals, dout):
     recipe.check_rng_key(key)
     # dout [E, R, N] is at the token side: quantized there (global amax, both copies), moved as codes.
     qdy = _to_experts(_quantize(dout, recipe, "dy", True, mesh.tokens, _shard_key(key, mesh)), mesh.expert, mesh.world)
-    dh = batched_gemm(qdy, qw, qh.dtype, c_columnwise=True, impl=recipe.impl)
+    dh = batched_gemm(qdy, dgrad_weight(qw), qh.dtype, c_columnwise=True, impl=recipe.impl)
     return dh, _weight_grad(qdy, qh, w_like.dtype, recipe, mesh), None
 
 

@@ -54,7 +54,14 @@ from jax.typing import DTypeLike
 from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.pipeline import quantize_batch
 from jax_nvfp4.core.tensor import NVFP4Tensor
-from jax_nvfp4.linear.dot_general import DotConfig, check_operands, check_options, check_result, columnwise_only
+from jax_nvfp4.linear.dot_general import (
+    DotConfig,
+    check_operands,
+    check_options,
+    check_result,
+    dgrad_weight,
+    weight_residual,
+)
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.moe.grouped import Scaled, quantize_grouped
 from jax_nvfp4.ops import KERNELS
@@ -187,10 +194,11 @@ def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: Dot
 def _ragged_fwd(x, w, group_sizes, key, config: DotConfig):
     rows = x.shape[0]
     ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
-    qw = _experts(w, config.recipe, columnwise=True)
+    # 16x16 blocks: the rowwise copy alone, transposed in the backward pass.
+    qw = _experts(w, config.recipe, columnwise=not config.recipe.weight_block_2d)
     qx = quantize_grouped(x, group_sizes, config.recipe.spec("x", columnwise=True, tokens=rows))
     y = _fprop(qx.rows(), qw, sizes, ids, config)
-    return y, (qx.columnwise_only(), columnwise_only(qw), group_sizes, key)
+    return y, (qx.columnwise_only(), weight_residual(qw), group_sizes, key)
 
 
 def _ragged_bwd(config: DotConfig, residuals, dy):
@@ -201,7 +209,7 @@ def _ragged_bwd(config: DotConfig, residuals, dy):
     ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
     spec = recipe.spec("dy", columnwise=True, tokens=rows)
     qdy = quantize_grouped(dy, group_sizes, spec, row_key=row_key, group_keys=group_keys)
-    dx = _token_gemm(qdy.rows(), _expert_values(qw, columnwise=True), sizes, ids, config.x_dtype)
+    dx = _token_gemm(qdy.rows(), _expert_values(dgrad_weight(qw), columnwise=True), sizes, ids, config.x_dtype)
     dw = _weight_gemm(qdy.columns(), qx.columns(), segment_sizes(group_sizes, rows), config.w_dtype)
     return dx, dw, None, None
 
