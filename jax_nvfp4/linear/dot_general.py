@@ -207,7 +207,7 @@ def _int_dims(dimension_numbers) -> lax.DotDimensionNumbers:
 
 
 def _weight_problem(lhs, rhs: QuantizedWeight | CachedWeight, dims, preferred_element_type):
-    """x [1, M, K] and the result's type of ``dot_general`` with a stored weight as rhs (its first
+    """x [1, *M, K] and the result's type of ``dot_general`` with a stored weight as rhs (its first
     ``contract_ndim`` axes contracted, no batch axes)."""
     contract_ndim = (rhs if isinstance(rhs, QuantizedWeight) else rhs.quantized).contract_ndim
     dims = _int_dims(dims)
@@ -225,7 +225,9 @@ def _weight_problem(lhs, rhs: QuantizedWeight | CachedWeight, dims, preferred_el
             f"NVFP4 dot_general takes and produces bfloat16, float16 or float32, not lhs {lhs.dtype} -> {out.dtype}"
         )
     lf = [d for d in range(lhs.ndim) if d not in lc]
-    return lhs.transpose(*lf, *lc).reshape(1, -1, math.prod(lhs.shape[d] for d in lc)), out
+    # Row axes (e.g. batch and sequence) stay apart where x's columnwise blocks allow it, as in training.
+    rows = row_axes(tuple(lhs.shape[d] for d in lf), blocked_rows=True)
+    return lhs.transpose(*lf, *lc).reshape(1, *rows, math.prod(lhs.shape[d] for d in lc)), out
 
 
 def _apply_quantized(lhs, rhs: QuantizedWeight, dims, preferred_element_type, recipe: Recipe) -> jax.Array:
