@@ -210,7 +210,7 @@ def test_a_precision_schedule_switches_the_run_part_way():
 
 def test_grad_accum_reads_the_weights_quantized_once_per_step(monkeypatch, capsys):
     """--grad-accum 2 sums two micro-batches' gradients in a lax.scan; with the weight cache the step gives the
-    loss and parameters that each micro-batch quantizing the weights itself gives, bit for bit, with fewer
+    loss and parameters that each micro-batch quantizing the weights itself gives, with fewer
     quantizes (none of a 16x16-block weight in the loop). A count that does not divide --batch is refused."""
     flags = "--steps 1 --batch 4 --seq-len 16 --d-model 32 --layers 1 --heads 2 --runs full --grad-accum 2"
     args = train_lm.make_parser().parse_args(flags.split())
@@ -221,10 +221,12 @@ def test_grad_accum_reads_the_weights_quantized_once_per_step(monkeypatch, capsy
     plain = make(functools.partial(next_byte_loss, model))[0]
     batch = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (4, 17), np.int32))
     (got_state, got_loss), (want_state, want_loss) = cached(state, batch), plain(state, batch)
+    # The same quantized operands; float32 sums that XLA may order differently in two programs aside (bit-equal
+    # with jax 0.11.2 and 0.12.0.1 on the CPU), the same step.
     for got, want in zip(
         jax.tree.leaves((got_loss, got_state.params)), jax.tree.leaves((want_loss, want_state.params)), strict=True
     ):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
     counts = []
     for step in (cached, plain):  # quantizes in the loop over micro-batches
         (scan,) = eqns_named(jax.make_jaxpr(step)(state, batch), "scan")
