@@ -195,10 +195,10 @@ def cached_weights(model: nnx.Module) -> Iterator[nnx.Module]:
     For gradient accumulation: enter it once per optimizer step (inside the jitted step), run the micro-batches'
     forward and backward passes in it, and update the parameters after it. Each ``NVFP4DotGeneral`` then reads
     its layer's kernel quantized on entry (a ``WeightCache`` variable, which ``nnx.grad`` does not differentiate)
-    and its gradient still flows to the kernel, bit for bit as without the cache. The kernel is cached in the
-    layer's ``dtype`` where it has one (as the layer promotes it), else as stored; a layer whose call promotes it
-    otherwise raises. The caches are removed on exit, so no stale copy outlives the step. ``nnx.LinearGeneral``
-    layers with ``batch_axis`` and MXFP8 layers are not cached.
+    and its gradient still flows to the kernel, as without the cache (the same quantized operands). The kernel
+    is cached in the layer's ``dtype`` where it has one (as the layer promotes it), else as stored; a layer
+    whose call promotes it otherwise raises. The caches are removed on exit, so no stale copy outlives the
+    step. ``nnx.LinearGeneral`` layers with ``batch_axis`` and MXFP8 layers are not cached.
     """
     ops = []
     for layer, contract_ndim in _nvfp4_layers(model):
