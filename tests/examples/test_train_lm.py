@@ -209,9 +209,10 @@ def test_a_precision_schedule_switches_the_run_part_way():
 
 
 def test_grad_accum_reads_the_weights_quantized_once_per_step(monkeypatch, capsys):
-    """--grad-accum 2 sums two micro-batches' gradients in a lax.scan; with the weight cache the step gives the
-    loss and parameters that each micro-batch quantizing the weights itself gives, with fewer
-    quantizes (none of a 16x16-block weight in the loop). A count that does not divide --batch is refused."""
+    """--grad-accum 2 sums two micro-batches' gradients in a lax.scan; with the weight cache no weight is
+    quantized in the loop (six fewer quantizes there than each micro-batch quantizing its weights), and the
+    step trains. A count that does not divide --batch is refused. (The cache's outputs and gradients against
+    quantizing in each GEMM: tests/flax/test_cache.py, tests/gemm/test_cached_weight.py.)"""
     flags = "--steps 1 --batch 4 --seq-len 16 --d-model 32 --layers 1 --heads 2 --runs full --grad-accum 2"
     args = train_lm.make_parser().parse_args(flags.split())
     model = build_model("full", args, None)
@@ -220,18 +221,13 @@ def test_grad_accum_reads_the_weights_quantized_once_per_step(monkeypatch, capsy
     cached = make(functools.partial(next_byte_loss, model), cache_fn=training.weight_cache(model))[0]
     plain = make(functools.partial(next_byte_loss, model))[0]
     batch = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (4, 17), np.int32))
-    (got_state, got_loss), (want_state, want_loss) = cached(state, batch), plain(state, batch)
-    # The same quantized operands; float32 sums that XLA may order differently in two programs aside (bit-equal
-    # with jax 0.11.2 and 0.12.0.1 on the CPU), the same step.
-    for got, want in zip(
-        jax.tree.leaves((got_loss, got_state.params)), jax.tree.leaves((want_loss, want_state.params)), strict=True
-    ):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
     counts = []
-    for step in (cached, plain):  # quantizes in the loop over micro-batches
+    for step in (cached, plain):  # quantizes in the loop over micro-batches (traced, not compiled)
         (scan,) = eqns_named(jax.make_jaxpr(step)(state, batch), "scan")
         counts.append(len(eqns_named(scan.params["jaxpr"], "nvfp4_quantize")))
     assert counts[1] - counts[0] == 6, counts  # q, k, v, out, mlp_up, mlp_down
+    new_state, loss = cached(state, batch)
+    assert np.isfinite(float(loss)) and int(new_state.step) == 1
     monkeypatch.setattr(sys, "argv", ["train_lm.py", "--batch", "8", "--grad-accum", "3"])
     with pytest.raises(SystemExit):
         train_lm.main()

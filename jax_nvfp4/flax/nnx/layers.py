@@ -160,7 +160,7 @@ def quantize_params(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Modu
     module's forward GEMM does (with ``recipe``, else the module's own), and the layer then applies it directly,
     quantizing only its inputs.
     """
-    for node, contract_ndim in _nvfp4_layers(model):
+    for node, contract_ndim in list(_nvfp4_layers(model)):  # listed first: the loop changes the graph
         if contract_ndim is None:
             raise ValueError("quantize_params: an nnx.LinearGeneral with batch_axis has no quantized path")
         kernel = node.kernel[...]
@@ -201,7 +201,7 @@ def cached_weights(model: nnx.Module) -> Iterator[nnx.Module]:
     step. ``nnx.LinearGeneral`` layers with ``batch_axis`` and MXFP8 layers are not cached.
     """
     ops = []
-    for layer, contract_ndim in _nvfp4_layers(model):
+    for layer, contract_ndim in list(_nvfp4_layers(model)):  # listed first: the loop changes the graph
         if contract_ndim is None:
             continue
         kernel = layer.kernel[...]
