@@ -85,9 +85,24 @@ def check_tensor(name: str, t) -> NVFP4Tensor:
     return t
 
 
+class _StoredKernel:
+    """What a weight that stands in for a layer's kernel (its ``shape``) answers as the kernel would: its rank,
+    and ``[...]``."""
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index):
+        # NNX layers read their kernel as ``param[...]``: the whole weight, as it is.
+        if index is not Ellipsis:
+            raise TypeError(f"a {type(self).__name__} is indexed only as [...] (the whole weight)")
+        return self
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["tensor"], meta_fields=["shape", "contract_ndim"])
 @dataclasses.dataclass(frozen=True)
-class QuantizedWeight:
+class QuantizedWeight(_StoredKernel):
     """A layer's kernel stored in NVFP4 for inference (``jax_nvfp4.quantize_weight``).
 
     ``tensor``: the rowwise copy of W^T [1, N, K] (batched) exactly as the training forward GEMM
@@ -105,20 +120,10 @@ class QuantizedWeight:
         """The dtype of the kernel it was quantized from (what Flax promotes the layer's inputs with)."""
         return self.tensor.dtype
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __getitem__(self, index):
-        # NNX layers read their kernel as ``param[...]``: the whole weight, as it is.
-        if index is not Ellipsis:
-            raise TypeError("a QuantizedWeight is indexed only as [...] (the whole weight)")
-        return self
-
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["kernel", "quantized"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class CachedWeight:
+class CachedWeight(_StoredKernel):
     """A layer's kernel for training, with its forward copy quantized once (``jax_nvfp4.cache_weight``).
 
     ``kernel``: the high-precision kernel ``[*in, *out]``, which gradients flow to; ``quantized``: the
@@ -137,13 +142,3 @@ class CachedWeight:
     @property
     def dtype(self) -> np.dtype:
         return self.kernel.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __getitem__(self, index):
-        # NNX layers read their kernel as ``param[...]``: the whole weight, as it is.
-        if index is not Ellipsis:
-            raise TypeError("a CachedWeight is indexed only as [...] (the whole weight)")
-        return self
