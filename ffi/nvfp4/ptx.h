@@ -25,9 +25,13 @@
 #if defined(NVFP4_SM100_PTX)
 #define NVFP4_HAS_FP4_CVT() true
 #elif defined(NVFP4_CUDA_HOST)
+#include <atomic>
 namespace nvfp4::host {
-int emulated_sm();
-}
+// The GPU the host model stands for (90, 100, 120). Inline: the kernels ask per element, and a call
+// into another translation unit each time was a large share of the model's run time.
+inline std::atomic<int> emulated_sm_value{90};
+inline int emulated_sm() { return emulated_sm_value.load(std::memory_order_relaxed); }
+}  // namespace nvfp4::host
 #define NVFP4_HAS_FP4_CVT() (::nvfp4::host::emulated_sm() >= 100)
 #else
 #define NVFP4_HAS_FP4_CVT() false

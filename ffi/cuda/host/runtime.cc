@@ -51,7 +51,6 @@ struct LaunchState {
   }
 };
 
-std::atomic<int> sm{90};
 // The stream handed to the handlers: any non-null value (the model never dereferences it).
 CUstream_st* const kXlaStream = reinterpret_cast<CUstream_st*>(uintptr_t(0x5742));
 
@@ -657,8 +656,7 @@ cudaError_t check_stream(cudaStream_t stream, const std::string& what) {
 
 }  // namespace
 
-int emulated_sm() { return sm.load(std::memory_order_relaxed); }
-void set_emulated_sm(int value) { sm.store(value); }
+void set_emulated_sm(int value) { emulated_sm_value.store(value); }
 cudaStream_t xla_stream() { return kXlaStream; }
 
 namespace {

@@ -23,6 +23,8 @@
 #include <string>
 #include <type_traits>
 
+#include "nvfp4/ptx.h"  // emulated_sm()
+
 // ---- CUDA keywords ----
 #define __global__
 #define __device__
@@ -86,8 +88,8 @@ constexpr int kMultiprocessors = 2;
 extern thread_local uint3 thread_idx, block_idx;
 extern thread_local dim3 block_dim, grid_dim;
 
-// The GPU the model stands for (90, 100, 120): which sm-specific code paths run (ffi/nvfp4/ptx.h).
-int emulated_sm();
+// The GPU the model stands for (90, 100, 120): which sm-specific code paths run (emulated_sm() is
+// inline, in ffi/nvfp4/ptx.h).
 void set_emulated_sm(int sm);
 
 // A stream object for the handlers (XLA passes one; the model runs every launch synchronously).
