@@ -75,6 +75,11 @@ class GlobalScales:
         self.encode = jnp.where(ges == 0, b.u32(_F32_ONE), ges)  # only when amax is inf
         self.encode_div6 = b.mul(self.encode, _F32_ONE_SIXTH)
         self.decode = b.div(_F32_ONE, self.encode)
+        # Computed once, then read: without the barrier XLA's CPU compiler copies the integer division chains
+        # into each fusion that reads a scale (twice the program, twice the compile time).
+        self.encode, self.encode_div6, self.decode = lax.optimization_barrier(
+            (self.encode, self.encode_div6, self.decode)
+        )
 
     def block_encode(self, scale: jnp.ndarray) -> jnp.ndarray:
         """Encode scales (bits) of E4M3 block scale codes shaped like the block amaxes."""
@@ -140,7 +145,7 @@ def quantize_1d(u: jnp.ndarray, g: GlobalScales, seed=None, stream: int = 0, fos
         codes, scale = _fos.quantize_blocks(blocks[..., None, :], g, *fos)
         return pack(codes.reshape(bsz, rows, -1), cols), scale
     scale = block_scale(max_magnitude_bits(blocks, -1), g.encode_div6)
-    enc = g.block_encode(scale)
+    scale, enc = lax.optimization_barrier((scale, g.block_encode(scale)))  # once a block (GlobalScales says why)
     codes = _encode(b.mul(blocks, enc[..., None]).reshape(bsz, rows, -1), seed, stream)
     return pack(codes, cols), scale
 
@@ -172,7 +177,7 @@ def _quantize_2d(u: jnp.ndarray, g: GlobalScales, seed=None, fos: tuple[str, boo
     else:
         tiles = padded.reshape(bsz, padded.shape[1] // BLOCK, BLOCK, -1, BLOCK)
         scale = block_scale(max_magnitude_bits(tiles, (2, 4)), g.encode_div6)
-        enc = g.block_encode(scale)
+        scale, enc = lax.optimization_barrier((scale, g.block_encode(scale)))  # once a block (see GlobalScales)
         codes = _encode(b.mul(tiles, enc[:, :, None, :, None]).reshape(padded.shape), seed, 0)
         codes_t, scale_t = jnp.swapaxes(codes, 1, 2), jnp.swapaxes(scale, 1, 2)
     row_scale = jnp.repeat(scale, BLOCK, axis=1)[:, :rows]

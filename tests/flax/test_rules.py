@@ -249,23 +249,23 @@ def test_a_stock_nnx_model_converted_by_rules():
 
 def test_a_converted_nnx_model_trains_under_nnx_jit_with_an_optimizer():
     tokens = _tokens(1, (4, 17))
+
+    @nnx.jit  # one function for both models: compiled once, the RNG state and parameters passed in
+    def step(model, optimizer):
+        def loss(model):
+            logits = model(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
     models = []
     for _ in range(2):  # the same seeds twice: the same steps
         model = nvfp4_nnx.quantize_model(
             NNXLM(nnx.Rngs(0)), keep_ends(LAYERS, last=1, block="blocks/{i}"), rngs=nnx.Rngs(nvfp4=5)
         )
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer):
-            def loss(model):
-                logits = model(tokens[:, :-1])
-                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-            value, grads = nnx.value_and_grad(loss)(model)
-            optimizer.update(model, grads)
-            return value
-
         models.append([float(step(model, optimizer)) for _ in range(30)])
     assert models[0] == models[1]
     assert np.mean(models[0][-5:]) < 0.7 * np.mean(models[0][:5])

@@ -265,4 +265,5 @@ _RULES: dict[str, Callable] = {
     "jit": _call_rule("jaxpr"),
     "pjit": _call_rule("jaxpr"),
     "custom_jvp_call": _call_rule("call_jaxpr"),
+    "optimization_barrier": lambda eqn, *xs: list(xs),  # a compiler hint: its operands, unchanged
 }
