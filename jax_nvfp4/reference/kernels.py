@@ -75,8 +75,9 @@ class GlobalScales:
         self.encode = jnp.where(ges == 0, b.u32(_F32_ONE), ges)  # only when amax is inf
         self.encode_div6 = b.mul(self.encode, _F32_ONE_SIXTH)
         self.decode = b.div(_F32_ONE, self.encode)
-        # Computed once, then read: without the barrier XLA's CPU compiler copies the integer division chains
-        # into each fusion that reads a scale (twice the program, twice the compile time).
+        # Computed once, then read: without this barrier and the block scales' XLA's CPU compiler copies the
+        # integer division chains into each fusion that reads a scale (a 1x16 quantize's optimized program:
+        # 8332 lines without them, 4111 with them; XLA's compile time falls more than half).
         self.encode, self.encode_div6, self.decode = lax.optimization_barrier(
             (self.encode, self.encode_div6, self.decode)
         )
