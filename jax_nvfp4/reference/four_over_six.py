@@ -50,8 +50,7 @@ def quantize_blocks(blocks: jnp.ndarray, g, mode: str, fast_math: bool) -> tuple
     base = b.mul(b.div(bamax, _F32_SIX), g.encode)
     # Both candidates at once, stacked on a leading axis: [map-6, map-4] (one traced graph, half the compile).
     scale = e4m3_encode(b.clamp_magnitude(jnp.stack([base, b.mul(base, _F32_THREE_HALVES)]), _F32_448))
-    # Computed once a block, then read (reference.GlobalScales says why).
-    scale, enc = lax.optimization_barrier((scale, g.block_encode(scale)))
+    scale, enc = g.block_encode(scale)
     codes = e2m1_encode(b.mul(blocks, enc[..., None, None]))
     err = tree_sum(chunk_errors(blocks, codes, scale, g, mode, fast_math))
     map4 = less(err[1], err[0])

@@ -165,8 +165,8 @@ def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, sp
     if fos is not None:
         codes, scale = _fos.quantize_blocks(blocks[..., None, :], g, *fos)
     else:
-        scale = core.block_scale(core.max_magnitude_bits(blocks, -1), g.encode_div6)
-        v = b.mul(blocks, g.block_encode(scale)[..., None]).reshape(cols.shape)
+        scale, enc = g.block_encode(core.block_scale(core.max_magnitude_bits(blocks, -1), g.encode_div6))
+        v = b.mul(blocks, enc[..., None]).reshape(cols.shape)
         if spec.stochastic_rounding:
             codes = e2m1_encode_stochastic(v, _group_bytes(group_seeds, owner, cols.shape, split_seed(seed)[1]))
         else:

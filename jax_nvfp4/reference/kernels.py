@@ -75,16 +75,17 @@ class GlobalScales:
         self.encode = jnp.where(ges == 0, b.u32(_F32_ONE), ges)  # only when amax is inf
         self.encode_div6 = b.mul(self.encode, _F32_ONE_SIXTH)
         self.decode = b.div(_F32_ONE, self.encode)
-        # Computed once, then read: without this barrier and the block scales' XLA's CPU compiler copies the
+        # Computed once, then read: without this barrier and block_encode's, XLA's CPU compiler copies the
         # integer division chains into each fusion that reads a scale (a 1x16 quantize's optimized program:
         # 8332 lines without them, 4111 with them; XLA's compile time falls more than half).
         self.encode, self.encode_div6, self.decode = lax.optimization_barrier(
             (self.encode, self.encode_div6, self.decode)
         )
 
-    def block_encode(self, scale: jnp.ndarray) -> jnp.ndarray:
-        """Encode scales (bits) of E4M3 block scale codes shaped like the block amaxes."""
-        return block_encode_scale(scale, self.decode)
+    def block_encode(self, scale: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """(scale, encode scales as bits) of E4M3 block scale codes shaped like the block amaxes: both computed
+        once a block, behind a barrier (see above), for the codes and the scale output to read."""
+        return lax.optimization_barrier((scale, block_encode_scale(scale, self.decode)))
 
 
 def dequantize_scale(amax_bits: jnp.ndarray, e4m3_max: int = 448) -> jnp.ndarray:
@@ -146,7 +147,7 @@ def quantize_1d(u: jnp.ndarray, g: GlobalScales, seed=None, stream: int = 0, fos
         codes, scale = _fos.quantize_blocks(blocks[..., None, :], g, *fos)
         return pack(codes.reshape(bsz, rows, -1), cols), scale
     scale = block_scale(max_magnitude_bits(blocks, -1), g.encode_div6)
-    scale, enc = lax.optimization_barrier((scale, g.block_encode(scale)))  # once a block (GlobalScales says why)
+    scale, enc = g.block_encode(scale)
     codes = _encode(b.mul(blocks, enc[..., None]).reshape(bsz, rows, -1), seed, stream)
     return pack(codes, cols), scale
 
@@ -178,7 +179,7 @@ def _quantize_2d(u: jnp.ndarray, g: GlobalScales, seed=None, fos: tuple[str, boo
     else:
         tiles = padded.reshape(bsz, padded.shape[1] // BLOCK, BLOCK, -1, BLOCK)
         scale = block_scale(max_magnitude_bits(tiles, (2, 4)), g.encode_div6)
-        scale, enc = lax.optimization_barrier((scale, g.block_encode(scale)))  # once a block (see GlobalScales)
+        scale, enc = g.block_encode(scale)
         codes = _encode(b.mul(tiles, enc[:, :, None, :, None]).reshape(padded.shape), seed, 0)
         codes_t, scale_t = jnp.swapaxes(codes, 1, 2), jnp.swapaxes(scale, 1, 2)
     row_scale = jnp.repeat(scale, BLOCK, axis=1)[:, :rows]

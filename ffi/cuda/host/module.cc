@@ -85,7 +85,8 @@ std::array<uint64_t, N> count_over_floats(Count count) {
       nvfp4::SubnormalGuard guard;
       const uint64_t begin = (uint64_t(part) << 32) / kParts,
                      end = (uint64_t(part + 1) << 32) / kParts;
-      // Counted here, stored once: counts[part] of the 4 threads share cache lines.
+      // Counted here, stored once: counts[part] of the 4 threads share cache lines (the E2M1 table
+      // check took 72 s on 2 cores with every count written there, 33 s with these).
       std::array<uint64_t, N> local{};
       for (uint64_t i = begin; i < end; ++i) {
         const uint32_t u = uint32_t(i);
@@ -112,47 +113,25 @@ bool fast_index_excluded(uint32_t u) {
 // kernel's tables differs from float_to_e2m1's: the code table by the tie-safe index, by the fast
 // index and the class table's class of the truncated float16 (both outside the cases they are
 // not used for, counted as excluded), and the class table's class of the truncated tie-safe bits.
-// Every pattern is visited, a run of the 2^kLutShift sharing the code table's fast index at a time
-// (that lookup made once a run: it is the same entry for all of them), on 4 threads, each counting
-// in locals (counts side by side in memory, written by every thread, took 72 s on 2 cores; 30 now).
 nb::tuple e2m1_tables_mismatches() {
-  using nvfp4::cuda::kLutShift;
   uint8_t lut[nvfp4::cuda::kLutSize];
   for (uint32_t i = 0; i < uint32_t(nvfp4::cuda::kLutSize); ++i) lut[i] = nvfp4::cuda::lut_entry(i);
   uint8_t codes[256];
   for (uint32_t b = 0; b < 256; ++b) codes[b] = nvfp4::cuda::f16_class_code(b);
-  constexpr int kParts = 4, kRuns = nvfp4::cuda::kLutSize;
-  std::array<std::array<uint64_t, 5>, kParts> counts{};
-  std::vector<std::thread> threads;
-  for (int part = 0; part < kParts; ++part)
-    threads.emplace_back([&, part] {
-      nvfp4::SubnormalGuard guard;
-      uint64_t safe = 0, fast = 0, pair = 0, excluded = 0, pair_safe = 0;
-      for (uint32_t run = part; run < uint32_t(kRuns); run += kParts) {
-        const uint8_t fast_code = lut[run];
-        for (uint32_t low = 0; low < (1u << kLutShift); ++low) {
-          const uint32_t u = run << kLutShift | low;
-          // Signalling NaNs (arithmetic makes none) are skipped: every count is masked by `real`.
-          const bool real = !((u & 0x7FFFFFFFu) > 0x7F800000u && !(u & 0x400000u));
-          const float v = nvfp4::bits_float(u);
-          const uint8_t want = nvfp4::float_to_e2m1(v);
-          const uint32_t safe_bits = nvfp4::cuda::tie_safe_bits(u);
-          const bool skip = fast_index_excluded(u);
-          safe += real & (lut[safe_bits >> kLutShift] != want);
-          pair_safe +=
-              real & (codes[nvfp4::f16_rz_bits(nvfp4::bits_float(safe_bits)) >> 8] != want);
-          excluded += real & skip;
-          fast += real & !skip & (fast_code != want);
-          pair += real & !skip & (codes[nvfp4::f16_rz_bits(v) >> 8] != want);
+  const auto [safe, fast, pair, excluded, pair_safe] =
+      count_over_floats<5>([&](uint32_t u, float v, std::array<uint64_t, 5>& c) {
+        const uint8_t want = nvfp4::float_to_e2m1(v);
+        const uint32_t safe_bits = nvfp4::cuda::tie_safe_bits(u);
+        c[0] += lut[safe_bits >> nvfp4::cuda::kLutShift] != want;
+        c[4] += codes[nvfp4::f16_rz_bits(nvfp4::bits_float(safe_bits)) >> 8] != want;
+        if (fast_index_excluded(u)) {
+          ++c[3];
+        } else {
+          c[1] += lut[u >> nvfp4::cuda::kLutShift] != want;
+          c[2] += codes[nvfp4::f16_rz_bits(v) >> 8] != want;
         }
-      }
-      counts[part] = {safe, fast, pair, excluded, pair_safe};
-    });
-  for (auto& t : threads) t.join();
-  std::array<uint64_t, 5> total{};
-  for (const auto& c : counts)
-    for (int k = 0; k < 5; ++k) total[k] += c[k];
-  return nb::make_tuple(total[0], total[1], total[2], total[3], total[4]);
+      });
+  return nb::make_tuple(safe, fast, pair, excluded, pair_safe);
 }
 
 // Checks the quantize kernel's stochastic-rounding table (cuda/e2m1_lut.cuh) in two parts. The
