@@ -145,6 +145,34 @@ def div(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(nan, u32(NAN), out)
 
 
+def div_by(a: jnp.ndarray, divisor: float) -> jnp.ndarray:
+    """Bits of fp32(a / divisor) for a positive float32 constant ``divisor`` whose significand's odd part is at
+    most 31 (6, 2688 = 21 * 2^7, 1536 = 3 * 2^9...): ``div``'s result, from one integer division by that odd
+    part instead of a 26-step long division, about a quarter of the ops (the GEMM's global scale is in every
+    training step's program, where XLA's CPU compiler spent most of its time on those steps)."""
+    d = np.float32(divisor)
+    mantissa, exponent = np.frexp(np.float64(d))  # d = mantissa * 2^exponent, mantissa in [0.5, 1)
+    odd, k = int(mantissa * 2**24), int(exponent) - 24  # d = odd * 2^k, made odd below
+    while odd % 2 == 0:
+        odd, k = odd // 2, k + 1
+    if not (np.isfinite(d) and d > 0 and odd <= 31):
+        return div(a, lax.bitcast_convert_type(jnp.asarray(d), U32))
+    a = u32(a)
+    sign = a & SIGN
+    ea, ma = _unpack(a)
+    # a / d = (ma * 2^7 / odd) * 2^(ea - 30 - k); ma * 2^7 < 2^31, and its quotient keeps >= 26 bits.
+    q = (ma << 7) // np.uint32(odd)
+    rest = (ma << 7) - q * np.uint32(odd)
+    lead = 31 - lax.clz(q).astype(jnp.int32)  # 25 + (0 to 5)
+    sh = (lead - 25).astype(U32)
+    sticky = (rest != 0) | ((q & ((u32(1) << sh) - 1)) != 0)
+    out = _round_pack(sign, ea - 5 - k + (lead - 25), q >> sh, sticky)
+    mag = magnitude(a)
+    out = jnp.where(mag == 0, sign, out)
+    out = jnp.where(mag == INF, sign | INF, out)
+    return jnp.where(is_nan(a), u32(NAN), out)
+
+
 def f32_to_bf16(u: jnp.ndarray) -> jnp.ndarray:
     """bfloat16 array from float32 bits, RNE; NaN -> canonical quiet NaN."""
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16

@@ -32,7 +32,6 @@ from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.codecs import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode
 from jax_nvfp4.core.spec import FOUR_OVER_SIX_ERRORS as ERROR_MODES
 
-_F32_SIX = 0x40C00000
 _F32_THREE_HALVES = 0x3FC00000
 _F32_448 = 0x43E00000
 
@@ -47,7 +46,7 @@ def quantize_blocks(blocks: jnp.ndarray, g, mode: str, fast_math: bool) -> tuple
     if mode not in ERROR_MODES:
         raise ValueError(f"4over6 error mode must be one of {ERROR_MODES}, got {mode!r}")
     bamax = jnp.max(b.magnitude(blocks), axis=(-2, -1))  # NaN bits order above every number
-    base = b.mul(b.div(bamax, _F32_SIX), g.encode)
+    base = b.mul(b.div_by(bamax, 6.0), g.encode)
     # Both candidates at once, stacked on a leading axis: [map-6, map-4] (one traced graph, half the compile).
     scale = e4m3_encode(b.clamp_magnitude(jnp.stack([base, b.mul(base, _F32_THREE_HALVES)]), _F32_448))
     scale, enc = g.block_encode(scale)
@@ -60,14 +59,14 @@ def quantize_blocks(blocks: jnp.ndarray, g, mode: str, fast_math: bool) -> tuple
 def chunk_errors(blocks, codes, scale, g, mode: str, fast_math: bool) -> jnp.ndarray:
     """Error bits [..., h] of candidates (codes, scale): the sequential fp32 sum over the last axis (16 elements).
 
-    ``g.amax`` (exact mode) and ``g.encode`` (fast_math) broadcast against ``scale``; ``g.divisor`` is fp32(6 E).
+    ``g.amax`` (exact mode) and ``g.encode`` (fast_math) broadcast against ``scale``; ``g.divisor`` is 6 E (a float).
     """
     expand = (..., None, None)
     qs = b.mul(e2m1_decode(codes), e4m3_decode(scale)[expand])  # exact
     if fast_math:
         d = b.add(qs, b.mul(blocks, g.encode[expand]) ^ b.SIGN)
     else:
-        value = b.div(b.mul(qs, g.amax[expand]), g.divisor)
+        value = b.div_by(b.mul(qs, g.amax[expand]), g.divisor)
         d = b.add(value, blocks ^ b.SIGN)
     return sequential_sum(b.magnitude(d) if mode == "mae" else b.mul(d, d))
 

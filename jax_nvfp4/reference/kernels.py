@@ -70,8 +70,8 @@ class GlobalScales:
 
     def __init__(self, amax_bits: jnp.ndarray, e4m3_max: int = 448):
         self.amax = amax_bits
-        self.divisor = _six_times(e4m3_max)
-        ges = b.minimum(b.div(self.divisor, amax_bits), b.FLT_MAX)
+        self.divisor = 6.0 * e4m3_max  # exact in float32
+        ges = b.minimum(b.div(_six_times(e4m3_max), amax_bits), b.FLT_MAX)
         self.encode = jnp.where(ges == 0, b.u32(_F32_ONE), ges)  # only when amax is inf
         self.encode_div6 = b.mul(self.encode, _F32_ONE_SIXTH)
         self.decode = b.div(_F32_ONE, self.encode)
@@ -94,7 +94,7 @@ def dequantize_scale(amax_bits: jnp.ndarray, e4m3_max: int = 448) -> jnp.ndarray
     The reference GEMM's scale; unlike the quantizer's 1 / ges it stays inf for an
     infinite amax, so a tensor that held inf never dequantizes to finite values.
     """
-    return b.div(amax_bits, _six_times(e4m3_max))
+    return b.div_by(amax_bits, 6.0 * e4m3_max)
 
 
 def block_scale(block_amax: jnp.ndarray, g_encode_div6: jnp.ndarray) -> jnp.ndarray:

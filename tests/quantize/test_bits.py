@@ -57,6 +57,23 @@ def test_div_matches_ieee(seed_a, seed_b):
     _same_float_bits(np.asarray(jax.jit(bits.div)(a, b)), want)
 
 
+@given(st.integers(0, 2**32 - 1), st.sampled_from([6.0, 2688.0, 1536.0, 3.0, 1.0, 0.75, 31 * 2.0**-140, 3 * 2.0**100]))
+def test_division_by_a_constant_matches_ieee(seed, divisor):
+    # The global scales' divisors (6 E: 2688, 1536) and 4over6's 6, and constants whose quotients overflow or
+    # are subnormal; every exponent of the dividend, subnormals included.
+    a = np.concatenate([_random_bits(seed), np.arange(4096, dtype=np.uint32), np.arange(512, dtype=np.uint32) << 23])
+    with np.errstate(all="ignore"):
+        want = (a.view(np.float32) / np.float32(divisor)).view(np.uint32)
+    _same_float_bits(np.asarray(jax.jit(lambda a: bits.div_by(a, divisor))(a)), want)
+
+
+def test_division_by_a_constant_with_a_long_odd_part_is_the_long_division():
+    a = _random_bits(0)
+    with np.errstate(all="ignore"):
+        want = (a.view(np.float32) / np.float32(0.1)).view(np.uint32)  # 0.1's significand is odd and 24 bits long
+    _same_float_bits(np.asarray(jax.jit(lambda a: bits.div_by(a, 0.1))(a)), want)
+
+
 @given(st.integers(0, 2**32 - 1))
 def test_output_conversions_match_numpy(seed):
     u = _random_bits(seed)
