@@ -38,15 +38,28 @@ def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
     return dequantize(data, scale, unit, cols=length, dtype=jnp.dtype(jnp.bfloat16))
 
 
+_ONE_ONE = 0x22  # two E2M1 codes of 1.0
+_E4M3_ONE = 0x38
+
+
 def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
-    """fp32(amax / (6 E)), rounded exactly: an operand's global decode scale (per tensor or per row)."""
-    return b.from_bits(kernels.dequantize_scale(b.to_bits(jnp.asarray(amax, jnp.float32)), e4m3_max))
+    """fp32(amax / (6 E)), rounded exactly: an operand's global decode scale (per tensor or per row).
+
+    Computed as the dequantize op's value of one E2M1 code 1.0 under block scale 1.0 (exactly the global decode
+    scale): a kernel backend runs it as a custom call, where the reference's integer emulation of the division,
+    in every GEMM of a training step, was much of XLA's compile time on the CPU. Any backend gives its bits.
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    rows = amax.reshape(amax.shape[0], -1) if amax.ndim > 1 else amax.reshape(-1)  # [B] or per row [B, M]
+    ones = jnp.full((rows.shape[0], rows.shape[1] if rows.ndim > 1 else 1, 1), _ONE_ONE, jnp.uint8)
+    scale = lax.bitcast_convert_type(jnp.full(ones.shape, _E4M3_ONE, jnp.uint8), jnp.float8_e4m3fn)
+    return dequantize(ones, scale, rows, cols=1, dtype=jnp.dtype(jnp.float32), e4m3_max=e4m3_max).reshape(amax.shape)
 
 
 def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
     """fp32(amax_a / 2688) * fp32(amax_c / 2688), rounded exactly and symmetric in a and c."""
     # Both decode scales from one division program (on a stacked array): half the ops for XLA to compile.
-    both = lax.optimization_barrier(b.to_bits(decode_scale(jnp.stack(jnp.broadcast_arrays(amax_a, amax_c)))))
+    both = b.to_bits(decode_scale(jnp.stack(jnp.broadcast_arrays(amax_a, amax_c))))
     return b.from_bits(b.mul(both[0], both[1]))
 
 

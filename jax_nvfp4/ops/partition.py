@@ -58,9 +58,12 @@ class Factors:
 
     def rule(self, rule: str, **special) -> tuple[str, dict]:
         """``rule`` with its keyword arguments (for the factors it uses)."""
-        used = set(rule.replace("(", " ").replace(")", " ").replace(",", " ").split())
+        order = rule.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ").split()
+        used = set(order)
         whole = set(re.sub(r"\([^)]*\)", " ", rule).replace(",", " ").split())  # factors that are a whole dim
-        replicated = tuple(f for f in self.replicated if f in used)
+        # In the order the factors first appear in the rule: Shardy numbers them so and wants the list sorted
+        # (a dequantize of ragged columns on a mesh listed its values' factor before the codes' and failed).
+        replicated = tuple(sorted((f for f in set(self.replicated) if f in used), key=order.index))
         if replicated:
             special["need_replication_factors"] = replicated
         # Shardy wants the size of a factor only where no dimension is that factor alone.

@@ -148,3 +148,16 @@ def stablehlo_functions(module: str) -> dict[str, str]:
     starts = [(m.start(), m.group(1)) for m in _FUNC.finditer(module)]
     ends = [s for s, _ in starts[1:]] + [len(module)]
     return {name: module[s:e] for (s, name), e in zip(starts, ends, strict=True)}
+
+
+_DECODE_SCALE_RESULT = re.compile(r"-> tensor<[\dx]*x1xf32>|= f32\[[\d,]*,1\]")
+
+
+def dequantized_blocks(text: str) -> list[str]:
+    """The lines of StableHLO or HLO ``text`` that dequantize blocks of values: its nvfp4_dequantize calls
+    other than the GEMMs' global decode scales (``ops.gemm.decode_scale``: one float32 value a row)."""
+    return [
+        line
+        for line in text.splitlines()
+        if ("@nvfp4_dequantize" in line or '"nvfp4_dequantize"' in line) and not _DECODE_SCALE_RESULT.search(line)
+    ]
