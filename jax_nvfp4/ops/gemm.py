@@ -26,7 +26,6 @@ from jax_nvfp4.core.formats import BLOCK, E2M1_MAX, E4M3_MAX
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.dequantize import dequantize
 from jax_nvfp4.ops.partition import Factors, fits, mesh_size, without
-from jax_nvfp4.reference import kernels
 
 
 def block_values(data: jax.Array, scale: jax.Array, length: int) -> jax.Array:
