@@ -65,34 +65,28 @@ def clamp_magnitude(u: jnp.ndarray, limit: int) -> jnp.ndarray:
 
 def _unpack(u: jnp.ndarray):
     """(exponent, significand) of |u| with value = sig * 2**(exp - 23), sig in [2^23, 2^24)."""
-    field = (u >> 23) & 0xFF
-    mant = u & 0x7FFFFF
-    # Subnormals: shift the leading one up to bit 23.
-    shift = jnp.where(field == 0, lax.clz(mant | 1) - 8, 0).astype(U32)
-    sig = jnp.where(field == 0, mant << shift, mant | 0x800000)
-    exp = jnp.where(field == 0, 1 - 127 - shift.astype(jnp.int32), field.astype(jnp.int32) - 127)
-    return exp, sig
+    field = ((u >> 23) & 0xFF).astype(jnp.int32)
+    sig = (u & 0x7FFFFF) | jnp.where(field == 0, u32(0), u32(0x800000))
+    # Subnormals: shift the leading one up to bit 23 (a normal's is there: no shift).
+    shift = lax.clz(sig | 1) - 8
+    exp = jnp.maximum(field, 1) - 127 - shift.astype(jnp.int32)
+    return exp, sig << shift
 
 
 def _round_pack(sign, exp, sig26, sticky):
     """Round value = sig26 * 2**(exp - 25) (bit 25 of sig26 set) to float32 bits, RNE."""
     biased = exp + 127
     # Bits to drop: 2 for a normal result, more for a subnormal one.
-    drop = jnp.clip(jnp.where(biased >= 1, 2, 3 - biased), 2, 31).astype(U32)
+    drop = jnp.clip(3 - biased, 2, 31).astype(U32)
     kept = sig26 >> drop
     rem = sig26 & ((u32(1) << drop) - 1)
     half = u32(1) << (drop - 1)
     up = (rem > half) | ((rem == half) & (sticky | ((kept & 1) == 1)))
-    kept = kept + up.astype(U32)
-    # A normal result: kept has bit 23 set; rounding may carry into bit 24.
-    carry = kept >> 24
-    kept = kept >> carry
-    field = jnp.where(biased >= 1, biased + carry.astype(jnp.int32), 0)
-    normal = (field.astype(U32) << 23) | (kept & 0x7FFFFF)
-    # A subnormal result that rounded up to 2^-126 has kept == 2^23: exactly its bits.
-    packed = jnp.where(biased >= 1, normal, kept)
-    packed = jnp.where(field >= 255, u32(INF), packed)
-    return sign | packed
+    # A normal result's kept has bit 23 set, which adds one to the exponent field below it (a rounding carry into
+    # bit 24, one more); a subnormal's is the field itself (one that rounds up to 2^-126 is exactly its bits).
+    packed = (jnp.maximum(biased, 1) - 1).astype(U32) << 23
+    packed = packed + kept + up.astype(U32)
+    return sign | jnp.minimum(packed, u32(INF))
 
 
 def mul(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
@@ -128,14 +122,17 @@ def div(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     sign = (a ^ b) & SIGN
     ea, ma = _unpack(a)
     eb, mb = _unpack(b)
-    # Long division: 26 quotient bits with the leading one at bit 25.
+    # Long division: 26 quotient bits with the leading one at bit 25, 8 + 7 + 7 + 4 of them a step, each step
+    # one integer division of a remainder below 2^32 (the remainder is below mb < 2^24): a fraction of the
+    # ops of a bit a step for XLA to compile.
     below = ma < mb
-    r = jnp.where(below, ma << 1, ma)
+    r = jnp.where(below, ma << 1, ma)  # r / mb in [1, 2)
     q = jnp.zeros_like(r)
-    for _ in range(26):
-        ge = r >= mb
-        q = (q << 1) | ge.astype(U32)
-        r = (r - jnp.where(ge, mb, 0)) << 1
+    for bits in (7, 7, 7, 4):
+        r = r << bits
+        digit = r // jnp.maximum(mb, 1)  # mb is 0 only for a zero divisor, whose result is set below
+        q = (q << bits) | digit
+        r = r - digit * mb
     exp = ea - eb - below.astype(jnp.int32)
     out = _round_pack(sign, exp, q, r != 0)
     a_mag, b_mag = magnitude(a), magnitude(b)
