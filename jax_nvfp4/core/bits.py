@@ -145,8 +145,8 @@ def div(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
 def div_by(a: jnp.ndarray, divisor: float) -> jnp.ndarray:
     """Bits of fp32(a / divisor) for a positive float32 constant ``divisor`` whose significand's odd part is at
     most 31 (6, 2688 = 21 * 2^7, 1536 = 3 * 2^9...): ``div``'s result, from one integer division by that odd
-    part instead of a 26-step long division, about a quarter of the ops (the GEMM's global scale is in every
-    training step's program, where XLA's CPU compiler spent most of its time on those steps)."""
+    part instead of ``div``'s long division, in a fraction of the ops for XLA to compile (the reference's global
+    decode scales, 4over6's division by 6)."""
     d = np.float32(divisor)
     mantissa, exponent = np.frexp(np.float64(d))  # d = mantissa * 2^exponent, mantissa in [0.5, 1)
     odd, k = int(mantissa * 2**24), int(exponent) - 24  # d = odd * 2^k, made odd below
