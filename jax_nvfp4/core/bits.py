@@ -84,6 +84,8 @@ def _round_pack(sign, exp, sig26, sticky):
     up = (rem > half) | ((rem == half) & (sticky | ((kept & 1) == 1)))
     # A normal result's kept has bit 23 set, which adds one to the exponent field below it (a rounding carry into
     # bit 24, one more); a subnormal's is the field itself (one that rounds up to 2^-126 is exactly its bits).
+    # The shifted field fits in 32 bits while biased < 512: a float32 product or quotient (div_by's too, by any
+    # float32 constant) reaches biased 404 at most; what lies past 254 becomes inf below.
     packed = (jnp.maximum(biased, 1) - 1).astype(U32) << 23
     packed = packed + kept + up.astype(U32)
     return sign | jnp.minimum(packed, u32(INF))
