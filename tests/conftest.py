@@ -35,7 +35,9 @@ settings.load_profile(PROFILE)
 def pytest_collection_modifyitems(config, items):
     """With NVFP4_KERNEL_CASES_ONLY=1 (.ci/sanitize), drop the cases that run only the pure-JAX reference
     (``impl`` = the reference): they run no C++, and the whole suite runs them."""
-    if os.environ.get("NVFP4_KERNEL_CASES_ONLY") != "1":
+    from helpers import KERNEL_CASES_ONLY
+
+    if not KERNEL_CASES_ONLY:
         return
     from jax_nvfp4 import reference
 

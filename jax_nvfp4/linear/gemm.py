@@ -38,12 +38,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.checks import check_out_dtype, check_real
 from jax_nvfp4.core.formats import E2M1_MAX, E4M3_MAX
 from jax_nvfp4.core.tensor import NVFP4Tensor, check_tensor
 from jax_nvfp4.linear.block_sum import GemmImpl, resolve_impl
-from jax_nvfp4.ops.gemm import decode_scale, gemm_p, split
+from jax_nvfp4.ops.gemm import decode_scale, gemm_p, scale_product, split
 
 
 @functools.partial(
@@ -159,8 +158,7 @@ def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None, im
         jnp.broadcast_to(decode_scale(op.amax, op.e4m3_max), y.shape[:1]) for op in (ca, cc) if not op.per_row
     ]
     if per_tensor:
-        g = per_tensor[0] if len(per_tensor) == 1 else b.from_bits(b.mul(*(b.to_bits(s) for s in per_tensor)))
-        y = y * g.reshape(-1, *(1,) * (ra + rc))
+        y = y * scale_product(per_tensor).reshape(-1, *(1,) * (ra + rc))
     if ca.per_row:
         y = y * _row_scale(ca, 0, rc)
     if cc.per_row:

@@ -51,7 +51,6 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
-from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.pipeline import quantize_batch
 from jax_nvfp4.core.tensor import NVFP4Tensor
 from jax_nvfp4.linear.dot_general import (
@@ -65,7 +64,7 @@ from jax_nvfp4.linear.dot_general import (
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.moe.grouped import Scaled, quantize_grouped
 from jax_nvfp4.ops import KERNELS
-from jax_nvfp4.ops.gemm import block_values, decode_scale
+from jax_nvfp4.ops.gemm import block_values, decode_scale, scale_product
 from jax_nvfp4.reference.grouped import bounds, segment_sizes
 from jax_nvfp4.sharding.explicit import explicit_sharding, spec_of
 
@@ -125,8 +124,7 @@ def _scaled(acc: jax.Array, per_tensor: list[jax.Array], per_row: list[jax.Array
     per-tensor ones (rounded once), then each per-row one; cast to ``out_dtype``. Each scale broadcasts
     against ``acc`` already."""
     if per_tensor:
-        g = per_tensor[0] if len(per_tensor) == 1 else b.from_bits(b.mul(*(b.to_bits(s) for s in per_tensor)))
-        acc = acc * g
+        acc = acc * scale_product(per_tensor)
     for s in per_row:
         acc = acc * s
     return acc.astype(out_dtype)

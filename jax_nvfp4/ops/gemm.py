@@ -16,6 +16,7 @@ gathered them to, so that a later GEMM (the backward pass's, of a 16x16-block we
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +56,19 @@ def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
     return dequantize(ones, scale, rows, cols=1, dtype=jnp.dtype(jnp.float32), e4m3_max=e4m3_max).reshape(amax.shape)
 
 
+def scale_product(scales: Sequence[jax.Array]) -> jax.Array:
+    """The product of a GEMM's one or two per-tensor decode scales, rounded once (exactly, subnormals kept)."""
+    if len(scales) == 1:
+        return scales[0]
+    a, c = scales
+    return b.from_bits(b.mul(b.to_bits(a), b.to_bits(c)))
+
+
 def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
     """fp32(amax_a / 2688) * fp32(amax_c / 2688), rounded exactly and symmetric in a and c."""
     # Both decode scales from one dequantize op (on a stacked array): one custom call a GEMM, not two.
-    both = b.to_bits(decode_scale(jnp.stack(jnp.broadcast_arrays(amax_a, amax_c))))
-    return b.from_bits(b.mul(both[0], both[1]))
+    both = decode_scale(jnp.stack(jnp.broadcast_arrays(amax_a, amax_c)))
+    return scale_product((both[0], both[1]))
 
 
 _BATCHED_NT = (((2,), (2,)), ((0,), (0,)))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import NamedTuple
 
 import jax
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_same_tree, cuda_host, examples, random_tensor
+from helpers import KERNEL_CASES_ONLY, assert_same_tree, cuda_host, examples, random_tensor
 from helpers.cuda_host import needs_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,8 +30,6 @@ from jax_nvfp4.reference import grouped as ref
 
 pytestmark = needs_module
 SMS = (90, 100)
-# Under .ci/sanitize (ASan), compiling the reference was most of these tests' time.
-KERNEL_CASES_ONLY = os.environ.get("NVFP4_KERNEL_CASES_ONLY") == "1"
 
 # Entry 0: rows [0, 5), none, [5, 22) (cutting blocks 0 and 1), [22, 23) (one row), [23, 33); rows 33.. in no
 # group. Entry 1: [0, 16), [16, 32) (boundaries on the grid: blocks no group owns), none, [32, 35), none.
@@ -118,7 +115,8 @@ def check(name: str, sizes: np.ndarray, x: np.ndarray, sms=SMS, amaxes=lambda am
         amax, amax_t = jitted(cuda_host, AmaxFlags(kernel.rht, kernel.row_scaled))(finite, sizes)
         operands += (*amaxes(np.asarray(amax), np.asarray(amax_t)), ROW_SEED, GROUP_SEEDS[: sizes.shape[1]])
     runs = [(sm, jitted(cuda_host, kernel)) for sm in sms] + [(None, jitted(cpu_ops, kernel))]
-    if KERNEL_CASES_ONLY:  # .ci/sanitize: the C++ kernels against each other (the reference: the whole suite)
+    # .ci/sanitize: the C++ kernels against each other (compiling the reference under ASan was most of its time).
+    if KERNEL_CASES_ONLY:
         want, runs = runs[-1][1](*operands), runs[:-1]
     else:
         want = reference(kernel)(*operands)

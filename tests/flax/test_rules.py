@@ -190,9 +190,9 @@ class NNXBlock(nnx.Module):
 
 
 class NNXLM(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, layers: int = LAYERS):
         self.embed = nnx.Embed(64, D, rngs=rngs)
-        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(LAYERS)])
+        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(layers)])
         self.norm = nnx.LayerNorm(D, rngs=rngs)
         self.head = nnx.Linear(D, 64, rngs=rngs)
 
@@ -287,8 +287,10 @@ def test_an_nnx_precision_schedule_switches_the_rules_in_place():
     """quantize_model(replace=True) part-way through training: the same parameters and optimizer go on, the
     rules decide the converted layers again (None: plain, another recipe: the layer keeps its RNG stream)."""
     tokens = _tokens(1, (4, 17))
+    # Two blocks (one in NVFP4, one kept): each switch compiles the step again, and one block shows it.
+    layers = 2
     model = nvfp4_nnx.quantize_model(
-        NNXLM(nnx.Rngs(0)), keep_ends(LAYERS, last=1, block="blocks/{i}"), rngs=nnx.Rngs(nvfp4=5)
+        NNXLM(nnx.Rngs(0), layers), keep_ends(layers, last=1, block="blocks/{i}"), rngs=nnx.Rngs(nvfp4=5)
     )
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
@@ -304,13 +306,13 @@ def test_an_nnx_precision_schedule_switches_the_rules_in_place():
 
     step(model, optimizer)
     before = _nvfp4_ops(model)
-    assert len(before) == 4 * (LAYERS - 1) + 2 * (LAYERS - 1)  # q, k, v, out, up, down of the NVFP4 blocks
+    assert len(before) == 4 * (layers - 1) + 2 * (layers - 1)  # q, k, v, out, up, down of the NVFP4 blocks
     # Without replace, layers already in NVFP4 stay as they are.
     nvfp4_nnx.quantize_model(model, [Rule(".*", None)])
     assert _nvfp4_ops(model) == before
     # Another recipe with stochastic rounding: new ops, each with its layer's stream.
     other = Recipe(rht=False)
-    rules = (Rule(f"blocks/[0-{LAYERS - 2}]/attn/.*", other), *keep_ends(LAYERS, last=1, block="blocks/{i}"))
+    rules = (Rule(f"blocks/[0-{layers - 2}]/attn/.*", other), *keep_ends(layers, last=1, block="blocks/{i}"))
     nvfp4_nnx.quantize_model(model, rules, replace=True)
     after = _nvfp4_ops(model)
     assert after.keys() == before.keys()
@@ -321,7 +323,7 @@ def test_an_nnx_precision_schedule_switches_the_rules_in_place():
     # To bf16: every layer plain, the model that of its parameters alone.
     nvfp4_nnx.quantize_model(model, [Rule(".*", None)], replace=True)
     assert _nvfp4_ops(model) == {}
-    plain = NNXLM(nnx.Rngs(1))
+    plain = NNXLM(nnx.Rngs(1), layers)
     nnx.update(plain, nnx.state(model, nnx.Param))
     assert_same_bytes(model(tokens), plain(tokens))
     params = _params(model)

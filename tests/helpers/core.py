@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -24,8 +25,10 @@ def examples(thorough: int) -> int:
 
 # The input dtypes, in the order the kernel tests draw them.
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
-# The public API on the CPU kernels and on the pure-JAX reference (tests/conftest.py's NVFP4_KERNEL_CASES_ONLY
-# drops the reference's cases).
+# NVFP4_KERNEL_CASES_ONLY=1 (.ci/sanitize): only the cases that run C++ (tests/conftest.py drops those that run
+# only the pure-JAX reference; a test that compares a kernel with the reference compares it with another kernel).
+KERNEL_CASES_ONLY = os.environ.get("NVFP4_KERNEL_CASES_ONLY") == "1"
+# The public API on the CPU kernels and on the pure-JAX reference (KERNEL_CASES_ONLY drops the reference's cases).
 IMPLEMENTATIONS = {"kernel": jax_nvfp4, "reference": reference}
 IMPLS = pytest.mark.parametrize("impl", list(IMPLEMENTATIONS.values()), ids=list(IMPLEMENTATIONS))
 
