@@ -38,6 +38,7 @@ from jax_nvfp4.linear.dot_general import cache_weight, dequantize_weight, dot_ge
 from jax_nvfp4.linear.einsum import einsum
 from jax_nvfp4.linear.gemm import gemm
 from jax_nvfp4.linear.recipe import FourOverSix, Recipe
+from jax_nvfp4.linear.remat import remat_policy
 from jax_nvfp4.moe.ragged_dot import ragged_dot
 from jax_nvfp4.mxfp8 import MXFP8
 from jax_nvfp4.ops import KERNELS
@@ -70,5 +71,6 @@ __all__ = [
     "quantize_weight",
     "ragged_dot",
     "reference",
+    "remat_policy",
 ]
 __version__ = "0.1.0"

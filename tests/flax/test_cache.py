@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import assert_same_bytes, eqns_named, normal
 
-from jax_nvfp4 import Recipe
+from jax_nvfp4 import Recipe, remat_policy
 
 flax_nn = pytest.importorskip("flax.linen")
 from jax_nvfp4.flax import CACHE, NVFP4Dense, NVFP4DenseGeneral, cache_weights  # noqa: E402
@@ -83,3 +83,20 @@ def test_nnx_cached_weights_give_the_same_gradients_quantizing_each_weight_once(
         assert_same_bytes(got, want)
     count = [len(eqns_named(jax.make_jaxpr(lambda s, c=c: step(s, c))(state), "nvfp4_quantize")) for c in (False, True)]
     assert count[0] - count[1] == 2, count  # each W: once instead of once per micro-batch
+
+
+def test_linen_remat_with_the_policy_quantizes_each_weight_once():
+    """nn.remat recomputes the layers in the backward pass, their weights' quantizes with them, unless its policy
+    is jax_nvfp4.remat_policy() (the weights' copies saved). Counted in the traced step (W^T [1, N, K])."""
+    x = normal((4, 4, 32), 1)  # 16 tokens: no activation or gradient has a weight's shape
+    weights = {(1, 32, 32), (1, 48, 32)}  # W^T of qkv and out, and of mlp (1x16 blocks: both copies in one call)
+    counts = []
+    for policy in (jax.checkpoint_policies.nothing_saveable, remat_policy()):
+        model = flax_nn.remat(_Model, policy=policy)()
+        params = model.init(jax.random.key(0), x)["params"]
+        loss = lambda p, m=model: jnp.sum(m.apply({"params": p}, x, rngs={"nvfp4": jax.random.key(3)}) ** 2)  # noqa: E731
+        quantized = [
+            tuple(e.invars[0].aval.shape) for e in eqns_named(jax.make_jaxpr(jax.grad(loss))(params), "nvfp4_quantize")
+        ]
+        counts.append(sum(s in weights for s in quantized))
+    assert counts == [6, 3], counts

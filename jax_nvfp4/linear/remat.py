@@ -1,0 +1,48 @@
+"""Rematerialization (``jax.checkpoint``, ``nn.remat``) without quantizing twice.
+
+Under ``jax.checkpoint`` the backward pass recomputes the forward pass from the saved inputs, and with it the
+recipe's quantizations: a checkpointed NVFP4 layer quantizes its weight, and its activations, once in the forward
+pass and again in the backward pass. The recipe names its quantized copies (``checkpoint_name``: W's forward copy
+``WEIGHT``, x's quantized copies ``ACTIVATION``) so that a checkpoint policy can save them instead:
+``remat_policy()`` saves the quantized weights (4.5 bits a value), so each weight is quantized once per step; the
+activations' copies too with ``activations=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+WEIGHT = "nvfp4_weight"
+"""The name of a GEMM's quantized weight copy (the forward GEMM's, which the backward pass reuses)."""
+ACTIVATION = "nvfp4_activation"
+"""The name of a GEMM's quantized activations (x's copies; the wgrad GEMM's columnwise one is a residual)."""
+
+
+def named(tree: Any, name: str) -> Any:
+    """``tree`` (an ``NVFP4Tensor`` or other pytree of arrays) with every array named ``name`` for policies."""
+    return jax.tree.map(lambda a: checkpoint_name(a, name), tree)
+
+
+def remat_policy(*, weights: bool = True, activations: bool = False, base: Callable | None = None) -> Callable:
+    """A ``jax.checkpoint`` policy that saves the recipe's quantized copies instead of recomputing them.
+
+    Args:
+      weights: save each GEMM's quantized weight (``WEIGHT``): a weight is then quantized once per step, and
+        the saved copy takes 4.5 bits a value (codes and E4M3 scales).
+      activations: save the quantized activations (``ACTIVATION``) too: no activation is quantized again in
+        the backward pass, for 4.5 bits a value of each copy kept.
+      base: another policy to combine with (``jax.checkpoint_policies.save_from_both_policies``): a value is
+        saved where either saves it.
+
+    Returns:
+      The policy, for ``jax.checkpoint(f, policy=...)`` or ``flax.linen.remat(Module, policy=...)``.
+    """
+    names = [name for name, keep in ((WEIGHT, weights), (ACTIVATION, activations)) if keep]
+    if not names:
+        raise ValueError("remat_policy saves nothing with weights=False and activations=False: pass base alone")
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    return policy if base is None else jax.checkpoint_policies.save_from_both_policies(base, policy)
