@@ -23,8 +23,18 @@ ACTIVATION = "nvfp4_activation"
 
 
 def named(tree: Any, name: str) -> Any:
-    """``tree`` (an ``NVFP4Tensor`` or other pytree of arrays) with every array named ``name`` for policies."""
-    return jax.tree.map(lambda a: checkpoint_name(a, name), tree)
+    """``tree`` (an ``NVFP4Tensor`` or other pytree of arrays) with every array named ``name`` for policies.
+
+    An array that several leaves share (a tensor's amax for both copies) stays one array: one residual.
+    """
+    names: dict[int, jax.Array] = {}
+
+    def one(a):
+        if id(a) not in names:
+            names[id(a)] = checkpoint_name(a, name)
+        return names[id(a)]
+
+    return jax.tree.map(one, tree)
 
 
 def remat_policy(*, weights: bool = True, activations: bool = False, base: Callable | None = None) -> Callable:
