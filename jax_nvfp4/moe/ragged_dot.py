@@ -62,7 +62,7 @@ from jax_nvfp4.linear.dot_general import (
     weight_residual,
 )
 from jax_nvfp4.linear.recipe import Recipe
-from jax_nvfp4.linear.remat import ACTIVATION, WEIGHT, named
+from jax_nvfp4.linear.remat import ACTIVATION, OUTPUT, WEIGHT, named
 from jax_nvfp4.moe.grouped import Scaled, quantize_grouped
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.ops.gemm import block_values, decode_scale, scale_product
@@ -196,7 +196,7 @@ def _ragged_fwd(x, w, group_sizes, key, config: DotConfig):
     # 16x16 blocks: the rowwise copy alone, transposed in the backward pass.
     qw = named(_experts(w, config.recipe, columnwise=not config.recipe.weight_block_2d), WEIGHT)
     qx = named(quantize_grouped(x, group_sizes, config.recipe.spec("x", columnwise=True, tokens=rows)), ACTIVATION)
-    y = _fprop(qx.rows(), qw, sizes, ids, config)
+    y = named(_fprop(qx.rows(), qw, sizes, ids, config), OUTPUT)
     return y, (qx.columnwise_only(), weight_residual(qw), group_sizes, key)
 
 
