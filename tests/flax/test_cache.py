@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_bytes, eqns_named, normal
+from helpers import assert_same_bytes, eqns_named, normal, quantized_shapes
 
 from jax_nvfp4 import Recipe, remat_policy
 
@@ -95,8 +95,5 @@ def test_linen_remat_with_the_policy_quantizes_each_weight_once():
         model = flax_nn.remat(_Model, policy=policy)()
         params = model.init(jax.random.key(0), x)["params"]
         loss = lambda p, m=model: jnp.sum(m.apply({"params": p}, x, rngs={"nvfp4": jax.random.key(3)}) ** 2)  # noqa: E731
-        quantized = [
-            tuple(e.invars[0].aval.shape) for e in eqns_named(jax.make_jaxpr(jax.grad(loss))(params), "nvfp4_quantize")
-        ]
-        counts.append(sum(s in weights for s in quantized))
+        counts.append(sum(s in weights for s in quantized_shapes(jax.make_jaxpr(jax.grad(loss))(params))))
     assert counts == [6, 3], counts

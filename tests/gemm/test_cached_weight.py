@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DENSE, assert_same_bytes, dense_problem, eqns_named, random_normal
+from helpers import DENSE, assert_same_bytes, dense_problem, eqns_named, quantized_shapes, random_normal
 from jax import lax
 
 import jax_nvfp4
@@ -59,7 +59,7 @@ def _weight_quantizes(hlo: str, shape: str) -> list[bool]:
 def _scan_quantizes(jaxpr, shape: tuple[int, ...]) -> int:
     """Quantize equations on a [*shape] input inside the one scan of ``jaxpr``."""
     (scan,) = eqns_named(jaxpr, "scan")
-    return sum(e.invars[0].aval.shape == shape for e in eqns_named(scan.params["jaxpr"], "nvfp4_quantize"))
+    return sum(s == shape for s in quantized_shapes(scan.params["jaxpr"]))
 
 
 def test_gradient_accumulation_quantizes_the_weight_once_per_step():

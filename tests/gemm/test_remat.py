@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import DENSE, assert_same_bytes, eqns_named
+from helpers import DENSE, assert_same_bytes, eqns_named, quantized_shapes
 
 import jax_nvfp4
 from jax_nvfp4 import Recipe, remat_policy
@@ -57,14 +57,10 @@ def _operands():
     return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)] + [jax.random.key(5)]
 
 
-def _quantized_shapes(jaxpr) -> list[tuple[int, ...]]:
-    return [tuple(e.invars[0].aval.shape) for e in eqns_named(jaxpr, "nvfp4_quantize")]
-
-
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_the_policy_saves_what_the_recipe_makes(policy):
     jaxpr = jax.make_jaxpr(_step(policy))(*_operands())
-    shapes = _quantized_shapes(jaxpr)
+    shapes = quantized_shapes(jaxpr)
     weights = [s for s in shapes if s in ((1, D_HIDDEN, D_IN), (1, D_IN, D_HIDDEN))]  # W^T [1, N, K]
     assert (len(weights), len(shapes), len(eqns_named(jaxpr, "nvfp4_gemm"))) == COUNTS[policy], shapes
 
@@ -86,7 +82,7 @@ def test_a_remat_ragged_dot_quantizes_its_experts_once():
     for policy in (jax.checkpoint_policies.nothing_saveable, remat_policy()):
         jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(layer, policy=policy), argnums=(0, 1)))(x, w)
         # The experts' W^T [G, N, K], each quantized on its own (one batched quantize).
-        experts.append(sum(s == (3, D_HIDDEN, D_IN) for s in _quantized_shapes(jaxpr)))
+        experts.append(sum(s == (3, D_HIDDEN, D_IN) for s in quantized_shapes(jaxpr)))
     assert experts == [2, 1]
 
 

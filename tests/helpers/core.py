@@ -143,6 +143,11 @@ def eqns_named(jaxpr, name: str) -> list:
     return found
 
 
+def quantized_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The input shape of every quantize a (closed) jaxpr runs (``nvfp4_quantize`` equations, nested included)."""
+    return [tuple(e.invars[0].aval.shape) for e in eqns_named(jaxpr, "nvfp4_quantize")]
+
+
 _FUNC = re.compile(r"^  func\.func (?:public |private )?@([\w.$-]+)", re.M)
 
 
