@@ -1,4 +1,4 @@
-"""How the NVFP4 GEMMs sum their blocks: ``"emulated"``, ``"scaled_dot"``, or ``"auto"``.
+"""How the NVFP4 GEMMs sum their blocks: ``"emulated"``, ``"scaled_dot"``, ``"fused"``, or ``"auto"``.
 
 Both give y = acc * (global and per-row decode scales) with the same float32 epilogue
 (``jax_nvfp4.gemm``); they differ in how the float32 block sums ``acc`` are computed:
@@ -9,6 +9,10 @@ Both give y = acc * (global and per-row decode scales) with the same float32 epi
   scales, one per 16 values. It lowers to the composite ``xla.scaled_dot``, which XLA's GPU
   compiler turns into a cuDNN block-scaled GEMM (FP4 tensor cores) on Blackwell and
   decomposes into convert, multiply and dot elsewhere (CPU, Hopper).
+- ``"fused"``: a Pallas GEMM (``jax_nvfp4.ops.fused_gemm``) that loads the packed codes and E4M3
+  scales and decodes them in its tiles (exactly, as ``"emulated"``) for a bf16 dot with float32
+  accumulation: no bf16 copy of an operand in memory. For GPUs without FP4 tensor cores (Hopper);
+  compiled through Triton on a GPU, run in Pallas's interpret mode elsewhere (slow: for tests).
 - ``"auto"``: ``"scaled_dot"`` where ``native_scaled_dot()`` holds, ``"emulated"`` elsewhere.
 """
 
@@ -21,8 +25,8 @@ import jax
 
 from jax_nvfp4.core.checks import check_choice
 
-GemmImpl = Literal["auto", "emulated", "scaled_dot"]
-GEMM_IMPLS: tuple[GemmImpl, ...] = ("auto", "emulated", "scaled_dot")
+GemmImpl = Literal["auto", "emulated", "scaled_dot", "fused"]
+GEMM_IMPLS: tuple[GemmImpl, ...] = ("auto", "emulated", "scaled_dot", "fused")
 
 _FP4_TENSOR_CORES_FROM = 10
 """The first CUDA compute capability (major) with FP4 tensor cores: Blackwell (sm_100, sm_120, ...)."""
@@ -54,7 +58,7 @@ def native_scaled_dot(backend: str | None = None) -> bool:
     return has_fp4_tensor_cores(jax.devices(backend))
 
 
-def resolve_impl(impl: GemmImpl, name: str = "impl") -> Literal["emulated", "scaled_dot"]:
+def resolve_impl(impl: GemmImpl, name: str = "impl") -> Literal["emulated", "scaled_dot", "fused"]:
     """``impl`` checked (ValueError naming ``name`` otherwise), with ``"auto"`` decided for the default backend."""
     impl = check_choice(name, impl, GEMM_IMPLS)
     if impl == "auto":

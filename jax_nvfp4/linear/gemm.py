@@ -205,9 +205,12 @@ def gemm(
       impl: how the block sums run: ``"emulated"`` (the blocks dequantized to
         bf16, then a bf16 dot with float32 accumulation), ``"scaled_dot"``
         (``lax.scaled_dot`` on float4_e2m1fn codes and E4M3 scales: XLA's own
-        block-scaled dot, the FP4 tensor cores on Blackwell) or ``"auto"``
-        (``scaled_dot`` where it runs natively, see ``native_scaled_dot``;
-        ``emulated`` elsewhere). The scales' epilogue is ours either way.
+        block-scaled dot, the FP4 tensor cores on Blackwell), ``"fused"`` (a
+        Pallas GEMM that decodes the packed operands in its tiles, with no bf16
+        copy in memory: for GPUs without FP4 tensor cores; interpreted, slowly,
+        off the GPU) or ``"auto"`` (``scaled_dot`` where it runs natively, see
+        ``native_scaled_dot``; ``emulated`` elsewhere). The scales' epilogue is
+        ours either way.
 
     Returns:
       ``[*a.shape[:-1], *c.shape[:-1]]``: ``sum_k a[..., k] * c[..., k]`` of the

@@ -5,7 +5,8 @@ global decode scales fp32(amax / 2688) of a and c (amax [B] each); the last L ax
 ``length`` values long. ``impl`` says how the float32 sum is made (``jax_nvfp4.linear.block_sum``): "emulated",
 exactly, with a bf16 dot (an E2M1 value times an E4M3 scale is exact in bfloat16 and the products in
 float32; only the float32 accumulation rounds), or "scaled_dot", by ``lax.scaled_dot`` on the codes as
-float4_e2m1fn. One primitive, so that it partitions as a whole: whatever collective brings the operands
+float4_e2m1fn, or "fused", by a Pallas GEMM that decodes the packed operands in its tiles. One primitive,
+so that it partitions as a whole: whatever collective brings the operands
 to the layout of the output moves their packed codes and scales, never dequantized values. Scales travel
 as their E4M3 bytes (uint8): XLA on CPU widens float8 collectives to f16.
 
@@ -26,6 +27,7 @@ from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.formats import BLOCK, E2M1_MAX, E4M3_MAX
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.dequantize import dequantize
+from jax_nvfp4.ops.fused_gemm import fused_sum
 from jax_nvfp4.ops.partition import Factors, fits, mesh_size, without
 
 
@@ -126,8 +128,14 @@ def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) 
     )
 
 
+def _fused_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) -> jax.Array:
+    """The float32 sum over L by a Pallas GEMM that decodes the packed operands in its tiles (``ops.fused_gemm``)."""
+    rows_a, rows_c = (math.prod(split(d.shape, contract_ndim)[0]) for d in (a_data, c_data))
+    return fused_sum(a_data, a_scale, c_data, c_scale, rows_a=rows_a, rows_c=rows_c, length=length)
+
+
 def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl, keep_c):
-    sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum}[impl]
+    sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum, "fused": _fused_sum}[impl]
     acc = sums(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
     # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit. The barrier
     # keeps the scales' integer emulation out of the fusion with the output's multiply and cast, where XLA's CPU

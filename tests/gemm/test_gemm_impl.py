@@ -120,6 +120,17 @@ def test_auto_picks_scaled_dot_only_with_fp4_tensor_cores():
 
 # ---- What reaches XLA: a training step lowered for CUDA on this machine.
 
+TRITON = "__gpu$xla.gpu.triton"
+"""The custom call of a Pallas kernel lowered through Triton."""
+
+HOPPER = jax.sharding.AbstractMesh(
+    (1,),
+    ("x",),
+    axis_types=(jax.sharding.AxisType.Auto,),
+    abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"),
+)
+"""An abstract H100: Pallas's Triton lowering reads the target GPU from it where no GPU is attached."""
+
 
 def _train_step_for_cuda(recipe: Recipe) -> tuple[list[str], str]:
     """One SGD step of a two-layer NVFP4 MLP (linen): the impl of each GEMM it runs, and its StableHLO
@@ -147,6 +158,7 @@ def _train_step_for_cuda(recipe: Recipe) -> tuple[list[str], str]:
 
     args = (params, x, jax.random.key(1))
     kernels = [jax.export.DisabledSafetyCheck.custom_call(f"nvfp4_{op}") for op in ("amax", "quantize", "dequantize")]
+    kernels.append(jax.export.DisabledSafetyCheck.custom_call(TRITON))
     exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=kernels)
     gemms = [e.params["impl"] for e in eqns_named(jax.make_jaxpr(step)(*args), "nvfp4_gemm")]
     return gemms, exported(*args).mlir_module()
@@ -181,3 +193,21 @@ def test_the_emulated_cuda_training_step_dequantizes():
     gemms, module = _train_step_for_cuda(Recipe(impl="emulated"))
     assert gemms == ["emulated"] * 6
     assert "xla.scaled_dot" not in module and "stablehlo.dot_general" in module
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_the_fused_cuda_training_step_reads_packed_operands():
+    """impl="fused" lowered for Hopper: each of the six GEMMs is one Triton kernel reading the packed
+    codes (uint8, two values a byte) and E4M3 bytes (GEMMs of one shape share one lowered function); no
+    block is dequantized and XLA runs no dot."""
+    with jax.sharding.use_abstract_mesh(HOPPER):
+        gemms, module = _train_step_for_cuda(Recipe(impl="fused"))
+    assert gemms == ["fused"] * 6
+    calls = re.findall(rf"stablehlo\.custom_call @{re.escape(TRITON)}\((.*?)\n", module)
+    assert 1 <= len(calls) <= 6
+    for call in calls:
+        assert 'name = "nvfp4_fused_gemm"' in call
+        operands = re.search(r"\} : \(([^)]*)\) -> ", call).group(1)
+        assert re.findall(r"tensor<[\dx]*([a-z]\w*)>", operands) == ["ui8"] * 4, operands
+    assert not dequantized_blocks(module)
+    assert "stablehlo.dot_general" not in module

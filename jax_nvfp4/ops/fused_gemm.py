@@ -1,0 +1,132 @@
+"""The ``"fused"`` block sum: a Pallas GEMM that reads packed NVFP4 operands and decodes them in its tiles.
+
+For GPUs without FP4 tensor cores (Hopper). ``"emulated"`` writes a bf16 copy of each operand to memory
+for XLA's dot to read back (XLA fuses a convert into its GEMM, not the block scale's multiply: checked
+offline for sm_90 with jax 0.11.2); this kernel loads the E2M1 codes (4 bits a value) and their E4M3
+scales, makes ``code * scale`` in registers (exact in bfloat16, as ``block_values``), and feeds a
+bf16 dot with float32 accumulation, tile by tile. The float32 sums equal the emulation's wherever they
+are exact; elsewhere they differ only in the order of accumulation.
+
+The kernel uses Pallas's generic operations only: on a GPU it lowers through Triton; elsewhere (the CPU)
+it runs in Pallas's interpret mode, which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_nvfp4.core.formats import BLOCK
+
+TILE_M = 128
+TILE_N = 128
+TILE_K_BYTES = 32
+"""Output tile rows and columns, and the packed bytes (two values each) of one step along the contraction."""
+
+_BYTES_PER_SCALE = BLOCK // 2
+
+
+def _e2m1(nibble: jax.Array) -> jax.Array:
+    """E2M1 codes (int32, 0..15) -> float32 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    exponent, mantissa = (nibble >> 1) & 3, (nibble & 1).astype(jnp.float32)
+    power = jnp.left_shift(1, jnp.maximum(exponent - 1, 0)).astype(jnp.float32)
+    value = jnp.where(exponent == 0, 0.5 * mantissa, power * (1.0 + 0.5 * mantissa))
+    return jnp.where((nibble & 8) != 0, -value, value)
+
+
+def _e4m3(byte: jax.Array) -> jax.Array:
+    """E4M3 bytes (int32, 0..255) -> float32 values; 0x7F and 0xFF are NaN."""
+    exponent, mantissa = (byte >> 3) & 0xF, (byte & 7).astype(jnp.float32)
+    power = lax.bitcast_convert_type((jnp.maximum(exponent, 1) + 120) << 23, jnp.float32)  # 2^(e - 7)
+    value = jnp.where(exponent == 0, mantissa * 2.0**-9, power * (1.0 + 0.125 * mantissa))
+    value = jnp.where((byte & 0x7F) == 0x7F, jnp.nan, value)
+    return jnp.where((byte & 0x80) != 0, -value, value)
+
+
+def _decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """Packed codes [r, k] and E4M3 bytes [r, k / 8] -> bf16 values [r, 2 k] (element 2i in byte i's low nibble)."""
+    rows, nbytes = codes.shape
+    codes = codes.astype(jnp.int32)
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(rows, 2 * nbytes)
+    scale = _e4m3(scales.astype(jnp.int32))
+    scale = jnp.broadcast_to(scale[:, :, None], (rows, nbytes // _BYTES_PER_SCALE, BLOCK)).reshape(rows, 2 * nbytes)
+    return (_e2m1(nibbles) * scale).astype(jnp.bfloat16)  # exact: at most 6 significant bits
+
+
+def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, out_ref, *, steps: int, tile_k: int):
+    def step(k, acc):
+        at, ct = pl.ds(k * tile_k, tile_k), pl.ds(k * (tile_k // _BYTES_PER_SCALE), tile_k // _BYTES_PER_SCALE)
+        a = _decode(a_ref[:, at], a_scale_ref[:, ct])
+        c = _decode(c_ref[:, at], c_scale_ref[:, ct])
+        return acc + lax.dot_general(a, c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    out_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    return jnp.pad(x, [(0, extra if i == axis else 0) for i in range(x.ndim)])
+
+
+def _call(a, a_scale, c, c_scale, *, interpret: bool, tile_m: int, tile_n: int, tile_k: int):
+    """Padded operands [B, M, Kb], [B, M, Kb / 8], [B, N, Kb], [B, N, Kb / 8] -> float32 [B, M, N]."""
+    batch, m, kb = a.shape
+    n = c.shape[1]
+    grid = (batch, m // tile_m, n // tile_n)
+    kernel = functools.partial(_kernel, steps=kb // tile_k, tile_k=tile_k)
+
+    def spec(rows, cols, which):
+        return pl.BlockSpec((None, rows, cols), lambda b, i, j: (b, (i, j)[which], 0))
+
+    scale_cols = kb // _BYTES_PER_SCALE
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[spec(tile_m, kb, 0), spec(tile_m, scale_cols, 0), spec(tile_n, kb, 1), spec(tile_n, scale_cols, 1)],
+        out_specs=pl.BlockSpec((None, tile_m, tile_n), lambda b, i, j: (b, i, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, m, n), jnp.float32),
+        interpret=interpret,
+        name="nvfp4_fused_gemm",
+    )(a, a_scale, c, c_scale)
+
+
+def _operand(data: jax.Array, scale: jax.Array, rows: int, length: int, tile_rows: int, tile_k: int):
+    """Packed codes [B, *R, *L] and E4M3 bytes (``length`` values a row of the last L axis) -> [B, R', K'] each.
+
+    The contracting axes merge into one, each row of ``length`` values padded with zero codes to whole
+    blocks of 16 (a byte past an odd row's end has its high nibble zeroed); rows and contraction are padded
+    with zeros to whole tiles. Zero codes add exact zeros to the sums.
+    """
+    batch = data.shape[0]
+    if length % 2:
+        data = data.at[..., -1].set(data[..., -1] & jnp.uint8(0x0F))
+    data = _pad_to(data, data.ndim - 1, -(-length // BLOCK) * _BYTES_PER_SCALE)
+    data, scale = data.reshape(batch, rows, -1), scale.reshape(batch, rows, -1)
+    data, scale = _pad_to(data, 1, tile_rows), _pad_to(scale, 1, tile_rows)
+    return _pad_to(data, 2, tile_k), _pad_to(scale, 2, tile_k // _BYTES_PER_SCALE)
+
+
+def fused_sum(
+    a_data, a_scale, c_data, c_scale, *, rows_a: int, rows_c: int, length: int, interpret: bool | None = None
+) -> jax.Array:
+    """The float32 sums over the merged contracting axes of two packed NVFP4 operands -> [B, rows_a, rows_c].
+
+    ``a_data`` [B, *R, *L] uint8 (``rows_a`` = prod(R)) and ``a_scale`` its E4M3 bytes (uint8), likewise ``c``;
+    ``length`` values in each row of the last, packed axis. ``interpret``: Pallas's interpret mode; by default
+    the kernel is compiled where it is lowered for a GPU (CUDA or ROCm) and interpreted elsewhere.
+    """
+    a, sa = _operand(a_data, a_scale, rows_a, length, TILE_M, TILE_K_BYTES)
+    c, sc = _operand(c_data, c_scale, rows_c, length, TILE_N, TILE_K_BYTES)
+    call = functools.partial(_call, tile_m=TILE_M, tile_n=TILE_N, tile_k=TILE_K_BYTES)
+    if interpret is None:
+        compiled, interpreted = (functools.partial(call, interpret=flag) for flag in (False, True))
+        y = lax.platform_dependent(a, sa, c, sc, cuda=compiled, rocm=compiled, default=interpreted)
+    else:
+        y = call(a, sa, c, sc, interpret=interpret)
+    return y[:, :rows_a, :rows_c]

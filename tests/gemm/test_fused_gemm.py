@@ -1,0 +1,94 @@
+"""impl="fused": the Pallas GEMM that decodes packed NVFP4 operands in its tiles (run here in Pallas's
+interpret mode), against the emulation. Its float32 sums may be accumulated in another order, so the
+operands are made so that every partial sum is exact: then the two are equal bit for bit. The float64
+bound over random tensors is tests/gemm/test_gemm.py's; what reaches XLA on a GPU, test_gemm_impl.py's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from helpers import assert_same_bytes, examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_nvfp4
+from jax_nvfp4.ops import fused_gemm
+from jax_nvfp4.ops.gemm import block_values, gemm_p
+
+
+def test_the_tile_decode_is_block_values_for_every_code_and_scale():
+    """All 16 E2M1 codes under each of the 256 E4M3 bytes: the kernel's decode gives block_values' bf16
+    bytes (-0 included), and NaN under the two NaN scales."""
+    codes = np.arange(16, dtype=np.uint8)
+    data = np.tile(codes[0::2] | (codes[1::2] << 4), (256, 2))  # each row: codes 0..15 twice, one block
+    scale = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 2, axis=1)
+    got = np.asarray(jax.jit(fused_gemm._decode)(jnp.asarray(data), jnp.asarray(scale)))
+    e4m3 = jnp.asarray(scale.view(ml_dtypes.float8_e4m3fn)[None])
+    want = np.asarray(block_values(jnp.asarray(data[None]), e4m3, 32))[0]
+    finite = (np.arange(256) & 0x7F) != 0x7F
+    assert_same_bytes(got[finite], want[finite])
+    assert np.isnan(got[~finite].astype(np.float32)).all() and np.isnan(want[~finite].astype(np.float32)).all()
+
+
+def _exact_operand(rng, shape: tuple[int, ...], length: int):
+    """Random packed codes [*shape, ceil(length/2)] and E4M3 bytes in [1, 2): products are multiples of 2^-4
+    below 12, so every float32 partial sum of fewer than 10^5 of them is exact."""
+    data = rng.integers(0, 256, (*shape, -(-length // 2)), dtype=np.uint8)
+    scale = rng.integers(0x38, 0x40, (*shape, -(-length // 16)), dtype=np.uint8)
+    return jnp.asarray(data), jnp.asarray(scale)
+
+
+@settings(max_examples=examples(24))
+@given(
+    batch=st.integers(1, 3),
+    rows_a=st.lists(st.integers(1, 140), min_size=1, max_size=2),
+    rows_c=st.lists(st.integers(1, 40), min_size=1, max_size=2),
+    lead=st.lists(st.integers(1, 5), max_size=1),
+    length=st.integers(1, 150),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_fused_sums_equal_the_emulation_bit_for_bit(batch, rows_a, rows_c, lead, length, seed):
+    """The GEMM primitive over batch axes, one or two row axes per operand, one or two contracting axes
+    (a columnwise copy's layout), ragged row counts (past a 128-row tile) and lengths (odd, past a block
+    of 16, past a 64-value step), with the global decode scales applied after the sums."""
+    rng = np.random.default_rng(seed)
+    a, sa = _exact_operand(rng, (batch, *rows_a, *lead), length)
+    c, sc = _exact_operand(rng, (batch, *rows_c, *lead), length)
+    amax_a, amax_c = jnp.full((batch,), 2688.0), jnp.asarray(rng.uniform(1, 3000, batch), jnp.float32)
+
+    def run(impl):
+        (y,) = gemm_p.bind(
+            a, sa, amax_a, c, sc, amax_c, contract_ndim=1 + len(lead), length=length,
+            out_dtype=jnp.dtype(jnp.float32), impl=impl, keep_c=False,
+        )  # fmt: skip
+        return y
+
+    y = run("fused")
+    assert y.shape == (batch, *rows_a, *rows_c)
+    assert_same_bytes(y, run("emulated"))
+
+
+def test_a_training_step_of_the_full_recipe_is_the_emulated_one():
+    """x [B, T, K] . W through dot_general with RHT, stochastic rounding and 16x16 weight blocks: y, dx and
+    dW of impl="fused" (each GEMM of the same quantized operands) equal the emulation's: bit for bit on the
+    CPU, where both sum these shapes in the same order; within float32 accumulation on a GPU."""
+    x = jax.random.normal(jax.random.key(0), (2, 24, 96), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (96, 40), jnp.float32) * 0.1
+    dy = jax.random.normal(jax.random.key(2), (2, 24, 40), jnp.float32)
+    dims = (((2,), (0,)), ((), ()))
+
+    def grads(impl):
+        recipe = jax_nvfp4.Recipe(impl=impl)
+        f = lambda x, w: jax_nvfp4.dot_general(x, w, dims, recipe=recipe, rng_key=jax.random.key(3))  # noqa: E731
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(dy))
+
+    run = jax.jit(grads, static_argnums=0)
+    for got, want in zip(run("fused"), run("emulated"), strict=True):
+        if jax.default_backend() == "cpu":
+            assert_same_bytes(got, want)
+        else:
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            assert np.abs(got - want).max() <= 2.0**-8 * np.abs(want).max()  # other float32 summation orders
