@@ -5,10 +5,12 @@ stochastic rounding, 16x16 weight blocks) and of ``lax.dot_general`` for the def
 kernel of the compiled program's entry computation (custom calls, fusions, dots, copies, collectives) with the
 bytes it must read and write: its operands and its result, each once, the least HBM traffic it can have. Read
 from the compiled HLO only: nothing runs, so it works offline on any backend (on the CPU the GEMMs are XLA's own
-fusions; a GPU build shows the same custom calls and dequantize passes). Times per kernel need a GPU profiler
+fusions; a GPU build shows the same custom calls and dequantize passes). ``--target h100`` compiles for an H100
+(sm_90) on a machine without a GPU (``benchmarks.offline_gpu``: jax's CUDA plugin, and a build with the CUDA
+module for the recipe's kernels), so the table shows XLA's GPU fusions. Times per kernel need a GPU profiler
 trace (``jax.profiler``): not measured here.
 
-    python -m benchmarks.layer_breakdown [--shape 8192,4096,4096] [--impl auto] [--out results.md]
+    python -m benchmarks.layer_breakdown [--shape 8192,4096,4096] [--impl auto] [--target h100] [--out results.md]
 """
 
 from __future__ import annotations
@@ -83,44 +85,59 @@ def category(k: Kernel) -> str:
     for key in ("amax", "quantize", "dequantize"):
         if f"nvfp4_{key}" in k.what:
             return key
-    if k.what == "dot" or "dot" in k.name or "ynn" in k.name or "_gemm" in k.op:
+    gemm_call = "triton" in k.what or "gemm" in k.what  # a Pallas kernel (the fused GEMM) or cuBLAS
+    if gemm_call or k.what == "dot" or "dot" in k.name or "ynn" in k.name or "_gemm" in k.op:
         return "GEMM"  # the dots and their epilogues (the scale product, the cast)
     return "other"
 
 
-def compiled_step(dot, shape: tuple[int, int, int]):
+def compiled_step(dot, shape: tuple[int, int, int], target: str = "default"):
     m, k, n = shape
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (m, n))]
+    shapes = ((m, k), (k, n), (m, n))
 
     def step(x, w, dy):
         y, vjp = jax.vjp(lambda x, w: dot(x, w), x, w)
         return y, *vjp(dy)
 
-    return jax.jit(step).lower(*args).compile()
+    if target == "default":
+        return jax.jit(step).lower(*[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]).compile()
+    from benchmarks.offline_gpu import hopper, hopper_shape
+
+    with hopper():
+        return jax.jit(step).trace(*[hopper_shape(s, jnp.bfloat16) for s in shapes]).lower().compile()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8192,4096,4096", help="M,K,N: x [M, K] . W [K, N]")
-    parser.add_argument("--impl", default="auto", help="the recipe's GEMM impl (auto, emulated, scaled_dot)")
+    parser.add_argument("--impl", default="auto", help="the recipe's GEMM impl (auto, emulated, scaled_dot, fused)")
+    parser.add_argument(
+        "--target", default="default", choices=("default", "h100"), help="JAX's backend, or an H100 offline"
+    )
     parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
     recipe = jax_nvfp4.Recipe(impl=args.impl)
     key = jax.random.key(0)
-    nvfp4 = kernels(
-        compiled_step(lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key), shape).as_text()
-    )
-    bf16 = kernels(compiled_step(lambda x, w: lax.dot_general(x, w, DENSE), shape).as_text())
+    nvfp4_dot = lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key)  # noqa: E731
+    nvfp4 = kernels(compiled_step(nvfp4_dot, shape, args.target).as_text())
+    bf16 = kernels(compiled_step(lambda x, w: lax.dot_general(x, w, DENSE), shape, args.target).as_text())
+    if args.target == "h100":
+        from benchmarks.offline_gpu import H100
+
+        machine = f"{H100} (sm_90), compiled offline: no GPU attached, XLA's untuned GEMM configs"
+    else:
+        machine = f"{device_name()} ({jax.default_backend()})"
 
     mb = 1e6
     report = Report(
         args.out,
         [
-            f"# One linear layer, kernel by kernel: {device_name()} ({jax.default_backend()})",
+            f"# One linear layer, kernel by kernel: {machine}",
             "",
             f"{datetime.date.today()}, jax {jax.__version__}; `python -m benchmarks.layer_breakdown --shape "
-            f"{args.shape} --impl {args.impl}`: forward + backward (`jax.vjp`, a bf16 cotangent) of x [M, K] . "
+            f"{args.shape} --impl {args.impl} --target {args.target}`: forward + backward (`jax.vjp`, a bf16 "
+            "cotangent) of x [M, K] . "
             f"W [K, N] = {shape[0]} x {shape[1]} . {shape[1]} x {shape[2]}, bf16, the full recipe (RHT, stochastic "
             "rounding, 16x16 weight blocks). Bytes: each kernel's operands read once and its result written "
             "once (the least HBM traffic it can have), from the compiled HLO; no times (they need a GPU trace).",

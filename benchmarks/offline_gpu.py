@@ -1,0 +1,89 @@
+"""Compile for a Hopper GPU on a machine without one: XLA's GPU compiler run deviceless (ahead of time).
+
+The CUDA PJRT plugin (``pip install jax-cuda13-plugin jax-cuda13-pjrt`` at jax's version; no GPU, driver or
+cuDNN needed) compiles for a target described by a ``GpuTargetConfigProto`` instead of an attached device.
+What comes out is the program XLA would run on that GPU (its fusions, Triton GEMMs, custom calls), minus
+autotuning: tile sizes are XLA's defaults, not the ones a GPU run picks. Pallas's Triton lowering reads the
+target from an abstract mesh's device. Nothing runs; use it to read programs, not to time them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+# NVIDIA's published H100 SXM figures: 132 SMs, 228 KB of shared memory each (227 KB for one block),
+# 50 MB L2, 80 GB HBM3 at 3.35 TB/s, 1.98 GHz boost.
+_H100_TARGET = f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  shared_memory_per_block_optin: 232448
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84942979072
+  cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 }}
+device_description_str: "{H100}"
+"""
+
+
+def hopper_devices() -> list:
+    """One compile-only H100 (sm_90) device. Raises RuntimeError where the CUDA plugin is not installed."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no cuDNN or driver to check: nothing runs
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology_name="h100", target_config=_H100_TARGET, topology="1x1x1"
+        )
+    except (NotImplementedError, RuntimeError) as e:
+        raise RuntimeError(
+            f"compiling for a GPU without one needs jax's CUDA plugin: pip install jax-cuda13-plugin=="
+            f"{jax.__version__} jax-cuda13-pjrt=={jax.__version__} ({e})"
+        ) from e
+    return list(topology.devices)
+
+
+@contextlib.contextmanager
+def hopper():
+    """Inside: lower and compile for the compile-only H100 (``jit(f).trace(*shapes).lower()`` with shapes from
+    ``hopper_shape``); Pallas's Triton lowering targets sm_90."""
+    devices = hopper_devices()
+    abstract = jax.sharding.AbstractMesh(
+        (1,),
+        ("x",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        abstract_device=jax.sharding.AbstractDevice(device_kind=H100, num_cores=132, platform="gpu"),
+    )
+    global _MESH
+    _MESH = jax.sharding.Mesh(devices, ("x",))
+    with jax.sharding.use_abstract_mesh(abstract):
+        yield
+
+
+_MESH: jax.sharding.Mesh | None = None
+
+
+def hopper_shape(shape, dtype) -> jax.ShapeDtypeStruct:
+    """An argument placed on the compile-only H100 (inside ``hopper()``)."""
+    if _MESH is None:
+        raise RuntimeError("hopper_shape is for use inside `with hopper():`")
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec()))
