@@ -117,6 +117,10 @@ def main() -> None:
     parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
+    if args.target == "h100":
+        from benchmarks.offline_gpu import prepare
+
+        prepare()
     recipe = jax_nvfp4.Recipe(impl=args.impl)
     key = jax.random.key(0)
     nvfp4_dot = lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key)  # noqa: E731

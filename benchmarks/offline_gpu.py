@@ -10,6 +10,7 @@ target from an abstract mesh's device. Nothing runs; use it to read programs, no
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 import jax
@@ -45,9 +46,35 @@ device_description_str: "{H100}"
 """
 
 
+def plugin_installed() -> bool:
+    """Whether jax's CUDA 13 plugin is importable (it needs no GPU)."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+def _install_hint() -> str:
+    v = jax.__version__
+    plugins = f"jax-cuda13-plugin=={v} jax-cuda13-pjrt=={v}"
+    return f"compiling for a GPU without one needs jax's CUDA plugin: pip install {plugins}"
+
+
+def prepare() -> None:
+    """Call before JAX starts its backends (before the first array): the CUDA plugin then registers without
+    checking for cuDNN and a driver, which a compile-only target does not use. RuntimeError without the plugin."""
+    from jax._src import xla_bridge
+
+    if not plugin_installed():
+        raise RuntimeError(_install_hint())
+    if xla_bridge.backends_are_initialized() and "cuda" not in xla_bridge._topology_factories:
+        raise RuntimeError("benchmarks.offline_gpu.prepare() must run before JAX's first array or device query")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
 def hopper_devices() -> list:
     """One compile-only H100 (sm_90) device. Raises RuntimeError where the CUDA plugin is not installed."""
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no cuDNN or driver to check: nothing runs
+    prepare()
     from jax.experimental import topologies
 
     try:
@@ -55,10 +82,7 @@ def hopper_devices() -> list:
             platform="cuda", topology_name="h100", target_config=_H100_TARGET, topology="1x1x1"
         )
     except (NotImplementedError, RuntimeError) as e:
-        raise RuntimeError(
-            f"compiling for a GPU without one needs jax's CUDA plugin: pip install jax-cuda13-plugin=="
-            f"{jax.__version__} jax-cuda13-pjrt=={jax.__version__} ({e})"
-        ) from e
+        raise RuntimeError(f"{_install_hint()} ({e})") from e
     return list(topology.devices)
 
 

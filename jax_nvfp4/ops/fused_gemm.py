@@ -1,11 +1,12 @@
-"""The ``"fused"`` block sum: a Pallas GEMM that reads packed NVFP4 operands and decodes them in its tiles.
+"""The ``"fused"`` GEMM: a Pallas kernel that reads packed NVFP4 operands and decodes them in its tiles.
 
 For GPUs without FP4 tensor cores (Hopper). ``"emulated"`` writes a bf16 copy of each operand to memory
 for XLA's dot to read back (XLA fuses a convert into its GEMM, not the block scale's multiply: checked
 offline for sm_90 with jax 0.11.2); this kernel loads the E2M1 codes (4 bits a value) and their E4M3
 scales, makes ``code * scale`` in registers (exact in bfloat16, as ``block_values``), and feeds a
-bf16 dot with float32 accumulation, tile by tile. The float32 sums equal the emulation's wherever they
-are exact; elsewhere they differ only in the order of accumulation.
+bf16 dot with float32 accumulation, tile by tile, then applies the GEMM's epilogue (the global decode
+scale, the cast) to its tile. The float32 sums equal the emulation's wherever they are exact; elsewhere
+they differ only in the order of accumulation.
 
 The kernel uses Pallas's generic operations only: on a GPU it lowers through Triton; elsewhere (the CPU)
 it runs in Pallas's interpret mode, which is how CI tests it.
@@ -13,19 +14,30 @@ it runs in Pallas's interpret mode, which is how CI tests it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jax_nvfp4.core.formats import BLOCK
 
-TILE_M = 128
-TILE_N = 128
-TILE_K_BYTES = 32
-"""Output tile rows and columns, and the packed bytes (two values each) of one step along the contraction."""
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The kernel's blocking: output tile rows ``m`` and columns ``n``, packed bytes (two values each) of one
+    step along the contraction ``k_bytes`` (a multiple of 8: whole blocks of 16), and Triton's warps a tile."""
+
+    m: int = 128
+    n: int = 128
+    k_bytes: int = 32
+    num_warps: int = 4
+
+
+TILES = Tiles()
 
 _BYTES_PER_SCALE = BLOCK // 2
 
@@ -61,14 +73,16 @@ def _decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(signed, jnp.float32).astype(jnp.bfloat16)
 
 
-def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, out_ref, *, steps: int, tile_k: int):
+def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps: int, tile_k: int):
     def step(k, acc):
         at, ct = pl.ds(k * tile_k, tile_k), pl.ds(k * (tile_k // _BYTES_PER_SCALE), tile_k // _BYTES_PER_SCALE)
         a = _decode(a_ref[:, at], a_scale_ref[:, ct])
         c = _decode(c_ref[:, at], c_scale_ref[:, ct])
         return acc + lax.dot_general(a, c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    out_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
+    acc = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
+    # The epilogue of ops.gemm in the kernel: each float32 sum times the global decode scale, then the cast.
+    out_ref[...] = (acc * scale_ref[...]).astype(out_ref.dtype)
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -78,26 +92,28 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, [(0, extra if i == axis else 0) for i in range(x.ndim)])
 
 
-def _call(a, a_scale, c, c_scale, *, interpret: bool, tile_m: int, tile_n: int, tile_k: int):
-    """Padded operands [B, M, Kb], [B, M, Kb / 8], [B, N, Kb], [B, N, Kb / 8] -> float32 [B, M, N]."""
+def _call(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: bool, tiles: Tiles):
+    """Padded operands [B, M, Kb], [B, M, Kb / 8], [B, N, Kb], [B, N, Kb / 8] and scales [B, 1, 1] -> [B, M, N]."""
     batch, m, kb = a.shape
     n = c.shape[1]
-    grid = (batch, m // tile_m, n // tile_n)
-    kernel = functools.partial(_kernel, steps=kb // tile_k, tile_k=tile_k)
+    kernel = functools.partial(_kernel, steps=kb // tiles.k_bytes, tile_k=tiles.k_bytes)
 
     def spec(rows, cols, which):
         return pl.BlockSpec((None, rows, cols), lambda b, i, j: (b, (i, j)[which], 0))
 
     scale_cols = kb // _BYTES_PER_SCALE
+    a_specs = [spec(tiles.m, kb, 0), spec(tiles.m, scale_cols, 0)]
+    c_specs = [spec(tiles.n, kb, 1), spec(tiles.n, scale_cols, 1)]
     return pl.pallas_call(
         kernel,
-        grid=grid,
-        in_specs=[spec(tile_m, kb, 0), spec(tile_m, scale_cols, 0), spec(tile_n, kb, 1), spec(tile_n, scale_cols, 1)],
-        out_specs=pl.BlockSpec((None, tile_m, tile_n), lambda b, i, j: (b, i, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, m, n), jnp.float32),
+        grid=(batch, m // tiles.m, n // tiles.n),
+        in_specs=[*a_specs, *c_specs, pl.BlockSpec((None, 1, 1), lambda b, i, j: (b, 0, 0))],
+        out_specs=pl.BlockSpec((None, tiles.m, tiles.n), lambda b, i, j: (b, i, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
         interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=tiles.num_warps),
         name="nvfp4_fused_gemm",
-    )(a, a_scale, c, c_scale)
+    )(a, a_scale, c, c_scale, scale)
 
 
 def _operand(data: jax.Array, scale: jax.Array, rows: int, length: int, tile_rows: int, tile_k: int):
@@ -116,21 +132,35 @@ def _operand(data: jax.Array, scale: jax.Array, rows: int, length: int, tile_row
     return _pad_to(data, 2, tile_k), _pad_to(scale, 2, tile_k // _BYTES_PER_SCALE)
 
 
-def fused_sum(
-    a_data, a_scale, c_data, c_scale, *, rows_a: int, rows_c: int, length: int, interpret: bool | None = None
+def fused_gemm(
+    a_data,
+    a_scale,
+    c_data,
+    c_scale,
+    scale,
+    *,
+    rows_a: int,
+    rows_c: int,
+    length: int,
+    out_dtype,
+    interpret: bool | None = None,
+    tiles: Tiles = TILES,
 ) -> jax.Array:
-    """The float32 sums over the merged contracting axes of two packed NVFP4 operands -> [B, rows_a, rows_c].
+    """fp32(sum * scale) cast to ``out_dtype`` for two packed NVFP4 operands -> [B, rows_a, rows_c].
 
-    ``a_data`` [B, *R, *L] uint8 (``rows_a`` = prod(R)) and ``a_scale`` its E4M3 bytes (uint8), likewise ``c``;
-    ``length`` values in each row of the last, packed axis. ``interpret``: Pallas's interpret mode; by default
-    the kernel is compiled where it is lowered for a GPU (CUDA or ROCm) and interpreted elsewhere.
+    The sums run over the merged contracting axes: ``a_data`` [B, *R, *L] uint8 (``rows_a`` = prod(R)) and
+    ``a_scale`` its E4M3 bytes (uint8), likewise ``c``; ``length`` values in each row of the last, packed axis.
+    ``scale`` [B] float32: the global decode scale each sum is multiplied by, in the kernel, before the cast
+    (so the float32 sums never go through memory). ``interpret``: Pallas's interpret mode; by default the
+    kernel is compiled where it is lowered for a GPU (CUDA or ROCm) and interpreted elsewhere.
     """
-    a, sa = _operand(a_data, a_scale, rows_a, length, TILE_M, TILE_K_BYTES)
-    c, sc = _operand(c_data, c_scale, rows_c, length, TILE_N, TILE_K_BYTES)
-    call = functools.partial(_call, tile_m=TILE_M, tile_n=TILE_N, tile_k=TILE_K_BYTES)
+    a, sa = _operand(a_data, a_scale, rows_a, length, tiles.m, tiles.k_bytes)
+    c, sc = _operand(c_data, c_scale, rows_c, length, tiles.n, tiles.k_bytes)
+    scale = jnp.asarray(scale, jnp.float32).reshape(-1, 1, 1)
+    call = functools.partial(_call, out_dtype=jnp.dtype(out_dtype), tiles=tiles)
     if interpret is None:
         compiled, interpreted = (functools.partial(call, interpret=flag) for flag in (False, True))
-        y = lax.platform_dependent(a, sa, c, sc, cuda=compiled, rocm=compiled, default=interpreted)
+        y = lax.platform_dependent(a, sa, c, sc, scale, cuda=compiled, rocm=compiled, default=interpreted)
     else:
-        y = call(a, sa, c, sc, interpret=interpret)
+        y = call(a, sa, c, sc, scale, interpret=interpret)
     return y[:, :rows_a, :rows_c]

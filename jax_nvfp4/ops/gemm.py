@@ -27,7 +27,7 @@ from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.formats import BLOCK, E2M1_MAX, E4M3_MAX
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.dequantize import dequantize
-from jax_nvfp4.ops.fused_gemm import fused_sum
+from jax_nvfp4.ops.fused_gemm import fused_gemm
 from jax_nvfp4.ops.partition import Factors, fits, mesh_size, without
 
 
@@ -128,21 +128,19 @@ def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) 
     )
 
 
-def _fused_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) -> jax.Array:
-    """The float32 sum over L by a Pallas GEMM that decodes the packed operands in its tiles (``ops.fused_gemm``)."""
-    rows_a, rows_c = (math.prod(split(d.shape, contract_ndim)[0]) for d in (a_data, c_data))
-    return fused_sum(a_data, a_scale, c_data, c_scale, rows_a=rows_a, rows_c=rows_c, length=length)
-
-
 def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl, keep_c):
-    sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum, "fused": _fused_sum}[impl]
-    acc = sums(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
     # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit. The barrier
     # keeps the scales' integer emulation out of the fusion with the output's multiply and cast, where XLA's CPU
     # compiler can loop for minutes (seen with 19 batch entries of one row: its algebraic simplifier cycles).
     scale = lax.optimization_barrier(global_decode_scale(a_amax, c_amax))
-    y = (acc * scale[:, None, None]).astype(out_dtype)
     a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
+    if impl == "fused":  # the kernel applies the scale and the cast itself (``ops.fused_gemm``)
+        rows = {"rows_a": math.prod(a_rows), "rows_c": math.prod(c_rows)}
+        y = fused_gemm(a_data, a_scale, c_data, c_scale, scale, **rows, length=length, out_dtype=out_dtype)
+    else:
+        sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum}[impl]
+        acc = sums(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
+        y = (acc * scale[:, None, None]).astype(out_dtype)
     y = y.reshape(a_data.shape[0], *a_rows, *c_rows)
     return (y, c_data, c_scale) if keep_c else (y,)
 

@@ -47,13 +47,15 @@ def _exact_operand(rng, shape: tuple[int, ...], length: int):
     rows_c=st.lists(st.integers(1, 40), min_size=1, max_size=2),
     lead=st.lists(st.integers(1, 5), max_size=1),
     length=st.integers(1, 150),
+    out_dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_fused_sums_equal_the_emulation_bit_for_bit(batch, rows_a, rows_c, lead, length, seed):
+def test_fused_gemms_equal_the_emulation_bit_for_bit(batch, rows_a, rows_c, lead, length, out_dtype, seed):
     """The GEMM primitive over batch axes, one or two row axes per operand, one or two contracting axes
     (a columnwise copy's layout), ragged row counts (past a 128-row tile) and lengths (odd, past a block
-    of 16, past a 64-value step), with the global decode scales applied after the sums: the same bytes but
-    for the sign of a zero sum, which is the accumulator's (the kernel's starts at +0)."""
+    of 16, past a 64-value step), with the global decode scales and the cast to each output dtype applied
+    after the sums (in the kernel's epilogue): the same bytes but for the sign of a zero sum, which is the
+    accumulator's (the kernel's starts at +0)."""
     rng = np.random.default_rng(seed)
     a, sa = _exact_operand(rng, (batch, *rows_a, *lead), length)
     c, sc = _exact_operand(rng, (batch, *rows_c, *lead), length)
@@ -62,7 +64,7 @@ def test_fused_sums_equal_the_emulation_bit_for_bit(batch, rows_a, rows_c, lead,
     def run(impl):
         (y,) = gemm_p.bind(
             a, sa, amax_a, c, sc, amax_c, contract_ndim=1 + len(lead), length=length,
-            out_dtype=jnp.dtype(jnp.float32), impl=impl, keep_c=False,
+            out_dtype=jnp.dtype(out_dtype), impl=impl, keep_c=False,
         )  # fmt: skip
         return y
 

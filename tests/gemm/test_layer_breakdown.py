@@ -29,3 +29,15 @@ def test_the_recipe_layer_runs_its_quantizer_kernels_once_per_operand():
     assert quantized == codes + 2 * (m * k + m * n) / 16 + k * n / 16
     bf16 = kernels(compiled_step(lambda x, w: lax.dot_general(x, w, DENSE), shape).as_text())
     assert not [k for k in bf16 if category(k) in ("amax", "quantize", "dequantize")]
+
+
+def test_the_offline_hopper_target_names_what_it_needs():
+    """--target h100 compiles with jax's CUDA plugin; where it is not installed, the error says how to get it."""
+    import pytest
+
+    from benchmarks.offline_gpu import hopper_devices, plugin_installed
+
+    if plugin_installed():
+        pytest.skip("the CUDA plugin is installed here")
+    with pytest.raises(RuntimeError, match=f"pip install jax-cuda13-plugin=={jax.__version__}"):
+        hopper_devices()
