@@ -85,18 +85,23 @@ def category(k: Kernel) -> str:
     for key in ("amax", "quantize", "dequantize"):
         if f"nvfp4_{key}" in k.what:
             return key
+    if "reduce_max" in k.op:  # an amax XLA computes itself (on a GPU), with its producer where it fused
+        return "amax"
     gemm_call = "triton" in k.what or "gemm" in k.what  # a Pallas kernel (the fused GEMM) or cuBLAS
     if gemm_call or k.what == "dot" or "dot" in k.name or "ynn" in k.name or "_gemm" in k.op:
         return "GEMM"  # the dots and their epilogues (the scale product, the cast)
     return "other"
 
 
-def compiled_step(dot, shape: tuple[int, int, int], target: str = "default"):
+def compiled_step(dot, shape: tuple[int, int, int], target: str = "default", producer: str = "none"):
+    """The compiled forward and backward of ``dot`` on x [M, K], W [K, N] with a cotangent [M, N]; with
+    ``producer="gelu"`` x is the gelu of the input, computed in the step (as a layer's input is)."""
     m, k, n = shape
     shapes = ((m, k), (k, n), (m, n))
+    make_x = {"none": lambda h: h, "gelu": jax.nn.gelu}[producer]
 
-    def step(x, w, dy):
-        y, vjp = jax.vjp(lambda x, w: dot(x, w), x, w)
+    def step(h, w, dy):
+        y, vjp = jax.vjp(lambda h, w: dot(make_x(h), w), h, w)
         return y, *vjp(dy)
 
     if target == "default":
@@ -114,6 +119,8 @@ def main() -> None:
     parser.add_argument(
         "--target", default="default", choices=("default", "h100"), help="JAX's backend, or an H100 offline"
     )
+    parser.add_argument("--producer", default="none", choices=("none", "gelu"), help="x an input, or a gelu's output")
+    parser.add_argument("--rht-amax-estimate", action="store_true", help="Recipe(rht_amax_estimate=True)")
     parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
@@ -121,11 +128,12 @@ def main() -> None:
         from benchmarks.offline_gpu import prepare
 
         prepare()
-    recipe = jax_nvfp4.Recipe(impl=args.impl)
+    recipe = jax_nvfp4.Recipe(impl=args.impl, rht_amax_estimate=args.rht_amax_estimate)
     key = jax.random.key(0)
     nvfp4_dot = lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key)  # noqa: E731
-    nvfp4 = kernels(compiled_step(nvfp4_dot, shape, args.target).as_text())
-    bf16 = kernels(compiled_step(lambda x, w: lax.dot_general(x, w, DENSE), shape, args.target).as_text())
+    nvfp4 = kernels(compiled_step(nvfp4_dot, shape, args.target, args.producer).as_text())
+    bf16_dot = lambda x, w: lax.dot_general(x, w, DENSE)  # noqa: E731
+    bf16 = kernels(compiled_step(bf16_dot, shape, args.target, args.producer).as_text())
     if args.target == "h100":
         from benchmarks.offline_gpu import H100
 
@@ -140,7 +148,8 @@ def main() -> None:
             f"# One linear layer, kernel by kernel: {machine}",
             "",
             f"{datetime.date.today()}, jax {jax.__version__}; `python -m benchmarks.layer_breakdown --shape "
-            f"{args.shape} --impl {args.impl} --target {args.target}`: forward + backward (`jax.vjp`, a bf16 "
+            f"{args.shape} --impl {args.impl} --target {args.target} --producer {args.producer}"
+            f"{' --rht-amax-estimate' if args.rht_amax_estimate else ''}`: forward + backward (`jax.vjp`, a bf16 "
             "cotangent) of x [M, K] . "
             f"W [K, N] = {shape[0]} x {shape[1]} . {shape[1]} x {shape[2]}, bf16, the full recipe (RHT, stochastic "
             "rounding, 16x16 weight blocks). Bytes: each kernel's operands read once and its result written "

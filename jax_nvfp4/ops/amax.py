@@ -1,7 +1,8 @@
 """``nvfp4_amax``: x [B, *R, N] -> amax float32 [B] (and with ``rht_amax`` the amax of the Random Hadamard
 Transform of x^T, from the same pass); ``per_row``: the amax of each row, [B, *R], and of each row of x^T
 (of its transform with ``rht_amax``), [B, N]. Sharded, the results are reduced (max) over the mesh axes
-``amax_mesh_axes`` (None: all) that split what they are the max of.
+``amax_mesh_axes`` (None: all) that split what they are the max of. On a GPU, an amax without the transform
+is XLA's reduction (the reference), which XLA fuses into the op producing x; the CPU runs the kernel.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ amax_p = define(
     partitioning=Partitioning(_rule, _partition),
     adapt=lambda bind, x, **params: amax_on_rows(lambda x3, **_: bind(x3))(x, **params),
     ffi_attrs=lambda *, amax_mesh_axes, rht_amax, per_row: {"rht_amax": rht_amax, "per_row": per_row},
+    # Without the transform the amax is a max over the integer bits, which XLA's GPU compiler fuses into the op
+    # that produces x (one multi-output fusion; checked offline for sm_90): no pass of its own, where the
+    # kernel reads x again. The transform's amax (a 16-row mix) stays the kernel's.
+    xla_on_gpu=lambda *, amax_mesh_axes, rht_amax, per_row: not rht_amax,
 )
 
 

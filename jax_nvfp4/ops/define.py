@@ -67,6 +67,7 @@ def define(
     ffi_attrs: Callable[..., dict] = lambda **_: {},
     adapt: Callable | None = None,
     shared: Sequence[int] = (),
+    xla_on_gpu: Callable[..., bool] = lambda **_: False,
 ) -> Primitive:
     """Declare primitive ``name`` backed by FFI target ``name`` (multiple results).
 
@@ -81,18 +82,24 @@ def define(
         (e.g. reshaped); by default the operands go to the kernel unchanged.
       shared: indices of operands without the leading batch axis, which all
         entries share (e.g. a random seed).
+      xla_on_gpu: (**params) -> whether to lower the op through the reference
+        (XLA's own ops) on a GPU even where the kernel is built: for ops XLA
+        fuses into the op that produces their input, saving the kernel's read.
     """
     kernel_prim = Primitive(name + "_kernel")
     kernel_prim.multiple_results = True
     kernel_prim.def_abstract_eval(abstract_eval)
     # Default lowering everywhere: the reference, which is exact on any backend.
-    mlir.register_lowering(kernel_prim, mlir.lower_fun(lambda *a, **p: tuple(reference(*a, **p))))
+    reference_lowering = mlir.lower_fun(lambda *a, **p: tuple(reference(*a, **p)))
+    mlir.register_lowering(kernel_prim, reference_lowering)
     ffi_rule = jax.ffi.ffi_lowering(name)
 
     def kernel_lowering(ctx, *args, **params):
         return ffi_rule(ctx, *args, **ffi_attrs(**params))
 
     def cuda_kernel_lowering(ctx, *args, **params):
+        if xla_on_gpu(**params):
+            return reference_lowering(ctx, *args, **params)
         ffi.check_cuda_devices()  # a GPU the build lacks: a clear error here, not a failed launch
         return kernel_lowering(ctx, *args, **params)
 
