@@ -108,6 +108,7 @@ def table_ops(x: jax.Array) -> list[tuple[str, object, tuple, int]]:
             (x, amax),
             both,
         ),
+        # Since 6aabbd9 XLA's reduction on a GPU (ops.amax: XLA fuses it into producers), the kernel's before.
         ("amax alone", jax_nvfp4.amax, (x,), x.nbytes),
         (
             "dequantize rowwise to bf16",
