@@ -4,8 +4,9 @@ The model of the training example (``examples.lm``; its NVFP4 layers with the fu
 the given size: one jitted step (loss, gradients, SGD update) with ``Recipe(impl="emulated")`` (the blocks dequantized
 to bf16 for a bf16 dot), with ``impl="scaled_dot"`` (``lax.scaled_dot`` on float4_e2m1fn codes: the FP4 tensor
 cores on Blackwell, decomposed by XLA elsewhere), on a GPU with ``impl="fused"`` (the Pallas GEMM decoding the
-packed operands in its tiles), and with bf16 layers, all in one process, and the ratios against bf16. ``impl="auto"`` picks the first on this machine as the table says. Prints a markdown table; ``--out FILE``
-also writes it there.
+packed operands in its tiles), and with bf16 layers, all in one process, and the ratios against bf16.
+``impl="auto"`` picks the first on this machine as the table says. Prints a markdown table; ``--out FILE`` also
+writes it there.
 
     python -m benchmarks.train_step_impl [--d-model 2048] [--layers 2] [--batch 8] [--seq-len 512] [--repeats 5]
 """
