@@ -44,7 +44,8 @@ class MXFP8:
     impl: GemmImpl = "auto"
 
     def __post_init__(self) -> None:
-        check_choice("MXFP8.impl", self.impl, GEMM_IMPLS)
+        # "fused" is the NVFP4 GEMM's Pallas kernel, which decodes E2M1 codes: no MXFP8 counterpart.
+        check_choice("MXFP8.impl", self.impl, tuple(i for i in GEMM_IMPLS if i != "fused"))
 
     needs_rng_key = False  # round to nearest everywhere: no random bits (a Recipe's attribute, for the layers)
 
