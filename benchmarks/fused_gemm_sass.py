@@ -119,6 +119,8 @@ def count(tiles: dict) -> Count:
 VARIANTS = (
     {"m": 128, "n": 128, "k_bytes": 32, "num_warps": 4},
     {"m": 128, "n": 256, "k_bytes": 32, "num_warps": 8},
+    {"m": 256, "n": 128, "k_bytes": 32, "num_warps": 8},
+    {"m": 128, "n": 256, "k_bytes": 16, "num_warps": 8},
     {"m": 128, "n": 128, "k_bytes": 64, "num_warps": 4},
 )
 
@@ -138,7 +140,7 @@ def main() -> None:
         "",
         f"{datetime.date.today()}, jax {jax.__version__}; `python -m benchmarks.fused_gemm_sass`: the kernel compiled "
         "for an H100 (sm_90a) without a GPU (XLA's Triton pipeline, no autotuning), its loop over the contraction "
-        f"read from the SASS. Default tiles: {dataclasses.asdict(fused_gemm.TILES)}. Bound = tensor clocks / "
+        f"read from the SASS. The GPU's default tiles: {dataclasses.asdict(fused_gemm.TILES)}. Bound = tensor clocks / "
         "max(issue, tensor clocks) a step: the most of the bf16 tensor peak the loop can reach.",
         "",
         "| tiles (m x n x values a step, warps) | registers | spills (B) | loop instructions | HGMMA | "
