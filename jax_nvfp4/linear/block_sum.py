@@ -1,7 +1,8 @@
 """How the NVFP4 GEMMs sum their blocks: ``"emulated"``, ``"scaled_dot"``, ``"fused"``, or ``"auto"``.
 
-Both give y = acc * (global and per-row decode scales) with the same float32 epilogue
-(``jax_nvfp4.gemm``); they differ in how the float32 block sums ``acc`` are computed:
+All give y = acc * (global and per-row decode scales) with the same float32 epilogue
+(``jax_nvfp4.gemm``; ``"fused"`` applies the global scale and the cast in its kernel); they differ in
+how the float32 block sums ``acc`` are computed:
 
 - ``"emulated"``: the codes times their E4M3 scales dequantized to bf16 (exact: at most 6
   significant bits), then a bf16 dot with float32 accumulation. Any backend.

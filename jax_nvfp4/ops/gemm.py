@@ -6,9 +6,9 @@ global decode scales fp32(amax / 2688) of a and c (amax [B] each); the last L ax
 exactly, with a bf16 dot (an E2M1 value times an E4M3 scale is exact in bfloat16 and the products in
 float32; only the float32 accumulation rounds), or "scaled_dot", by ``lax.scaled_dot`` on the codes as
 float4_e2m1fn, or "fused", by a Pallas GEMM that decodes the packed operands in its tiles. One primitive,
-so that it partitions as a whole: whatever collective brings the operands
-to the layout of the output moves their packed codes and scales, never dequantized values. Scales travel
-as their E4M3 bytes (uint8): XLA on CPU widens float8 collectives to f16.
+so that it partitions as a whole: whatever collective brings the operands to the layout of the output moves
+their packed codes and scales, never dequantized values. Scales travel as their E4M3 bytes (uint8): XLA on
+CPU widens float8 collectives to f16.
 
 ``keep_c``: the primitive also returns c's codes and scales as the GEMM read them, in the layout it
 gathered them to, so that a later GEMM (the backward pass's, of a 16x16-block weight) reuses that gather.
