@@ -35,7 +35,7 @@ def _compile(tiles: dict, dump: str) -> None:
     """In a fresh process (XLA reads its flags once): compile the fused GEMM for the offline H100, dumping PTX."""
     import jax.numpy as jnp
 
-    from benchmarks.offline_gpu import hopper, hopper_shape
+    from benchmarks.offline_gpu import hopper
     from jax_nvfp4.ops import fused_gemm
 
     m, k, n = SHAPE
@@ -47,9 +47,9 @@ def _compile(tiles: dict, dump: str) -> None:
 
     import jax
 
-    with hopper():
+    with hopper() as on_h100:
         shapes = [(1, m, k // 2), (1, m, k // 16), (1, n, k // 2), (1, n, k // 16)]
-        args = [hopper_shape(s, jnp.uint8) for s in shapes] + [hopper_shape((1,), jnp.float32)]
+        args = [on_h100(s, jnp.uint8) for s in shapes] + [on_h100((1,), jnp.float32)]
         jax.jit(f).trace(*args).lower().compile()
 
 

@@ -106,10 +106,10 @@ def compiled_step(dot, shape: tuple[int, int, int], target: str = "default", pro
 
     if target == "default":
         return jax.jit(step).lower(*[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]).compile()
-    from benchmarks.offline_gpu import hopper, hopper_shape
+    from benchmarks.offline_gpu import hopper
 
-    with hopper():
-        return jax.jit(step).trace(*[hopper_shape(s, jnp.bfloat16) for s in shapes]).lower().compile()
+    with hopper() as on_h100:
+        return jax.jit(step).trace(*[on_h100(s, jnp.bfloat16) for s in shapes]).lower().compile()
 
 
 def main() -> None:

@@ -88,26 +88,19 @@ def hopper_devices() -> list:
 
 @contextlib.contextmanager
 def hopper():
-    """Inside: lower and compile for the compile-only H100 (``jit(f).trace(*shapes).lower()`` with shapes from
-    ``hopper_shape``); Pallas's Triton lowering targets sm_90."""
-    devices = hopper_devices()
+    """``with hopper() as on_h100:`` lower and compile for the compile-only H100 inside, with arguments
+    ``on_h100(shape, dtype)`` (``jit(f).trace(*args).lower().compile()``); Pallas's Triton lowering targets sm_90."""
+    mesh = jax.sharding.Mesh(hopper_devices(), ("x",))
     abstract = jax.sharding.AbstractMesh(
         (1,),
         ("x",),
         axis_types=(jax.sharding.AxisType.Auto,),
         abstract_device=jax.sharding.AbstractDevice(device_kind=H100, num_cores=132, platform="gpu"),
     )
-    global _MESH
-    _MESH = jax.sharding.Mesh(devices, ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def on_h100(shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
     with jax.sharding.use_abstract_mesh(abstract):
-        yield
-
-
-_MESH: jax.sharding.Mesh | None = None
-
-
-def hopper_shape(shape, dtype) -> jax.ShapeDtypeStruct:
-    """An argument placed on the compile-only H100 (inside ``hopper()``)."""
-    if _MESH is None:
-        raise RuntimeError("hopper_shape is for use inside `with hopper():`")
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(_MESH, jax.sharding.PartitionSpec()))
+        yield on_h100
