@@ -5,9 +5,10 @@ Compiles ``impl="fused"``'s Pallas kernel (``jax_nvfp4.ops.fused_gemm``) for an 
 ptxas for sm_90a and reads the SASS of the kernel's loop over the contraction: its instructions, its
 warpgroup MMAs (HGMMA) and, from ptxas, registers and spills. One loop step decodes a (tile_m + tile_n) x
 (2 k_bytes) slab of values and multiplies a tile_m x tile_n x 2 k_bytes block. A Hopper SM issues four warp
-instructions a clock and its tensor cores do about 4096 dense bf16 FLOPs a clock (989 TFLOPS, 132 SMs,
-1.83 GHz), so the step needs at least max(issue, tensor) clocks; tensor / that is the most of the bf16
-peak the kernel can reach (memory aside: it reads 4.5 bits a value). A static count: nothing runs.
+instructions a clock and its tensor cores do about 4096 dense float16 (or bf16) FLOPs a clock (989 TFLOPS,
+132 SMs, 1.83 GHz), so the step needs at least max(issue, tensor) clocks; tensor / that is the most of the
+tensor peak the kernel can reach (memory aside: it reads 4.5 bits a value). A static count: nothing runs,
+and latency, shared-memory traffic and the waits between a step's MMAs are not in it.
 
     pip install jax-cuda13-plugin==<jax> jax-cuda13-pjrt==<jax> nvidia-cuda-nvcc nvidia-cuda-cuobjdump
     python -m benchmarks.fused_gemm_sass [--out benchmarks/results/fused-gemm-sass-h100.md]
@@ -116,12 +117,12 @@ def count(tiles: dict) -> Count:
     )
 
 
-VARIANTS = (
-    {"m": 128, "n": 128, "k_bytes": 32, "num_warps": 4},
-    {"m": 128, "n": 256, "k_bytes": 32, "num_warps": 8},
-    {"m": 256, "n": 128, "k_bytes": 32, "num_warps": 8},
-    {"m": 128, "n": 256, "k_bytes": 16, "num_warps": 8},
+VARIANTS = (  # k_bytes >= 64: each of a step's eight float16 dots contracts at least 16 values
     {"m": 128, "n": 128, "k_bytes": 64, "num_warps": 4},
+    {"m": 128, "n": 256, "k_bytes": 64, "num_warps": 8},
+    {"m": 256, "n": 128, "k_bytes": 64, "num_warps": 8},
+    {"m": 128, "n": 256, "k_bytes": 128, "num_warps": 8},
+    {"m": 128, "n": 128, "k_bytes": 128, "num_warps": 4},
 )
 
 
@@ -141,7 +142,8 @@ def main() -> None:
         f"{datetime.date.today()}, jax {jax.__version__}; `python -m benchmarks.fused_gemm_sass`: the kernel compiled "
         "for an H100 (sm_90a) without a GPU (XLA's Triton pipeline, no autotuning), its loop over the contraction "
         f"read from the SASS. The GPU's default tiles: {dataclasses.asdict(fused_gemm.TILES)}. Bound = tensor clocks / "
-        "max(issue, tensor clocks) a step: the most of the bf16 tensor peak the loop can reach.",
+        "max(issue, tensor clocks) a step: the most of the 16-bit tensor peak the loop can reach (latency, shared "
+        "memory and the waits between MMAs not counted).",
         "",
         "| tiles (m x n x values a step, warps) | registers | spills (B) | loop instructions | HGMMA | "
         "values decoded a thread | instructions a value | issue clocks | tensor clocks | bound |",

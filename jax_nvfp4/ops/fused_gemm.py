@@ -3,10 +3,17 @@
 For GPUs without FP4 tensor cores (Hopper). ``"emulated"`` writes a bf16 copy of each operand to memory
 for XLA's dot to read back (XLA fuses a convert into its GEMM, not the block scale's multiply: checked
 offline for sm_90 with jax 0.11.2); this kernel loads the E2M1 codes (4 bits a value) and their E4M3
-scales, makes ``code * scale`` in registers (exact in bfloat16, as ``block_values``), and feeds a
-bf16 dot with float32 accumulation, tile by tile, then applies the GEMM's epilogue (the global decode
-scale, the cast) to its tile. The float32 sums equal the emulation's wherever they are exact; elsewhere
-they differ only in the order of accumulation.
+scales, makes ``code * scale`` in registers and feeds a float16 dot with float32 accumulation, tile by tile,
+then applies the GEMM's epilogue (the global decode scale, the cast) to its tile.
+
+The decode is a few bit operations a value (``_quarters``): a code's sign and magnitude bits moved to
+float16's sign and exponent/mantissa bits give the E2M1 value times 2^-14 (0.5 as a float16 subnormal),
+and one float16 multiply by the block scale makes ``code * scale * 2^-14``: exact, on float16's grid
+(multiples of 2^-24 with at most 6 significant bits). float16 and not bfloat16 because these subnormals
+are normal float32 numbers, which XLA's CPU (interpret mode) does not flush to zero. The dot's float32
+products and sums are the emulation's times 2^-28 (a power of two: the same roundings), undone exactly in
+the epilogue. The float32 sums equal the emulation's wherever they are exact; elsewhere they differ only
+in the order of accumulation.
 
 The kernel uses Pallas's generic operations only: on a GPU it lowers through Triton; elsewhere (the CPU)
 it runs in Pallas's interpret mode, which is how CI tests it.
@@ -29,65 +36,81 @@ from jax_nvfp4.core.formats import BLOCK
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """The kernel's blocking: output tile rows ``m`` and columns ``n``, packed bytes (two values each) of one
-    step along the contraction ``k_bytes`` (a multiple of 8: whole blocks of 16), and Triton's warps a tile."""
+    step along the contraction ``k_bytes`` (a multiple of 8: whole blocks of 16; compiled for a GPU, of 64:
+    each of a step's eight dots then contracts at least 16 values, the float16 MMA's depth), and Triton's
+    warps a tile."""
 
     m: int = 128
     n: int = 128
     k_bytes: int = 32
     num_warps: int = 4
 
+    def __post_init__(self):
+        if self.k_bytes % 8:
+            raise ValueError(f"k_bytes must be a multiple of 8 (whole blocks of 16 values), got {self.k_bytes}")
 
-TILES = Tiles(m=128, n=256, k_bytes=32, num_warps=8)
-"""On a GPU: the blocking with the highest bound in ``benchmarks.fused_gemm_sass``'s static count for sm_90 (42% of
-the bf16 tensor peak, against 30% for 128 x 128 with 4 warps); not yet timed."""
+
+TILES = Tiles(m=128, n=256, k_bytes=64, num_warps=8)
+"""On a GPU: the blocking with the highest bound in ``benchmarks.fused_gemm_sass``'s static count for sm_90
+(4.7 SASS instructions a decoded value: the loop can keep the tensor cores busy); not yet timed."""
 
 INTERPRET_TILES = Tiles()
 """In interpret mode (tests on the CPU): smaller tiles, less padding of small operands. The tiles change no sum."""
 
 _BYTES_PER_SCALE = BLOCK // 2
+_UNSCALE = 2.0**28
+"""What the float32 sums are multiplied by before the global decode scale: each operand's values are 2^-14 times
+the emulation's."""
 
 
-_TWICE_E2M1 = 0xC8643210
-"""Twice the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, four bits each (magnitude code m at bits 4m..4m+3)."""
+def _e4m3_f16(byte: jax.Array) -> jax.Array:
+    """E4M3 bytes (uint8) -> float16 values, exact; 0x7F and 0xFF are NaN.
 
-
-def _e4m3(byte: jax.Array) -> jax.Array:
-    """E4M3 bytes (uint32, 0..255) -> float32 values; 0x7F and 0xFF are NaN."""
-    exponent, mantissa = (byte >> 3) & 0xF, (byte & 7).astype(jnp.float32)
-    power = lax.bitcast_convert_type((jnp.maximum(exponent, 1) + 120) << 23, jnp.float32)  # 2^(e - 7)
-    value = jnp.where(exponent == 0, mantissa * 2.0**-9, power * (1.0 + 0.125 * mantissa))
-    value = jnp.where((byte & 0x7F) == 0x7F, jnp.nan, value)
-    return jnp.where((byte & 0x80) != 0, -value, value)
-
-
-def _decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """Packed codes [r, k] and E4M3 bytes [r, k / 8] -> bf16 values [r, 2 k] (element 2i in byte i's low nibble).
-
-    Per value, a few integer operations: the magnitude's double from a table held in one 32-bit constant, times
-    half the block scale (exact in float32), the code's sign bit flipped into the product's, and the cast to
-    bf16 (exact: at most 6 significant bits). The scale's decode is paid once per 16 values.
+    The byte's exponent and mantissa moved to float16's place (bias 15 against 7) are the value times 2^-8,
+    subnormals included; one multiply by 256 corrects it. Paid once per 16 values.
     """
-    rows, nbytes = codes.shape
-    codes = codes.astype(jnp.uint32)
-    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(rows, 2 * nbytes)
-    half_scale = 0.5 * _e4m3(scales.astype(jnp.uint32))
-    half_scale = jnp.broadcast_to(half_scale[:, :, None], (rows, nbytes // _BYTES_PER_SCALE, BLOCK))
-    twice = (jnp.uint32(_TWICE_E2M1) >> ((nibbles & 7) << 2)) & 0xF
-    product = twice.astype(jnp.float32) * half_scale.reshape(rows, 2 * nbytes)
-    signed = lax.bitcast_convert_type(product, jnp.uint32) ^ ((nibbles & 8) << 28)
-    return lax.bitcast_convert_type(signed, jnp.float32).astype(jnp.bfloat16)
+    b = byte.astype(jnp.uint16)
+    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    value = lax.bitcast_convert_type(bits, jnp.float16) * jnp.float16(256)
+    return jnp.where((b & 0x7F) == 0x7F, jnp.float16(jnp.nan), value)
 
 
-def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps: int, tile_k: int):
+def _quarters(words: jax.Array, scales: jax.Array) -> list[jax.Array]:
+    """Packed codes as uint32 words [r, w] (8 codes a word, two blocks of 16 a pair of words) and their E4M3
+    bytes [r, w / 2] -> 8 float16 arrays [r, w]: ``code * scale * 2^-14``; array 2j + h holds nibble j + 4h
+    of each word.
+
+    Nibbles j and j + 4 of a word sit 16 bits apart, as the two halves of a float16 pair do: one shift and
+    mask place both magnitudes (E2M1's exponent and mantissa bits at float16's lowest exponent bits and top
+    mantissa bit, which makes the value times 2^-14), one shift and mask both signs. Which nibble lands in
+    which array is a permutation of the contraction, the same for both operands: it changes no product.
+    """
+    rows, nwords = words.shape
+    scale = _e4m3_f16(scales)
+    scale = jnp.broadcast_to(scale[:, :, None], (rows, nwords // 2, 2)).reshape(rows, nwords)
+    out = []
+    for j in range(4):
+        magnitudes = (words << (9 - 4 * j)) if j < 3 else (words >> 3)
+        signs = words << (12 - 4 * j)
+        pair = (magnitudes & jnp.uint32(0x0E000E00)) | (signs & jnp.uint32(0x80008000))
+        for half in (pair & 0xFFFF, pair >> 16):
+            out.append(lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16) * scale)
+    return out
+
+
+def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps: int, tile_words: int):
     def step(k, acc):
-        at, ct = pl.ds(k * tile_k, tile_k), pl.ds(k * (tile_k // _BYTES_PER_SCALE), tile_k // _BYTES_PER_SCALE)
-        a = _decode(a_ref[:, at], a_scale_ref[:, ct])
-        c = _decode(c_ref[:, at], c_scale_ref[:, ct])
-        return acc + lax.dot_general(a, c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        words, scales = pl.ds(k * tile_words, tile_words), pl.ds(k * (tile_words // 2), tile_words // 2)
+        a = _quarters(a_ref[:, words], a_scale_ref[:, scales])
+        c = _quarters(c_ref[:, words], c_scale_ref[:, scales])
+        for x, y in zip(a, c, strict=True):
+            acc = acc + lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
-    # The epilogue of ops.gemm in the kernel: each float32 sum times the global decode scale, then the cast.
-    out_ref[...] = (acc * scale_ref[...]).astype(out_ref.dtype)
+    # The epilogue of ops.gemm in the kernel: each float32 sum (exactly 2^28 times smaller than the emulation's)
+    # times 2^28, times the global decode scale, then the cast.
+    out_ref[...] = (acc * _UNSCALE * scale_ref[...]).astype(out_ref.dtype)
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -101,14 +124,16 @@ def _call(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: bool, tiles: T
     """Padded operands [B, M, Kb], [B, M, Kb / 8], [B, N, Kb], [B, N, Kb / 8] and scales [B, 1, 1] -> [B, M, N]."""
     batch, m, kb = a.shape
     n = c.shape[1]
-    kernel = functools.partial(_kernel, steps=kb // tiles.k_bytes, tile_k=tiles.k_bytes)
+    kernel = functools.partial(_kernel, steps=kb // tiles.k_bytes, tile_words=tiles.k_bytes // 4)
 
     def spec(rows, cols, which):
         return pl.BlockSpec((None, rows, cols), lambda b, i, j: (b, (i, j)[which], 0))
 
     scale_cols = kb // _BYTES_PER_SCALE
-    a_specs = [spec(tiles.m, kb, 0), spec(tiles.m, scale_cols, 0)]
-    c_specs = [spec(tiles.n, kb, 1), spec(tiles.n, scale_cols, 1)]
+    # Four bytes a uint32 word (little-endian: byte i at bits 8i..8i+7), so the kernel's decode works on words.
+    a, c = (lax.bitcast_convert_type(x.reshape(*x.shape[:2], kb // 4, 4), jnp.uint32) for x in (a, c))
+    a_specs = [spec(tiles.m, kb // 4, 0), spec(tiles.m, scale_cols, 0)]
+    c_specs = [spec(tiles.n, kb // 4, 1), spec(tiles.n, scale_cols, 1)]
     return pl.pallas_call(
         kernel,
         grid=(batch, m // tiles.m, n // tiles.n),

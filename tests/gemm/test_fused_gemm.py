@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from helpers import assert_same_bytes, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,17 +20,28 @@ from jax_nvfp4.ops.gemm import block_values, gemm_p
 
 
 def test_the_tile_decode_is_block_values_for_every_code_and_scale():
-    """All 16 E2M1 codes under each of the 256 E4M3 bytes: the kernel's decode gives block_values' bf16
-    bytes (-0 included), and NaN under the two NaN scales."""
+    """All 16 E2M1 codes under each of the 256 E4M3 bytes: the kernel's decode, put back in order and times
+    2^14, gives block_values' values (-0 included; exact), and NaN under the two NaN scales."""
     codes = np.arange(16, dtype=np.uint8)
-    data = np.tile(codes[0::2] | (codes[1::2] << 4), (256, 2))  # each row: codes 0..15 twice, one block
+    data = np.tile(codes[0::2] | (codes[1::2] << 4), (256, 2))  # each row: codes 0..15 twice, two blocks
     scale = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 2, axis=1)
-    got = np.asarray(jax.jit(fused_gemm._decode)(jnp.asarray(data), jnp.asarray(scale)))
+    words = jnp.asarray(data.view(np.uint32))  # [256, 4]: 8 codes a word, byte 0 in the low bits
+    quarters = jax.jit(fused_gemm._quarters)(words, jnp.asarray(scale))
+    got = np.empty((256, 4, 8), np.float32)  # [row, word, nibble]
+    for i, values in enumerate(quarters):
+        assert values.dtype == jnp.float16
+        got[:, :, i // 2 + 4 * (i % 2)] = np.asarray(values, np.float32) * np.float32(2.0**14)
+    got = got.reshape(256, 32)
     e4m3 = jnp.asarray(scale.view(ml_dtypes.float8_e4m3fn)[None])
-    want = np.asarray(block_values(jnp.asarray(data[None]), e4m3, 32))[0]
+    want = np.asarray(block_values(jnp.asarray(data[None]), e4m3, 32))[0].astype(np.float32)
     finite = (np.arange(256) & 0x7F) != 0x7F
     assert_same_bytes(got[finite], want[finite])
-    assert np.isnan(got[~finite].astype(np.float32)).all() and np.isnan(want[~finite].astype(np.float32)).all()
+    assert np.isnan(got[~finite]).all() and np.isnan(want[~finite]).all()
+
+
+def test_tiles_take_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        fused_gemm.Tiles(k_bytes=12)
 
 
 def _exact_operand(rng, shape: tuple[int, ...], length: int):
@@ -76,7 +88,8 @@ def test_fused_gemms_equal_the_emulation_bit_for_bit(batch, rows_a, rows_c, lead
 def test_a_training_step_of_the_full_recipe_is_the_emulated_one():
     """x [B, T, K] . W through dot_general with RHT, stochastic rounding and 16x16 weight blocks: y, dx and
     dW of impl="fused" (each GEMM of the same quantized operands) equal the emulation's: bit for bit on the
-    CPU, where both sum these shapes in the same order; within float32 accumulation on a GPU."""
+    CPU (the kernel adds the products in another order, which for these shapes rounds no sum differently);
+    within float32 accumulation on a GPU."""
     x = jax.random.normal(jax.random.key(0), (2, 24, 96), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (96, 40), jnp.float32) * 0.1
     dy = jax.random.normal(jax.random.key(2), (2, 24, 40), jnp.float32)

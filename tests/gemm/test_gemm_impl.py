@@ -198,7 +198,7 @@ def test_the_emulated_cuda_training_step_dequantizes():
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_the_fused_cuda_training_step_reads_packed_operands():
     """impl="fused" lowered for Hopper: each of the six GEMMs is one Triton kernel reading the packed
-    codes (uint8, two values a byte), E4M3 bytes and the global decode scale (GEMMs of one shape share one
+    codes (as uint32 words, eight values a word), E4M3 bytes and the global decode scale (GEMMs of one shape share one
     lowered function); no block is dequantized and XLA runs no dot."""
     with jax.sharding.use_abstract_mesh(HOPPER):
         gemms, module = _train_step_for_cuda(Recipe(impl="fused"))
@@ -208,6 +208,6 @@ def test_the_fused_cuda_training_step_reads_packed_operands():
     for call in calls:
         assert 'name = "nvfp4_fused_gemm"' in call
         operands = re.search(r"\} : \(([^)]*)\) -> ", call).group(1)
-        assert re.findall(r"tensor<[\dx]*([a-z]\w*)>", operands) == ["ui8"] * 4 + ["f32"], operands
+        assert re.findall(r"tensor<[\dx]*([a-z]\w*)>", operands) == ["ui32", "ui8"] * 2 + ["f32"], operands
     assert not dequantized_blocks(module)
     assert "stablehlo.dot_general" not in module
