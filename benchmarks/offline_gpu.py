@@ -72,6 +72,16 @@ def prepare() -> None:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
+HOPPER_MESH = jax.sharding.AbstractMesh(
+    (1,),
+    ("x",),
+    axis_types=(jax.sharding.AxisType.Auto,),
+    abstract_device=jax.sharding.AbstractDevice(device_kind=H100, num_cores=132, platform="gpu"),
+)
+"""An abstract one-device H100 mesh: Pallas's Triton lowering reads the target GPU from it (under
+``jax.sharding.use_abstract_mesh``) where no GPU is attached. Needs no plugin."""
+
+
 def hopper_devices() -> list:
     """One compile-only H100 (sm_90) device. Raises RuntimeError where the CUDA plugin is not installed."""
     prepare()
@@ -91,16 +101,10 @@ def hopper():
     """``with hopper() as on_h100:`` lower and compile for the compile-only H100 inside, with arguments
     ``on_h100(shape, dtype)`` (``jit(f).trace(*args).lower().compile()``); Pallas's Triton lowering targets sm_90."""
     mesh = jax.sharding.Mesh(hopper_devices(), ("x",))
-    abstract = jax.sharding.AbstractMesh(
-        (1,),
-        ("x",),
-        axis_types=(jax.sharding.AxisType.Auto,),
-        abstract_device=jax.sharding.AbstractDevice(device_kind=H100, num_cores=132, platform="gpu"),
-    )
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def on_h100(shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
-    with jax.sharding.use_abstract_mesh(abstract):
+    with jax.sharding.use_abstract_mesh(HOPPER_MESH):
         yield on_h100

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_nvfp4
+from benchmarks.offline_gpu import HOPPER_MESH
 from jax_nvfp4 import QuantizeSpec, Recipe
 from jax_nvfp4.linear.block_sum import has_fp4_tensor_cores, native_scaled_dot, resolve_impl
 
@@ -123,14 +124,6 @@ def test_auto_picks_scaled_dot_only_with_fp4_tensor_cores():
 TRITON = "__gpu$xla.gpu.triton"
 """The custom call of a Pallas kernel lowered through Triton."""
 
-HOPPER = jax.sharding.AbstractMesh(
-    (1,),
-    ("x",),
-    axis_types=(jax.sharding.AxisType.Auto,),
-    abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"),
-)
-"""An abstract H100: Pallas's Triton lowering reads the target GPU from it where no GPU is attached."""
-
 
 def _train_step_for_cuda(recipe: Recipe) -> tuple[list[str], str]:
     """One SGD step of a two-layer NVFP4 MLP (linen): the impl of each GEMM it runs, and its StableHLO
@@ -200,7 +193,7 @@ def test_the_fused_cuda_training_step_reads_packed_operands():
     """impl="fused" lowered for Hopper: each of the six GEMMs is one Triton kernel reading the packed
     codes (as uint32 words, eight values a word), E4M3 bytes and the global decode scale (GEMMs of one shape share one
     lowered function); no block is dequantized and XLA runs no dot."""
-    with jax.sharding.use_abstract_mesh(HOPPER):
+    with jax.sharding.use_abstract_mesh(HOPPER_MESH):
         gemms, module = _train_step_for_cuda(Recipe(impl="fused"))
     assert gemms == ["fused"] * 6
     calls = re.findall(rf"stablehlo\.custom_call @{re.escape(TRITON)}\((.*?)\n", module)
