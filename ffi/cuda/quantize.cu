@@ -20,9 +20,9 @@
 //   - The columnwise copy goes through a shared-memory tile (double-buffered, one barrier a
 //     tile) and is written 16 bytes a store.
 //   - The input comes from global memory when a tile's turn comes (Load::kDirect), or (kRing,
-//     NVFP4_QUANTIZE_LOAD=ring) from a ring of two shared-memory stages that bulk copies fill one
-//     tile ahead. Global and shared accesses go through cuda/memory.cuh, which the host model's
-//     profiler counts (docs/kernels.md).
+//     NVFP4_QUANTIZE_LOAD=ring) from a ring of three shared-memory stages (two where three do not
+//     fit) that bulk copies fill two tiles (one) ahead. Global and shared accesses go through
+//     cuda/memory.cuh, which the host model's profiler counts (docs/kernels.md).
 // Stochastic rounding draws one Philox hash per 1x16 block (a lane pair splits its rows' hashes);
 // for 16-bit dtypes it reads each value's position from a 64 KB table by the product's float16
 // truncation, two values a convert (e2m1_lut.cuh), and adds random byte and sign two a word;
@@ -66,6 +66,7 @@ struct Params {
   } out;
   TilePos step;       // the grid's size in tiles: a block's next tile is this far on
   uint32_t staged;    // staged tiles in the dynamic shared memory (Shared): 2, or 1
+  uint32_t stages;    // kRing: the input ring's stages, 3 or 2 (kDirect: 0)
   bool placed;        // the seed holds the copy's place in a whole tensor (Stream)
   bool vec_in;        // N % 8 == 0: a thread's 8 columns are one 16-byte load
   bool vec_rows;      // the rowwise data and scale rows of a tile are whole 16-byte chunks
@@ -100,11 +101,15 @@ enum class Mode { kNearest, kStochastic, kFourOverSix };
 
 // How a tile's input reaches the registers: each thread loads its values from global memory when
 // the tile's turn comes (kDirect), or bulk copies (cp.async.bulk, a row each) put the block's next
-// tile into a ring of kStages shared-memory stages while it quantizes the current one, completing
+// tiles into a ring of Params::stages shared-memory stages (kMaxStages, or 2 where three do not
+// fit) while it quantizes the current one, the copies running stages - 1 tiles ahead and completing
 // on an mbarrier per stage (kRing: 16-bit inputs of whole 16-byte rows, nearest and stochastic
 // rounding). Both give the same bytes: only where the values come from differs.
 enum class Load { kDirect, kRing };
-constexpr int kStages = 2;
+constexpr uint32_t kMaxStages = 3;
+// The most ring-kernel blocks a multiprocessor holds by registers: __launch_bounds__(kThreads, 1)
+// lets ptxas use up to 255 a thread, 32 K of the 64 K for a block of kThreads.
+constexpr size_t kRingBlocks = 2;
 
 // Bytes of a stage: one tile of dtype L's values, rows kTileCols values apart.
 template <typename L>
@@ -141,13 +146,29 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
 // (kRing).
 struct Shared {
   uint8_t lut[kLutSize];
-  float class_value[256];              // 4over6: f16_class_value
-  float scale_value[256];              // 4over6: e4m3_to_float
   alignas(16) uint8_t f16_codes[256];  // f16_class_code
   float enc[2][kCodes];                // [rowwise, columnwise][scale code]: block_encode_scale
   int safe[2];                         // whether that copy needs the tie-safe code index
-  Mbarrier full[kStages];              // kRing: stage s holds its tile (its bulk copies landed)
+  Mbarrier full[kMaxStages];           // kRing: stage s holds its tile (its bulk copies landed)
 };
+
+// 4over6's kernels hold two more tables. Only theirs: with these 2 KB, the direct sm_90 kernel's
+// block (static, class table, two staged tiles, 1 KB reserved) took 76.3 KB, so 2 blocks fit a
+// multiprocessor's 228 KB instead of 3.
+struct FourOverSixShared : Shared {
+  float class_value[256];  // f16_class_value
+  float scale_value[256];  // e4m3_to_float
+};
+
+// The static shared memory of the kernels of rounding mode kMode.
+template <Mode kMode>
+using SharedOf = std::conditional_t<kMode == Mode::kFourOverSix, FourOverSixShared, Shared>;
+
+// Three blocks of the direct nearest-rounding kernel fit an sm_90 multiprocessor's 228 KB (static
+// shared memory, the class table, two staged tiles and the 1 KB a block reserves; its 168
+// registers allow three too): with 1 KB more static shared memory two would.
+static_assert(3 * (sizeof(Shared) + kLaneTableBytes + 2 * sizeof(Staging) + 1024) <= 228 * 1024,
+              "the direct sm_90 quantize kernel would lose a block a multiprocessor");
 
 // What quantizing one copy needs of its batch entry.
 struct Copy {
@@ -721,7 +742,7 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
 // unpacked values. kIndex: how both copies find their codes (nearest rounding; stochastic
 // rounding's rows; 4over6 reads its copy's index at run time).
 template <typename L, Mode kMode, Index kIndex>
-__device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Staging& st,
+__device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& sh, Staging& st,
                                               const Place& at, const Values<L>& w,
                                               const uint32_t (&col_mag)[kCols],
                                               const uint32_t (&row_mag)[kBlock], const Copy& kr,
@@ -737,13 +758,15 @@ __device__ __forceinline__ void quantize_rows(const Params& p, Shared& sh, Stagi
     lane_g = lane_row_scales(spec, p.amax + at.b * p.rows + at.m0, at.nrows);
   // 4over6: the candidates of this lane's own 8 rows (its partner takes them by shuffles).
   FastCandidate own_c6[kBlock / 2], own_c4[kBlock / 2];
-  if (kMode == Mode::kFourOverSix && rows_on) {
+  if constexpr (kMode == Mode::kFourOverSix) {
+    if (rows_on) {
 #pragma unroll
-    for (int i = 0; i < kBlock / 2; ++i)
-      fast_candidates(own_magnitude<L>(row_mag, i),
-                      spec.row_scaled ? row_scales_of(lane_g, own + i) : kr.g,
-                      spec.row_scaled ? nullptr : kr.enc, sh.scale_value,
-                      spec.four_over_six().fast_math, own_c6[i], own_c4[i]);
+      for (int i = 0; i < kBlock / 2; ++i)
+        fast_candidates(own_magnitude<L>(row_mag, i),
+                        spec.row_scaled ? row_scales_of(lane_g, own + i) : kr.g,
+                        spec.row_scaled ? nullptr : kr.enc, sh.scale_value,
+                        spec.four_over_six().fast_math, own_c6[i], own_c4[i]);
+    }
   }
   if (kMode != Mode::kFourOverSix && rows_on) {
     float enc_own[kBlock / 2];
@@ -868,7 +891,7 @@ __device__ __forceinline__ float rht_column(float (&t)[kBlock]) {
 // with stochastic rounding, or with 4over6. A column's 16 values are the block (with rht their
 // transform; M % 16 == 0, so all 16 rows are real), in registers.
 template <typename L, Mode kMode>
-__device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, Staging& st,
+__device__ __forceinline__ void quantize_columns(const Params& p, SharedOf<kMode>& sh, Staging& st,
                                                  const Place& at, const Values<L>& w,
                                                  const uint32_t (&col_mag)[kCols], const Copy& kc,
                                                  const Stream& seed) {
@@ -930,9 +953,9 @@ __device__ __forceinline__ void quantize_columns(const Params& p, Shared& sh, St
 
 // `stage`: the tile's values in a ring stage (kRing), or null (kDirect: from x).
 template <typename L, Mode kMode>
-__device__ __forceinline__ void quantize_tile(const typename L::T* x, const Params& p, Shared& sh,
-                                              Staging& st, TilePos tile, const Copy& kr,
-                                              const Copy& kc, const Stream& seed,
+__device__ __forceinline__ void quantize_tile(const typename L::T* x, const Params& p,
+                                              SharedOf<kMode>& sh, Staging& st, TilePos tile,
+                                              const Copy& kr, const Copy& kc, const Stream& seed,
                                               const typename L::T* stage = nullptr) {
   const QuantizeSpec& spec = p.spec;
   const uint32_t rows = uint32_t(p.rows), cols = uint32_t(p.cols);  // < 2^31 - 256
@@ -1107,48 +1130,54 @@ __device__ __forceinline__ void load_stage(const typename L::T* x, const Params&
 
 // The block's static code tables (every thread of the block calls; a barrier before they are read).
 template <Mode kMode>
-__device__ __forceinline__ void build_code_tables(Shared& sh) {
+__device__ __forceinline__ void build_code_tables(SharedOf<kMode>& sh) {
   // The code table serves the tie-safe index without the E2M1 convert only (with it, the convert
   // does).
   if (!NVFP4_HAS_FP4_CVT())
     for (int i = threadIdx.x; i < kLutSize; i += kThreads) sh.lut[i] = lut_entry(uint32_t(i));
-  if (kMode == Mode::kFourOverSix)
+  if constexpr (kMode == Mode::kFourOverSix)
     for (int i = threadIdx.x; i < 256; i += kThreads) {
       sh.class_value[i] = f16_class_value(i);
       sh.scale_value[i] = e4m3_to_float(uint8_t(i));
     }
 }
 
-// Bytes of the input ring (Shared) of dtype L's kernel loading by kLoad.
+// Bytes of the input ring (Shared) of dtype L's kernel loading by kLoad, of `stages` stages.
 template <typename L, Load kLoad>
-constexpr uint32_t kRingBytes = kLoad == Load::kRing ? kStages * kStageBytes<L> : 0;
+NVFP4_HD constexpr uint32_t ring_bytes(uint32_t stages) {
+  return kLoad == Load::kRing ? stages * kStageBytes<L> : 0;
+}
 
 // The staged tiles in the block's dynamic shared memory (Shared), before the ring.
 template <typename L, Load kLoad>
 __device__ __forceinline__ Staging* staged_tiles(const Params& p) {
   return reinterpret_cast<Staging*>(dynamic_shared() + dynamic_shared_size() -
-                                    kRingBytes<L, kLoad>) -
+                                    ring_bytes<L, kLoad>(p.stages)) -
          p.staged;
 }
 
 template <typename L, Mode kMode, Load kLoad = Load::kDirect>
 __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p) {
-  __shared__ Shared sh;
-  constexpr uint32_t kRing = kRingBytes<L, kLoad>;
+  __shared__ SharedOf<kMode> sh;
+  const uint32_t ring_size = ring_bytes<L, kLoad>(p.stages);
   using T = typename L::T;
-  T* ring = reinterpret_cast<T*>(dynamic_shared() + dynamic_shared_size() - kRing);
+  constexpr uint32_t kStageValues = kStageBytes<L> / sizeof(T);
+  T* ring = reinterpret_cast<T*>(dynamic_shared() + dynamic_shared_size() - ring_size);
   Staging* staged = staged_tiles<L, kLoad>(p);
   TilePos tile = tile_pos(blockIdx.x, p.row_tiles, p.col_tiles);
-  if constexpr (kLoad == Load::kRing) {  // the first tile's copies go out before the tables
+  TilePos ahead = tile;  // kRing: the next tile whose copies go out (stages - 1 tiles on)
+  if constexpr (kLoad == Load::kRing) {  // the first tiles' copies go out before the tables
+    NVFP4_PATH(p.stages == 3 ? "ring: three stages" : "ring: two stages");
     if (threadIdx.x == 0) {
-      for (int s = 0; s < kStages; ++s) mbarrier_init(&sh.full[s], 1);
+      for (uint32_t s = 0; s < p.stages; ++s) mbarrier_init(&sh.full[s], 1);
       mbarrier_init_fence();
     }
     __syncthreads();
-    load_stage<L>(x, p, sh, ring, 0, tile);
+    for (uint32_t s = 0; s + 1 < p.stages; ++s, advance(ahead, p))
+      if (ahead.b < p.batch) load_stage<L>(x, p, sh, ring + s * kStageValues, int(s), ahead);
   }
   build_code_tables<kMode>(sh);
-  const bool classes = build_dynamic_table<L, kMode>(sh, kRing + p.staged * sizeof(Staging));
+  const bool classes = build_dynamic_table<L, kMode>(sh, ring_size + p.staged * sizeof(Staging));
   __syncthreads();
   Stream seed{Seed{0, 0}};
   if constexpr (kMode == Mode::kStochastic) seed = stream_of(p.seed, p.placed, p.rows);
@@ -1161,16 +1190,15 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
     }
     const T* stage = nullptr;
     if constexpr (kLoad == Load::kRing) {
-      // The next tile's copies into the other stage, which the block last read in the previous
-      // tile (every thread has passed that tile's barrier since); then this tile's stage.
-      TilePos next = tile;
-      advance(next, p);
-      static_assert(kStages == 2, "one tile ahead: the other stage");
-      const int s = int(k % kStages);
-      if (next.b < p.batch)
-        load_stage<L>(x, p, sh, ring + (1 - s) * (kStageBytes<L> / sizeof(T)), 1 - s, next);
-      mbarrier_wait(&sh.full[s], (k / kStages) & 1u);
-      stage = ring + s * (kStageBytes<L> / sizeof(T));
+      // Tile k + stages - 1's copies into its stage, which the block last read in the previous
+      // tile (every thread has passed that tile's barrier since); then this tile's stage, filled
+      // for the (k / stages)-th time.
+      const uint32_t s = k % p.stages, s_ahead = (k + p.stages - 1) % p.stages;
+      if (ahead.b < p.batch)
+        load_stage<L>(x, p, sh, ring + s_ahead * kStageValues, int(s_ahead), ahead);
+      advance(ahead, p);
+      mbarrier_wait(&sh.full[s], (k / p.stages) & 1u);
+      stage = ring + s * kStageValues;
     }
     NVFP4_PATH(p.staged == 2 ? "staging: two tiles" : "staging: one tile");
     if (p.staged == 1 && k > 0) __syncthreads();  // the last tile's stores have read its staging
@@ -1206,6 +1234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 struct DynamicShared {
   size_t bytes;
   uint32_t staged;
+  uint32_t stages;  // the input ring's (Params::stages)
 };
 
 // K's dynamic shared memory, its attribute set: float32's values (Values), with stochastic
@@ -1218,7 +1247,7 @@ struct DynamicShared {
 template <auto K, typename L, Mode kMode, Load kLoad>
 ffi::Error dynamic_shared_of(DynamicShared& out) {
   const auto [value, err, what] = once_per(device_key(), [](bool& ok) {
-    DynamicShared d{0, 0};
+    DynamicShared d{0, 0, 0};
     const auto failed = [&](cudaError_t e, const char* call) {
       ok = false;
       return std::tuple(d, e, call);
@@ -1234,24 +1263,50 @@ ffi::Error dynamic_shared_of(DynamicShared& out) {
       table = attr.ptxVersion >= 100 ? 0 : size_t(kLaneTableBytes);
       optional = true;
     }
-    int device = 0, optin = 0;
+    int device = 0, optin = 0, per_multiprocessor = 0;
     if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
       return failed(e, "cudaGetDevice");
-    if (const cudaError_t e =
-            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-        e != cudaSuccess)
-      return failed(e, "cudaDeviceGetAttribute");
-    const size_t room = std::max<size_t>(size_t(optin), sizeof(Shared)) - sizeof(Shared);
-    const auto need = [&](uint32_t staged) {
-      return table + staged * sizeof(Staging) + kRingBytes<L, kLoad>;
+    for (const auto& [value, attr] :
+         {std::pair(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin),
+          std::pair(&per_multiprocessor, cudaDevAttrMaxSharedMemoryPerMultiprocessor)})
+      if (const cudaError_t e = cudaDeviceGetAttribute(value, attr, device); e != cudaSuccess)
+        return failed(e, "cudaDeviceGetAttribute");
+    constexpr size_t kStatic = sizeof(SharedOf<kMode>);
+    const size_t room = std::max<size_t>(size_t(optin), kStatic) - kStatic;
+    const auto need = [&](uint32_t staged, uint32_t stages) {
+      return table + staged * sizeof(Staging) + ring_bytes<L, kLoad>(stages);
     };
-    const auto staging = [&] { return need(2) <= room ? 2u : need(1) <= room ? 1u : 0u; };
-    d.staged = staging();
+    // Tiles whose copies are in flight on a multiprocessor with a ring of `stages`: (stages - 1) a
+    // block, times the blocks its shared memory holds (each also reserves 1 KB), at most
+    // kRingBlocks.
+    const auto in_flight = [&](uint32_t staged, uint32_t stages) {
+      const size_t block = need(staged, stages) + kStatic + 1024;
+      return std::min<size_t>(kRingBlocks, size_t(per_multiprocessor) / block) * (stages - 1);
+    };
+    // Two staged tiles first (one barrier a tile); then the ring depth with the most tiles in
+    // flight a multiprocessor, the shallower on a tie (more blocks, more warps): three stages on
+    // sm_90, where one block fits either way, two stages at two blocks where the class table goes.
+    const auto choose = [&]() -> std::pair<uint32_t, uint32_t> {
+      for (uint32_t staged = 2; staged >= 1; --staged) {
+        if constexpr (kLoad == Load::kDirect) {
+          if (need(staged, 0) <= room) return {staged, 0};
+        } else {
+          uint32_t best = 0;
+          for (uint32_t stages = 2; stages <= kMaxStages; ++stages)
+            if (need(staged, stages) <= room &&
+                (best == 0 || in_flight(staged, stages) > in_flight(staged, best)))
+              best = stages;
+          if (best) return {staged, best};
+        }
+      }
+      return {0, 0};
+    };
+    std::tie(d.staged, d.stages) = choose();
     if (d.staged == 0 && optional) {
       table = 0;
-      d.staged = staging();
+      std::tie(d.staged, d.stages) = choose();
     }
-    d.bytes = d.staged ? need(d.staged) : 0;
+    d.bytes = d.staged ? need(d.staged, d.stages) : 0;
     if (d.bytes) {
       const cudaError_t e =
           cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, int(d.bytes));
@@ -1280,6 +1335,7 @@ ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p,
       std::min<uint32_t>(p.batch * per_entry, uint32_t(resident_blocks(K, kThreads, shared.bytes)));
   p.step = tile_pos(blocks, p.row_tiles, p.col_tiles);
   p.staged = shared.staged;
+  p.stages = shared.stages;
   return launch<K>("quantize", blocks, kThreads, shared.bytes, stream, x, p);
 }
 
@@ -1298,8 +1354,8 @@ inline Mode mode_of(const QuantizeSpec& spec) {
 }
 
 // Launches dtype L's kernel of rounding mode M, its input loaded by kLoad (kRing: where its ring
-// fits the device, else the direct kernel: sm_120's 99 KB hold the ring beside one staged tile
-// for nearest rounding, not beside stochastic rounding's table).
+// fits the device, else the direct kernel: sm_120's 99 KB hold a ring of two stages beside one
+// staged tile for nearest rounding, not beside stochastic rounding's table).
 template <typename L, Mode M, Load kLoad>
 ffi::Error launch_mode(cudaStream_t stream, const typename L::T* x, const Params& p) {
   if constexpr (kLoad == Load::kRing) {
@@ -1360,7 +1416,8 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                  {uint32_t(packed_size(cols)), uint32_t(num_blocks(cols)),
                   uint32_t(packed_size(rows)), uint32_t(num_blocks(rows))},
                  TilePos{},
-                 0,  // launch_tiles sets it and step
+                 0,  // launch_tiles sets staged, stages and step
+                 0,
                  placed,
                  cols % kCols == 0,
                  packed_size(cols) % 16 == 0 && num_blocks(cols) % 16 == 0,
@@ -1391,7 +1448,7 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 namespace nvfp4::cuda {
 template <typename L, Mode kMode>
 __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, QuantizeSpec spec) {
-  __shared__ Shared sh;
+  __shared__ SharedOf<kMode> sh;
   p.spec = spec;
   p.vec_in = p.vec_rows = p.vec_cols = true;
   __builtin_assume(p.rows % 2 == 0);  // whole tiles: even sizes

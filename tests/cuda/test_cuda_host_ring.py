@@ -74,6 +74,34 @@ def test_stochastic_rounding_takes_the_ring(name, shape, dtype, sm, monkeypatch)
 
 
 @pytest.mark.parametrize(
+    ("sm", "name", "kernel", "depth"),
+    [
+        (90, "row+col", "quantize_ring_kernel", "three stages"),
+        (90, "stochastic", "quantize_ring_kernel", "three stages"),  # beside the 64 KB position table
+        (100, "stochastic", "quantize_ring_kernel", "three stages"),
+        (100, "row+col", "quantize_ring_kernel", "two stages"),  # no class table: two blocks of two stages
+        (120, "row+col", "quantize_ring_kernel", "two stages"),  # 99 KB: two stages beside one staged tile
+        (120, "stochastic", "quantize_kernel", None),  # no ring beside the table
+    ],
+)
+def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, monkeypatch):
+    """The depth that keeps the most tiles' copies in flight a multiprocessor: three stages (two tiles ahead:
+    64 KB of bf16 loads a block) where one block fits either way (sm_90: the class table; stochastic rounding:
+    its position table), two stages where that keeps two blocks (sm_100a's nearest rounding, no table) or three
+    do not fit (sm_120's 99 KB). On 64 tiles, tens a block on the host model's small grid, so every stage is
+    refilled and its barrier's phase turns many times; the same bytes either way."""
+    options = {**OPTIONS, **MODES}[name]
+    x = random_normal((256, 4096), 15)
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+    got, launches = quantize_launches(x, sm, **options)
+    (launch,) = [launch for launch in launches if "quantize" in launch.kernel]
+    assert f"::{kernel}<" in launch.kernel
+    rings = {path for path in launch.paths if path.startswith("ring: ")}
+    assert rings == ({f"ring: {depth}"} if depth else set())
+    assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
+
+
+@pytest.mark.parametrize(
     ("dtype", "shape", "options"),
     [
         (jnp.float32, (256, 1024), {}),  # float32 keeps its values in shared memory

@@ -820,6 +820,8 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
     *value = nvfp4::host::kMultiprocessors;
   } else if (attr == cudaDevAttrMaxSharedMemoryPerBlockOptin) {
     *value = int(nvfp4::host::max_shared_per_block());
+  } else if (attr == cudaDevAttrMaxSharedMemoryPerMultiprocessor) {
+    *value = int(nvfp4::host::max_shared_per_block() + 1024);
   } else {
     return cudaErrorInvalidValue;
   }
