@@ -58,6 +58,7 @@ INTERPRET_TILES = Tiles()
 """In interpret mode (tests on the CPU): smaller tiles, less padding of small operands. The tiles change no sum."""
 
 _BYTES_PER_SCALE = BLOCK // 2
+_WORDS_PER_SCALE = _BYTES_PER_SCALE // 4  # uint32 words of codes a block scale covers
 _UNSCALE = 2.0**28
 """What the float32 sums are multiplied by before the global decode scale: each operand's values are 2^-14 times
 the emulation's."""
@@ -87,7 +88,8 @@ def _quarters(words: jax.Array, scales: jax.Array) -> list[jax.Array]:
     """
     rows, nwords = words.shape
     scale = _e4m3_f16(scales)
-    scale = jnp.broadcast_to(scale[:, :, None], (rows, nwords // 2, 2)).reshape(rows, nwords)
+    scale = jnp.broadcast_to(scale[:, :, None], (rows, nwords // _WORDS_PER_SCALE, _WORDS_PER_SCALE))
+    scale = scale.reshape(rows, nwords)
     out = []
     for j in range(4):
         magnitudes = (words << (9 - 4 * j)) if j < 3 else (words >> 3)
@@ -100,7 +102,8 @@ def _quarters(words: jax.Array, scales: jax.Array) -> list[jax.Array]:
 
 def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps: int, tile_words: int):
     def step(k, acc):
-        words, scales = pl.ds(k * tile_words, tile_words), pl.ds(k * (tile_words // 2), tile_words // 2)
+        tile_scales = tile_words // _WORDS_PER_SCALE
+        words, scales = pl.ds(k * tile_words, tile_words), pl.ds(k * tile_scales, tile_scales)
         a = _quarters(a_ref[:, words], a_scale_ref[:, scales])
         c = _quarters(c_ref[:, words], c_scale_ref[:, scales])
         for x, y in zip(a, c, strict=True):
@@ -189,6 +192,8 @@ def fused_gemm(
 
     def run(a_data, a_scale, c_data, c_scale, scale, *, interpret: bool):
         t = tiles or (INTERPRET_TILES if interpret else TILES)
+        if not interpret and t.k_bytes % 64:
+            raise ValueError(f"compiled for a GPU, k_bytes must be a multiple of 64 (float16 MMAs), got {t.k_bytes}")
         a, sa = _operand(a_data, a_scale, rows_a, length, t.m, t.k_bytes)
         c, sc = _operand(c_data, c_scale, rows_c, length, t.n, t.k_bytes)
         y = _call(a, sa, c, sc, scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret, tiles=t)

@@ -31,11 +31,11 @@ SHAPES = [(256, 1024), (200, 520), (3, 72, 264), (16, 8)]
 
 
 def quantize_asking_for_the_ring(x, sm, monkeypatch, **options):
-    """cuda_host.quantize(x) with NVFP4_QUANTIZE_LOAD=ring: (result, the launched quantize kernel's name)."""
+    """cuda_host.quantize(x) with NVFP4_QUANTIZE_LOAD=ring: (result, the quantize kernel's launch)."""
     monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
     got, launches = quantize_launches(x, sm, **options)
-    (kernel,) = [launch.kernel for launch in launches if "quantize" in launch.kernel]
-    return got, kernel
+    (launch,) = [launch for launch in launches if "quantize" in launch.kernel]
+    return got, launch
 
 
 @pytest.mark.parametrize("sm", [90, 100])
@@ -47,8 +47,8 @@ def test_the_ring_gives_the_cpu_bytes(name, shape, dtype, sm, monkeypatch):
     if options.get("rht") and shape[-2] % 16:
         pytest.skip("the RHT needs rows in whole 16-row blocks")
     x = random_normal(shape, 11, dtype)
-    got, kernel = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
-    assert "quantize_ring_kernel" in kernel
+    got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
+    assert "quantize_ring_kernel" in launch.kernel
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
 
@@ -68,8 +68,8 @@ MODES = {
 def test_stochastic_rounding_takes_the_ring(name, shape, dtype, sm, monkeypatch):
     options = MODES[name]
     x = random_normal(shape, 14, dtype)
-    got, kernel = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
-    assert "quantize_ring_kernel" in kernel
+    got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
+    assert "quantize_ring_kernel" in launch.kernel
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
 
@@ -92,9 +92,7 @@ def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, mo
     refilled and its barrier's phase turns many times; the same bytes either way."""
     options = {**OPTIONS, **MODES}[name]
     x = random_normal((256, 4096), 15)
-    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
-    got, launches = quantize_launches(x, sm, **options)
-    (launch,) = [launch for launch in launches if "quantize" in launch.kernel]
+    got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
     assert f"::{kernel}<" in launch.kernel
     rings = {path for path in launch.paths if path.startswith("ring: ")}
     assert rings == ({f"ring: {depth}"} if depth else set())
@@ -113,8 +111,8 @@ def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, mo
 )
 def test_where_the_ring_does_not_apply_the_direct_kernel_runs(dtype, shape, options, monkeypatch):
     x = random_normal(shape, 12, dtype)
-    got, kernel = quantize_asking_for_the_ring(x, 90, monkeypatch, **options)
-    assert "ring" not in kernel
+    got, launch = quantize_asking_for_the_ring(x, 90, monkeypatch, **options)
+    assert "ring" not in launch.kernel
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
 

@@ -39,9 +39,15 @@ def test_the_tile_decode_is_block_values_for_every_code_and_scale():
     assert np.isnan(got[~finite]).all() and np.isnan(want[~finite]).all()
 
 
-def test_tiles_take_whole_blocks():
+def test_tiles_take_whole_blocks_and_a_gpu_whole_float16_mmas():
     with pytest.raises(ValueError, match="multiple of 8"):
         fused_gemm.Tiles(k_bytes=12)
+    a, sa = _exact_operand(np.random.default_rng(0), (1, 8), 64)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fused_gemm.fused_gemm(
+            a, sa, a, sa, 1.0, rows_a=8, rows_c=8, length=64, out_dtype=jnp.float32,
+            interpret=False, tiles=fused_gemm.Tiles(k_bytes=32),
+        )  # fmt: skip
 
 
 def _exact_operand(rng, shape: tuple[int, ...], length: int):
