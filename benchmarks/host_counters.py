@@ -1,10 +1,11 @@
-"""Profiler counters of the CUDA quantize kernel without a GPU: the CUDA host model runs the kernel on the
-CPU and counts what a profiler would (ffi/cuda/host/trace.h, tests/helpers/counters.py): bytes read and
+"""Profiler counters of the CUDA quantize and dequantize kernels without a GPU: the CUDA host model runs the
+kernels on the CPU and counts what a profiler would (ffi/cuda/host/trace.h, tests/helpers/counters.py): bytes read and
 written against the minimum, 32-byte sectors of global accesses against the fewest their bytes fill,
 shared-memory wavefronts against the fewest (bank conflicts), and the code index each copy takes.
 
 One bf16 N(0, 1) tensor of whole 64 x 256 tiles per spec, on the sm_90 and sm_100a code paths and, for
-nearest rounding, the pipelined kernel (NVFP4_QUANTIZE_LOAD=ring). Needs the host model's module
+nearest rounding, the pipelined kernel (NVFP4_QUANTIZE_LOAD=ring); then the dequantize of its rowwise copy to
+each output dtype. Needs the host model's module
 (`NVFP4_CUDA_HOST=ON pip install .`); the tests hold these figures to budgets
 (tests/cuda/test_cuda_host_counters.py).
 
@@ -21,7 +22,9 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
+import jax_nvfp4
 from benchmarks.timing import Report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +84,33 @@ def row(name: str, variant: str, launch: Launch, x, options) -> str:
     )
 
 
+def dequantize_rows(report: Report, x) -> None:
+    """The dequantize kernel's counters: its rowwise copy of x to each output dtype."""
+    report.add("")
+    report.add(
+        "Dequantize of the rowwise copy (whole 16-value blocks). Read: code bytes over the codes (each once); "
+        "written: over the output; sectors over the fewest."
+    )
+    report.add("")
+    report.add("| output | read / codes | code-load sectors | scale-load sectors | written / output | store sectors |")
+    report.add("|---|---:|---:|---:|---:|---:|")
+    t = jax_nvfp4.quantize(x)
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        fn = jax.jit(lambda t, dtype=dtype: cuda_host.dequantize(t, dtype))
+        fn.lower(t).compile()
+        with traced() as launches:
+            out = jax.block_until_ready(fn(t))
+        (launch,) = [k for k in launches if "dequantize" in k.kernel]
+        loads = launch.select("global", "load")
+        codes = [s for s in loads if s.size > 1]
+        scales = [s for s in loads if s.size == 1]
+        stores = launch.select("global", "store")
+        report.add(
+            f"| {jnp.dtype(dtype).name} | {Launch.total(codes).bytes / t.data.nbytes:.2f} | {ratio(codes)} "
+            f"| {ratio(scales)} | {Launch.total(stores).bytes / out.nbytes:.2f} | {ratio(stores)} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="256,1024")
@@ -91,7 +121,7 @@ def main() -> None:
     report = Report(
         args.out,
         [
-            "# Quantize kernel counters from the CUDA host model (no GPU)",
+            "# Quantize and dequantize kernel counters from the CUDA host model (no GPU)",
             "",
             f"{datetime.date.today()}, commit {commit.stdout.strip() or '?'}, jax {jax.__version__}; "
             f"`python -m benchmarks.host_counters --shape {args.shape}`: bf16 N(0, 1) {shape[0]}x{shape[1]}, "
@@ -114,6 +144,7 @@ def main() -> None:
                     report.add(row(name, f"{arch} {load}", launch, x, options))
     finally:
         os.environ.pop("NVFP4_QUANTIZE_LOAD", None)
+    dequantize_rows(report, x)
     report.save()
 
 

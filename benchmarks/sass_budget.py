@@ -94,8 +94,9 @@ __device__ __forceinline__ void budget_stripe(const typename L::T* x, Params p, 
 # and its elements). The element kernels are ffa032c's kernels unchanged (still the path for the
 # sizes the new ones do not take; their grid-stride loops kept rolled, one element or byte an
 # iteration): they are the "before" column.
-DEQUANTIZE_BLOCKS = (
-    "const uint2* d, const uint8_t* s, const float* a, uint32_t n, uint32_t m, nvfp4::DequantizeSpec p, {T}* o"
+DEQUANTIZE_PIECES = (  # {S}: the storer
+    "const nvfp4::cuda::PieceCodes<nvfp4::{S}>* d, const uint8_t* s, const float* a, uint32_t n, uint32_t m, "
+    "nvfp4::DequantizeSpec p, {T}* o"
 )
 DEQUANTIZE_BYTES = (
     "const uint8_t* d, const uint8_t* s, const float* a, int64_t r, int64_t c, int64_t n, bool m, "
@@ -103,11 +104,13 @@ DEQUANTIZE_BYTES = (
 )
 AMAX_VECTORS = "const uint4* x, int64_t n, int64_t c, uint32_t* b"
 AMAX_ELEMENTS = "const {T}* x, int64_t n, int64_t c, uint32_t* b"
-UNROLL = 4  # kUnroll of dequantize.cu and amax.cu: blocks or vectors a loop iteration takes
+UNROLL = 4  # kUnroll of amax.cu: vectors a loop iteration takes
+DEQUANTIZE_UNROLL = 8  # kUnroll of dequantize.cu: pieces (the values of a 16-byte store) an iteration takes
 
 
-def dequantize_row(storer: str, t: str) -> tuple:
-    body = ("dequantize_blocks", DEQUANTIZE_BLOCKS, UNROLL * 16)
+def dequantize_row(storer: str, t: str, per_piece: int) -> tuple:
+    params = DEQUANTIZE_PIECES.replace("{S}", storer)
+    body = ("dequantize_pieces", params, DEQUANTIZE_UNROLL * per_piece)
     old = ("dequantize_bytes", DEQUANTIZE_BYTES, 2)  # a byte, two values, an iteration
     return ("dequantize.cu", *((f"{f}<nvfp4::{storer}>", p, t, n) for f, p, n in (body, old)))
 
@@ -119,8 +122,8 @@ def amax_row(loader: str, t: str, per_vector: int) -> tuple:
 
 
 OTHER_KERNELS = {  # row: (source, (body, parameters, T, elements), (element kernel ...))
-    "dequantize_to_bf16": dequantize_row("StoreBF16", "uint16_t"),
-    "dequantize_to_f32": dequantize_row("StoreF32", "float"),
+    "dequantize_to_bf16": dequantize_row("StoreBF16", "uint16_t", 8),
+    "dequantize_to_f32": dequantize_row("StoreF32", "float", 4),
     "amax_bf16": amax_row("LoadBF16", "uint16_t", 8),
     "amax_f32": amax_row("LoadF32", "float", 4),
 }

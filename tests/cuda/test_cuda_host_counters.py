@@ -1,5 +1,5 @@
-"""What a profiler would count for the CUDA quantize kernel, read from the host model without a GPU
-(tests/helpers/counters.py): the code index each copy takes, bytes moved against the minimum,
+"""What a profiler would count for the CUDA quantize and dequantize kernels, read from the host model without
+a GPU (tests/helpers/counters.py): the code index each copy takes, bytes moved against the minimum,
 coalescing of global accesses and bank conflicts in shared memory, held to budgets.
 
 The inputs are N(0, 1) bfloat16 tensors of whole 64 x 256 tiles (the steady state of a large tensor);
@@ -143,6 +143,32 @@ def test_staging_in_shared_memory_is_nearly_conflict_free(name):
     launch = quantize_traced(random_normal(SHAPE, 7), **SPECS[name])
     staging = Launch.total(launch.select("shared", file="quantize.cu"))
     assert staging.transactions <= 1.5 * staging.ideal, launch.select("shared", file="quantize.cu")
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_dequantize_reads_codes_once_and_writes_whole_sectors(out_dtype, per_row):
+    """The dequantize kernel of whole 16-value blocks: each code byte read once, each output byte written
+    once, and every global access in the fewest sectors its bytes fill (issue 48's budget: 1.05). A thread
+    takes the values of one 16-byte store, so a warp's stores fill 512 consecutive bytes; a block's pieces
+    read its scale byte together (one sector for a warp's 16 or 8 scales). Before: a thread a block stored
+    32 (bfloat16) or 64 (float32) bytes, each 16-byte store of a warp touching 32 half-filled sectors, 2.0."""
+    x = random_normal(SHAPE, 9)
+    t = jax_nvfp4.quantize(x, row_scaled=per_row)
+    fn = jax.jit(lambda t: cuda_host.dequantize(t, out_dtype))
+    fn.lower(t).compile()
+    with traced() as launches:
+        out = jax.block_until_ready(fn(t))
+    assert_same_tree(out, jax_nvfp4.dequantize(t, out_dtype))
+    launch = only(launches, "dequantize")
+    pieces = 16 // jnp.dtype(out_dtype).itemsize  # values a thread stores
+    (codes,) = launch.select("global", "load", size=pieces // 2)
+    (scales,) = launch.select("global", "load", size=1)
+    (stores,) = launch.select("global", "store")
+    assert (codes.bytes, stores.bytes, stores.size) == (t.data.nbytes, out.nbytes, 16)
+    assert scales.bytes == t.scale.nbytes * (16 // pieces)  # a block's pieces read its scale
+    for site in (codes, scales, stores):
+        assert site.transactions <= 1.05 * site.ideal, site
 
 
 def test_the_profiler_sees_element_loads_that_span_rows():
