@@ -151,48 +151,43 @@ NVFP4_HD uint32_t pair_code(const uint8_t* table, uint32_t lane4, float v0, floa
   return class_pair_code(table, lane4, truncated_pair<kSafe>(v0, v1, enc));
 }
 
-// ---- Stochastic rounding's positions, for 16-bit dtypes ----
+// ---- Stochastic rounding's positions: float16 arithmetic, two values a word ----
 //
-// sr_position of a product (not NaN, not -0.0), clamped to 7 * 256 as float_to_e2m1_stochastic's
-// code is, depends only on its float16 truncation's magnitude: from 1.0 on, on float32 bits 13 and
-// up, which float16 keeps (to 65504); below 1.0, on floor(1024 |v|), which a truncation to a
-// multiple of 2^-24 (float16's finest step) keeps; below 2^-10 it is 0, where float16's subnormals
-// and 0 lie. Truncation saturates at 65504 and keeps inf, both past 6. So a table of 32K uint16
-// indexed by those 15 bits (64 KB of dynamic shared memory, where nearest rounding keeps its class
-// table) gives the position; a NaN's entry is never used (its block's codes are all 0).
-// tests/cuda/test_cuda_host.py checks the table over every float32 magnitude and the codes over
-// every float16 value and random byte.
+// The code of a product q (not NaN) is (T + rbyte + sign 2^11) >> 8, T = sr_position of its
+// magnitude a clamped to 7 * 256 (float_to_e2m1_stochastic). Two candidates give T:
+//   - from a = 1.0 on, T = ((m + 1) >> 1) - 0x1C00, m the float16 bits of a truncated: T is
+//     linear in float32 bits 13 and up, which float16 keeps (to 65504), because the E2M1 grid's
+//     step doubles at 2 and 4 as the binade does;
+//   - below 1.0, T = (F + 1) >> 1, F = floor(1024 a): the float16 truncation of 2^15 (a + 1) is
+//     2^15 + 32 F (its step is 32), and it saturates at F = 1023 from a = 1 on.
+// As D = 2 T + e (e the bit >> 1 drops): D_hi = m + 1 - 0x3800 and D_lo = F + 1. Below 1.0,
+// D_hi >> 1 is at most T, and 512 where T is (a >= 1 - 2^-10); from 1.0 on, D_lo's saturated
+// 1024 gives 512, the least T there. So T = min(max(D_hi, D_lo), 3585) >> 1, with 16-bit
+// SIMD max and min on two values a word, each half offset by 2^15 so that nothing goes negative
+// or carries: one float16 convert a pair for m and one for F, no table. (Until issue 48 a 64 KB
+// table of T by m, two lookups a pair, took 3.5 wavefronts a lookup on N(0, 1) data: random
+// indices into 32 banks.) tests/cuda/test_cuda_host.py checks T over every float32 magnitude and
+// the codes over every float16 value and random byte.
 
-constexpr int kSrLutEntries = 1 << 15;
-
-// Entry m: the clamped position of float16 magnitude m.
-NVFP4_HD uint16_t sr_lut_entry(uint32_t m) {
-  const uint32_t t = sr_position(float_bits(f16_to_float(uint16_t(m))));
-  return uint16_t(t < 7u * 256u ? t : 7u * 256u);
+// The word of sums 2^15 + 2 (T + rbyte) + e + sign 2^12 of two products q0 = fp32(v0 * enc) + 0
+// and q1 (the high half), from h = their float16 truncations (q1's in the high half), g = the
+// float16 truncations of rz_2_15_a_plus_1(|q|), and the random bytes in bytes b and b + 1 of
+// `random` (sel: 0xF1D0 for bytes 0-1, 0xF3D2 for 2-3): prmt's sign-replicating selector nibbles
+// 0xD and 0xF turn the float16 signs into bytes 0x00 or 0xFF, of which 0x08FF08FF keeps bit 11 (no
+// -0.0, so the sign bit alone marks a negative code). Each half is below 2^16; its bits 9-12 are
+// the code (2^15 / 2^9 = 64 leaves them alone).
+NVFP4_HD uint32_t sr_pair_sums(uint32_t h, uint32_t g, uint32_t random, uint32_t sel) {
+  constexpr uint32_t kOffset = 0x80008000u;  // 2^15 a half
+  const uint32_t rs = prmt_b32(random, h, sel) & 0x08FF08FFu;
+  const uint32_t from_one = (h & 0x7FFF7FFFu) + (kOffset - 0x37FF37FFu);  // m + 1 - 0x3800
+  const uint32_t below_one = g + (kOffset - 0x77FF77FFu);                 // F + 1
+  const uint32_t d = min_u16x2(max_u16x2(from_one, below_one), kOffset + 0x0E010E01u);
+  return d + rs + rs;
 }
 
-// The word of sums (T + rbyte + sign 2^11) of two products q0 = fp32(v0 * enc) + 0 and q1 (the
-// high half), from their float16 truncations h (q1's in the high half) and the random bytes in
-// bytes b and b + 1 of `random` (sel: 0xF1D0 for bytes 0-1, 0xF3D2 for 2-3): prmt's
-// sign-replicating selector nibbles 0xD and 0xF turn the float16 signs into bytes 0x00 or 0xFF,
-// of which 0x08FF08FF keeps bit 11 (no -0.0, so the sign bit alone marks a negative code). Each
-// half is below 2^12, its byte 1 the code (T + rbyte + sign 2^11) >> 8.
-NVFP4_HD uint32_t sr_pair_sums(const uint16_t* table, uint32_t h, uint32_t random, uint32_t sel) {
-  const uint32_t rs = prmt_b32(random, h, sel) & 0x08FF08FFu;
-  // Both byte offsets 2m from one IMAD.WIDE, h * 2^17: the low word's top half, and the high word
-  // (h >> 15) less the low half's sign in bit 0 (written as PTX: nvcc makes a shift of it two
-  // shifts and two masks).
-#if defined(__CUDA_ARCH__)
-  uint64_t d;
-  asm("mul.wide.u32 %0, %1, 131072;" : "=l"(d) : "r"(h));
-#else
-  const uint64_t d = uint64_t(h) << 17;
-#endif
-  const uint32_t lo = uint32_t(d) >> 16, hi = uint32_t(d >> 32) & 0xFFFEu;
-  const auto* bytes = reinterpret_cast<const uint8_t*>(table);
-  const uint32_t t_lo = NVFP4_LDS(reinterpret_cast<const uint16_t*>(bytes + lo));
-  const uint32_t t_hi = NVFP4_LDS(reinterpret_cast<const uint16_t*>(bytes + hi));
-  return (t_lo | (t_hi << 16)) + rs;
+// g of sr_pair_sums for products q0 and q1 (the high half).
+NVFP4_HD uint32_t sr_below_one_pair(float q0, float q1) {
+  return cvt_rz_f16x2(rz_2_15_a_plus_1(fabsf(q1)), rz_2_15_a_plus_1(fabsf(q0)));
 }
 
 }  // namespace nvfp4::cuda

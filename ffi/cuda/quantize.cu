@@ -23,9 +23,9 @@
 //     NVFP4_QUANTIZE_LOAD=ring) from a ring of three shared-memory stages (two where three do not
 //     fit) that bulk copies fill two tiles (one) ahead. Global and shared accesses go through
 //     cuda/memory.cuh, which the host model's profiler counts (docs/kernels.md).
-// Stochastic rounding draws one Philox hash per 1x16 block (a lane pair splits its rows' hashes);
-// for 16-bit dtypes it reads each value's position from a 64 KB table by the product's float16
-// truncation, two values a convert (e2m1_lut.cuh), and adds random byte and sign two a word;
+// Stochastic rounding draws one Philox hash per 1x16 block (a lane pair splits its rows' hashes)
+// and finds each value's position by float16 arithmetic on the products' truncations, two values a
+// word (e2m1_lut.cuh), adding random byte and sign two a word: no table;
 // 4over6 decides each chunk in registers (four_over_six.cuh), its 1x16 candidates' rounded values
 // from the float16 classes of their products; row-scaled copies take per-row global scales.
 #include <cstdlib>
@@ -139,8 +139,8 @@ __device__ __forceinline__ int staged_chunk(int col, int half) {
 
 // Per CUDA block, static: the code tables and the current batch entry's encode scales. Dynamic
 // (sized by dynamic_shared_of): first nearest rounding's and 4over6's 32 KB class table
-// (e2m1_lut.cuh, built from f16_codes) without the E2M1 convert, or stochastic rounding's 64 KB
-// position table (sr_table) for a 16-bit dtype, or float32's values (Values); then Params::staged
+// (e2m1_lut.cuh, built from f16_codes) without the E2M1 convert for a 16-bit dtype, or float32's
+// values (Values); then Params::staged
 // staged tiles (two: a tile stages into one while the last one's stores may still read the other,
 // so one barrier a tile suffices; one where two do not fit, as on sm_120); then the input ring
 // (kRing).
@@ -435,20 +435,6 @@ __device__ __forceinline__ uint32_t nearest2(const uint8_t* lut, float enc, floa
   return lut_code<true>(lut, v0, enc) + (lut_code<true>(lut, v1, enc) << 4);
 }
 
-// The stochastic code of fp32(x * enc) (float_to_e2m1_stochastic) for a non-NaN product: + 0 turns
-// a -0.0 product into +0.0, so the sign bit alone marks a negative code, and with the position
-// clamped to 7 * 256 the sum (T + rbyte + sign 2^11) >> 8 is the code, clamp and sign included.
-__device__ __forceinline__ uint32_t stochastic_code(float x, float enc, uint32_t rbyte) {
-  const uint32_t u = float_bits(x * enc + 0.0f);
-  const uint32_t t = min(sr_position(u & 0x7FFFFFFFu), 7u * 256u);
-  return (t + rbyte + ((u >> 31) << 11)) >> 8;
-}
-
-// The block's stochastic-rounding position table (e2m1_lut.cuh), in its dynamic shared memory.
-__device__ __forceinline__ const uint16_t* sr_table() {
-  return reinterpret_cast<const uint16_t*>(dynamic_shared());
-}
-
 // sr_pair_sums of values v0 and v1 (the high half) under encode scale enc, their random bytes
 // bytes 2 half and 2 half + 1 of `random`. kFast: the products x * enc + 0 in one FFMA each, for
 // an encode scale where no product underflows to -0.0 (underflow_possible).
@@ -456,47 +442,39 @@ template <bool kFast>
 __device__ __forceinline__ uint32_t stochastic2(float enc, float v0, float v1, uint32_t random,
                                                 int half) {
   const auto product = [&](float v) { return kFast ? fma_rn(v, enc, 0.0f) : v * enc + 0.0f; };
-  return sr_pair_sums(sr_table(), cvt_rz_f16x2(product(v1), product(v0)), random,
+  const float q0 = product(v0), q1 = product(v1);
+  return sr_pair_sums(cvt_rz_f16x2(q1, q0), sr_below_one_pair(q0, q1), random,
                       half ? 0xF3D2u : 0xF1D0u);
 }
 
-// The codes of 8 values packed from their 4 sr_pair_sums words (codes 2j and 2j + 1 in bytes 1
-// and 3 of x[j]): gathered by byte, codes 0, 2, 4, 6 and 1, 3, 5, 7, then merged by nibble.
+// The codes of 8 values packed from their 4 sr_pair_sums words (codes 2j and 2j + 1 in bits 9-12
+// and 25-28 of x[j]): gathered by byte (bytes 1 and 3: 0x80 + 2 code + a stray bit), codes 0, 2,
+// 4, 6 and 1, 3, 5, 7, then each shifted into its nibble and the rest masked off.
 __device__ __forceinline__ uint32_t pack_sums(const uint32_t (&x)[4]) {
   const uint32_t a = byte_perm(x[0], x[1], 0x7351), b = byte_perm(x[2], x[3], 0x7351);
-  return byte_perm(a, b, 0x5410) + (byte_perm(a, b, 0x7632) << 4);
+  return ((byte_perm(a, b, 0x5410) >> 1) & 0x0F0F0F0Fu) |
+         ((byte_perm(a, b, 0x7632) << 3) & 0xF0F0F0F0u);
 }
 
 // Codes of 8 values rounded stochastically by the random bytes of two words (value k: byte k % 4
-// of word k / 4). kTable (16-bit dtypes): the positions from sr_table(), two values a float16
-// truncation (stochastic2, pack_sums). A NaN encode scale (a block with a NaN) gives code 0
-// throughout, as the reference's NaN products do.
-template <bool kTable, bool kFast, typename Get>
+// of word k / 4), two values at a time by float16 arithmetic (stochastic2, pack_sums). A NaN
+// encode scale (a block with a NaN) gives code 0 throughout, as the reference's NaN products do.
+template <bool kFast, typename Get>
 __device__ __forceinline__ uint32_t stochastic8(float enc, uint32_t w0, uint32_t w1, Get get) {
-  NVFP4_PATH(kTable && kFast ? "stochastic8: position table, fast"
-             : kTable        ? "stochastic8: position table"
-                             : "stochastic8: arithmetic");
-  uint32_t word;
-  if constexpr (kTable) {
-    uint32_t x[4];
+  NVFP4_PATH(kFast ? "stochastic8: float16 pairs, fast" : "stochastic8: float16 pairs");
+  uint32_t x[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      x[j] = stochastic2<kFast>(enc, get(2 * j), get(2 * j + 1), j < 2 ? w0 : w1, j % 2);
-    word = pack_sums(x);
-  } else {
-    word = pack8([&](int k) {
-      return stochastic_code(get(k), enc, ((k < 4 ? w0 : w1) >> (8 * (k % 4))) & 0xFFu);
-    });
-  }
-  return enc == enc ? word : 0u;
+  for (int j = 0; j < 4; ++j)
+    x[j] = stochastic2<kFast>(enc, get(2 * j), get(2 * j + 1), j < 2 ? w0 : w1, j % 2);
+  return enc == enc ? pack_sums(x) : 0u;
 }
 
 // stochastic8 with the copy's index read at run time (kFast or not).
-template <bool kTable, typename Get>
+template <typename Get>
 __device__ __forceinline__ uint32_t stochastic8(Index index, float enc, uint32_t w0, uint32_t w1,
                                                 Get get) {
-  if (kTable && index == Index::kFast) return stochastic8<kTable, true>(enc, w0, w1, get);
-  return stochastic8<kTable, false>(enc, w0, w1, get);
+  if (index == Index::kFast) return stochastic8<true>(enc, w0, w1, get);
+  return stochastic8<false>(enc, w0, w1, get);
 }
 
 // Codes of 8 values rounded to nearest by the scalar reference path (4over6's candidates).
@@ -704,8 +682,7 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
 #pragma unroll
     for (int r = 0; r < kBlock; ++r) {
       if constexpr (kMode == Mode::kStochastic) {
-        words[r] = stochastic8<kPacked<L>>(kr.index, enc, rw[r].x, rw[r].y,
-                                           [&](int k) { return v(r, k); });
+        words[r] = stochastic8(kr.index, enc, rw[r].x, rw[r].y, [&](int k) { return v(r, k); });
       } else {
         words[r] = nearest8(sh.lut, kr.index, enc, [&](int k) { return v(r, k); });
       }
@@ -838,8 +815,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
           word = nearest8(sh.lut, kr.index, chosen.enc, get);
           if (mine) stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
         } else if constexpr (kMode == Mode::kStochastic) {
-          word = stochastic8<kPacked<L>, kIndex == Index::kFast>(enc_r[r + j], rw[r + j].x,
-                                                                 rw[r + j].y, get);
+          word = stochastic8<kIndex == Index::kFast>(enc_r[r + j], rw[r + j].x, rw[r + j].y, get);
         } else {
           word = nearest8<kIndex>(sh.lut, enc_r[r + j], get);
         }
@@ -939,8 +915,8 @@ __device__ __forceinline__ void quantize_columns(const Params& p, SharedOf<kMode
           // Column n's block (rows m0..m0 + 15) is block m0 / 16 of row n of the copy [B, N, M].
           uint32_t h[4];
           seed.column_block(index, at.n0 + c + j, at.b, h);
-          lo = stochastic8<kPacked<L>>(kc.index, enc[j], h[0], h[1], get);
-          hi = stochastic8<kPacked<L>>(kc.index, enc[j], h[2], h[3], get_hi);
+          lo = stochastic8(kc.index, enc[j], h[0], h[1], get);
+          hi = stochastic8(kc.index, enc[j], h[2], h[3], get_hi);
         } else {
           lo = nearest8(sh.lut, kc.index, enc[j], get);
           hi = nearest8(sh.lut, kc.index, enc[j], get_hi);
@@ -1083,17 +1059,11 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
 // Builds the class table in the block's dynamic shared memory where nearest rounding or 4over6 of
 // a 16-bit dtype (float32 keeps its values there) has no E2M1 convert and the launch gave it the
 // room; whether it did (else the kernel takes the tie-safe code index: slower, the same bytes).
-// Stochastic rounding of a 16-bit dtype builds its position table there instead (its launch
-// always gives the room). Every thread of the block calls.
+// Stochastic rounding needs no table. Every thread of the block calls.
 // `tail`: the bytes at the end of the dynamic shared memory that hold the staging and the ring.
 template <typename L, Mode kMode>
 __device__ __forceinline__ bool build_dynamic_table(Shared& sh, uint32_t tail) {
-  if constexpr (kPacked<L> && kMode == Mode::kStochastic) {  // the position table instead
-    auto* table = reinterpret_cast<uint32_t*>(dynamic_shared());
-    for (int i = threadIdx.x; i < kSrLutEntries / 2; i += kThreads)
-      table[i] = sr_lut_entry(2 * i) | (uint32_t(sr_lut_entry(2 * i + 1)) << 16);
-    return false;
-  } else if constexpr (kPacked<L>) {
+  if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
     if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kLaneTableBytes + tail) return false;
     for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
     __syncthreads();
@@ -1237,13 +1207,12 @@ struct DynamicShared {
   uint32_t stages;  // the input ring's (Params::stages)
 };
 
-// K's dynamic shared memory, its attribute set: float32's values (Values), with stochastic
-// rounding of a 16-bit dtype the position table, or with nearest rounding or 4over6 of a 16-bit
-// dtype the class table where K's code was built without the E2M1 convert (PTX for sm_90, which a
-// GPU newer than our sm_100a/sm_120a code also runs); two staged tiles, or one where two do not fit
-// the device's opt-in maximum beside the static Shared (sm_120's 99 KB); the ring (kRing). Where
-// even one does not fit, the class table goes (the tie-safe code index: slower, the same bytes).
-// Queried and set once per device (once_per), not on every call.
+// K's dynamic shared memory, its attribute set: float32's values (Values), or with nearest rounding
+// or 4over6 of a 16-bit dtype the class table where K's code was built without the E2M1 convert
+// (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also runs); two staged tiles, or
+// one where two do not fit the device's opt-in maximum beside the static Shared (sm_120's 99 KB);
+// the ring (kRing). Where even one does not fit, the class table goes (the tie-safe code index:
+// slower, the same bytes). Queried and set once per device (once_per), not on every call.
 template <auto K, typename L, Mode kMode, Load kLoad>
 ffi::Error dynamic_shared_of(DynamicShared& out) {
   const auto [value, err, what] = once_per(device_key(), [](bool& ok) {
@@ -1254,9 +1223,7 @@ ffi::Error dynamic_shared_of(DynamicShared& out) {
     };
     size_t table = kPacked<L> ? 0 : kValuesBytes;  // what the layout puts first
     bool optional = false;                         // whether the kernel can do without it
-    if constexpr (kPacked<L> && kMode == Mode::kStochastic) {
-      table = kSrLutEntries * sizeof(uint16_t);
-    } else if constexpr (kPacked<L>) {
+    if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
       cudaFuncAttributes attr{};
       if (const cudaError_t e = cudaFuncGetAttributes(&attr, K); e != cudaSuccess)
         return failed(e, "cudaFuncGetAttributes");
@@ -1354,8 +1321,7 @@ inline Mode mode_of(const QuantizeSpec& spec) {
 }
 
 // Launches dtype L's kernel of rounding mode M, its input loaded by kLoad (kRing: where its ring
-// fits the device, else the direct kernel: sm_120's 99 KB hold a ring of two stages beside one
-// staged tile for nearest rounding, not beside stochastic rounding's table).
+// fits the device, else the direct kernel).
 template <typename L, Mode M, Load kLoad>
 ffi::Error launch_mode(cudaStream_t stream, const typename L::T* x, const Params& p) {
   if constexpr (kLoad == Load::kRing) {

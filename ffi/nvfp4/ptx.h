@@ -32,6 +32,41 @@ namespace nvfp4::host {
 // check about a tenth.
 inline std::atomic<int> emulated_sm_value{90};
 inline int emulated_sm() { return emulated_sm_value.load(std::memory_order_relaxed); }
+// 2^15 (a + 1) rounded toward zero to float, for a >= 0 (a product's magnitude): one FFMA.RZ on
+// the GPU. The host sums in double, exactly unless one term is below half a double ulp of the
+// other (a >= 2^38, or a below 2^-38), where the float result is the larger term's alone (the
+// smaller is below half its float ulp, so no rounding can reach the next float), then rounds
+// the double toward zero.
+NVFP4_PTX_HD float rz_2_15_a_plus_1(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rz(a, 32768.0f, 32768.0f);
+#else
+  const double s = double(a) * 32768.0 + 32768.0;
+  const float f = float(s);
+  return double(f) > s ? __builtin_nextafterf(f, 0.0f) : f;
+#endif
+}
+
+// max.u16x2 and min.u16x2 (sm_90+): the unsigned maximum or minimum of each 16-bit half.
+NVFP4_PTX_HD uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  return std::max(a & 0xFFFFu, b & 0xFFFFu) | std::max(a >> 16, b >> 16) << 16;
+#endif
+}
+NVFP4_PTX_HD uint32_t min_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("min.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  return std::min(a & 0xFFFFu, b & 0xFFFFu) | std::min(a >> 16, b >> 16) << 16;
+#endif
+}
+
 }  // namespace nvfp4::host
 #define NVFP4_HAS_FP4_CVT() (::nvfp4::host::emulated_sm() >= 100)
 #else
@@ -165,6 +200,41 @@ NVFP4_PTX_HD float fma_rn(float x, float y, float z) {
   return __fmaf_rn(x, y, z);
 #else
   return __builtin_fmaf(x, y, z);
+#endif
+}
+
+// 2^15 (a + 1) rounded toward zero to float, for a >= 0 (a product's magnitude): one FFMA.RZ on
+// the GPU. The host sums in double, exactly unless one term is below half a double ulp of the
+// other (a >= 2^38, or a below 2^-38), where the float result is the larger term's alone (the
+// smaller is below half its float ulp, so no rounding can reach the next float), then rounds
+// the double toward zero.
+NVFP4_PTX_HD float rz_2_15_a_plus_1(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rz(a, 32768.0f, 32768.0f);
+#else
+  const double s = double(a) * 32768.0 + 32768.0;
+  const float f = float(s);
+  return double(f) > s ? __builtin_nextafterf(f, 0.0f) : f;
+#endif
+}
+
+// max.u16x2 and min.u16x2 (sm_90+): the unsigned maximum or minimum of each 16-bit half.
+NVFP4_PTX_HD uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  return std::max(a & 0xFFFFu, b & 0xFFFFu) | std::max(a >> 16, b >> 16) << 16;
+#endif
+}
+NVFP4_PTX_HD uint32_t min_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("min.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  return std::min(a & 0xFFFFu, b & 0xFFFFu) | std::min(a >> 16, b >> 16) << 16;
 #endif
 }
 

@@ -178,12 +178,12 @@ def test_e2m1_tables_are_exhaustively_right():
     assert cuda_host.module.e2m1_tables_mismatches() == (0, 0, 0, 9, 0)
 
 
-def test_sr_table_is_exhaustively_right():
-    """Stochastic rounding's position from the table entry of the product's float16 truncation is
-    sr_position's, clamped to 7 * 256, for every float32 magnitude; and sr_pair_sums' codes in both halves
-    are float_to_e2m1_stochastic's for every float16 value and random byte, which covers every (position,
-    random byte, sign) a product can have (cuda/e2m1_lut.cuh)."""
-    assert cuda_host.module.sr_table_mismatches() == (0, 0)
+def test_sr_arithmetic_is_exhaustively_right():
+    """Stochastic rounding's position by float16 arithmetic (sr_pair_sums: the truncations of the product and of
+    2^15 (|product| + 1)) is sr_position's, clamped to 7 * 256, for every float32 magnitude in both halves of
+    a word; and its codes in both halves are float_to_e2m1_stochastic's for every float16 value and random
+    byte, which covers every (position, random byte, sign) a product can have (cuda/e2m1_lut.cuh)."""
+    assert cuda_host.module.sr_arithmetic_mismatches() == (0, 0)
 
 
 @given(x=tensors(), out_dtype=st.sampled_from(DTYPES), block_2d=st.booleans())

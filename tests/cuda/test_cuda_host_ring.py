@@ -52,7 +52,7 @@ def test_the_ring_gives_the_cpu_bytes(name, shape, dtype, sm, monkeypatch):
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
 
-# Stochastic rounding: its own kernel (registers, position table), the same ring.
+# Stochastic rounding: its own kernel (registers), the same ring.
 MODES = {
     "stochastic": dict(columnwise=True, rng_key=jax.random.key(1)),
     "stochastic 16x16": dict(columnwise=True, block_2d=True, rng_key=jax.random.key(2)),
@@ -76,20 +76,21 @@ def test_stochastic_rounding_takes_the_ring(name, shape, dtype, sm, monkeypatch)
 @pytest.mark.parametrize(
     ("sm", "name", "kernel", "depth"),
     [
-        (90, "row+col", "quantize_ring_kernel", "three stages"),
-        (90, "stochastic", "quantize_ring_kernel", "three stages"),  # beside the 64 KB position table
-        (100, "stochastic", "quantize_ring_kernel", "three stages"),
+        (90, "row+col", "quantize_ring_kernel", "three stages"),  # beside the 32 KB class table
+        (90, "stochastic", "quantize_ring_kernel", "two stages"),  # no table: two blocks of two stages
+        (100, "stochastic", "quantize_ring_kernel", "two stages"),
         (100, "row+col", "quantize_ring_kernel", "two stages"),  # no class table: two blocks of two stages
         (120, "row+col", "quantize_ring_kernel", "two stages"),  # 99 KB: two stages beside one staged tile
-        (120, "stochastic", "quantize_kernel", None),  # no ring beside the table
+        (120, "stochastic", "quantize_ring_kernel", "two stages"),
     ],
 )
 def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, monkeypatch):
     """The depth that keeps the most tiles' copies in flight a multiprocessor: three stages (two tiles ahead:
-    64 KB of bf16 loads a block) where one block fits either way (sm_90: the class table; stochastic rounding:
-    its position table), two stages where that keeps two blocks (sm_100a's nearest rounding, no table) or three
-    do not fit (sm_120's 99 KB). On 64 tiles, tens a block on the host model's small grid, so every stage is
-    refilled and its barrier's phase turns many times; the same bytes either way."""
+    64 KB of bf16 loads a block) where one block fits either way (sm_90's nearest rounding: the class table), two
+    stages where that keeps two blocks (no table: sm_100a's nearest rounding, stochastic rounding since its
+    positions are arithmetic; until then its 64 KB position table took three stages at one block, and none on
+    sm_120) or three do not fit (sm_120's 99 KB). On 64 tiles, tens a block on the host model's small grid, so
+    every stage is refilled and its barrier's phase turns many times; the same bytes either way."""
     options = {**OPTIONS, **MODES}[name]
     x = random_normal((256, 4096), 15)
     got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)

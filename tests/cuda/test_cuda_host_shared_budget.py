@@ -1,8 +1,9 @@
 """The quantize kernels fit every GPU's shared memory (ffi/cuda/quantize.cu, dynamic_shared_of): on sm_120
-(consumer Blackwell, 99 KB a block) float32's values and stochastic rounding's position table take 64 KB
-beside the static tables, so those kernels stage one tile instead of two, and the ring falls back on the
-direct kernel where it does not fit beside them. Same bytes as the CPU kernels, on the host model, which
-holds each launch to the emulated GPU's opt-in maximum (ffi/cuda/host/runtime.cc)."""
+(consumer Blackwell, 99 KB a block) float32's values take 64 KB beside the static tables, so those kernels
+stage one tile instead of two, and the ring falls back on the direct kernel where it does not fit beside
+them (stochastic rounding's 64 KB position table did the same until its positions became arithmetic). Same
+bytes as the CPU kernels, on the host model, which holds each launch to the emulated GPU's opt-in maximum
+(ffi/cuda/host/runtime.cc)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,11 @@ def test_sm120_quantizes_every_mode_in_its_99_kb(mode, dtype, ring, monkeypatch)
     x = random_normal((3, 200, 600), 21, DTYPES[dtype])  # several tiles a block, ragged edges
     got, paths = quantize_paths(x, 120, **options)
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
-    # The ring (64 KB) fits beside one staged tile, not beside a 64 KB table too.
-    big_table = dtype == "float32" or mode == "stochastic"
+    # The ring (64 KB) fits beside one staged tile, not beside float32's 64 KB of values too.
+    big_table = dtype == "float32"
     ring_ran = any("quantize_ring_kernel" in kernel for kernel in paths)
     assert ring_ran == (ring and not big_table and mode != "4over6"), paths
-    # 64 KB of values, position table or ring leave room for one staged tile; the others keep two.
+    # 64 KB of values or ring leave room for one staged tile; the others keep two.
     assert staging(paths) == {"staging: one tile" if big_table or ring_ran else "staging: two tiles"}, paths
 
 

@@ -134,38 +134,39 @@ nb::tuple e2m1_tables_mismatches() {
   return nb::make_tuple(safe, fast, pair, excluded, pair_safe);
 }
 
-// Checks the quantize kernel's stochastic-rounding table (cuda/e2m1_lut.cuh) in two parts. The
-// position: over every float32 magnitude up to inf, the table's entry of its float16 truncation
-// against sr_position clamped to 7 * 256. The codes, which then depend only on (position, random
-// byte, sign): over every float16 value h but NaNs (every position a float can have is some such
-// value's, since the position is a function of the truncation), both halves of sr_pair_sums
-// against float_to_e2m1_stochastic for every random byte; the kernel's products are never -0.0,
-// so the float16 -0.0 stands for a tiny negative product. Returns (position mismatches, code
-// mismatches).
-nb::tuple sr_table_mismatches() {
-  std::vector<uint16_t> table(nvfp4::cuda::kSrLutEntries);
-  for (uint32_t m = 0; m < table.size(); ++m) table[m] = nvfp4::cuda::sr_lut_entry(m);
+// Checks the quantize kernel's stochastic-rounding arithmetic (sr_pair_sums, cuda/e2m1_lut.cuh)
+// in two parts. The position: over every float32 magnitude up to inf as both products of a pair,
+// with random byte 0 and no sign, (half - 2^15) >> 1 of each half of the sums against
+// sr_position clamped to 7 * 256. The codes, which then depend only on (position, random byte,
+// sign): over every float16 value h but NaNs as both products (every position a float can have is
+// some such value's), both halves' codes against float_to_e2m1_stochastic for every random byte;
+// the kernel's products are never -0.0, so the float16 -0.0 stands for a tiny negative product.
+// Returns (position mismatches, code mismatches).
+nb::tuple sr_arithmetic_mismatches() {
+  const auto sums = [](float q, uint32_t random, uint32_t sel) {
+    return nvfp4::cuda::sr_pair_sums(nvfp4::cvt_rz_f16x2(q, q),
+                                     nvfp4::cuda::sr_below_one_pair(q, q), random, sel);
+  };
   const auto [position] =
       count_over_floats<1>([&](uint32_t u, float v, std::array<uint64_t, 1>& c) {
-        if (u > 0x7F800000u) return;  // NaNs and negative values: the table takes magnitudes
+        if (u > 0x7F800000u) return;  // NaNs and negative values: positions are of magnitudes
         const uint32_t want = std::min(nvfp4::sr_position(u), 7u * 256u);
-        c[0] += table[nvfp4::cvt_rz_f16x2(v, v) & 0x7FFFu] != want;
+        const uint32_t x = sums(v, 0, 0xF1D0u);
+        c[0] += ((x & 0xFFFFu) - 0x8000u) >> 1 != want || ((x >> 16) - 0x8000u) >> 1 != want;
       });
   uint64_t codes = 0;
   nvfp4::SubnormalGuard guard;
   for (uint32_t h = 0; h < 0x10000u; ++h) {
     if ((h & 0x7FFFu) > 0x7C00u) continue;  // float16 NaNs
     const float v = h == 0x8000u ? -0x1p-40f : nvfp4::f16_to_float(uint16_t(h));
-    const uint32_t pair = h * 0x10001u;  // h in both halves
     for (uint32_t r = 0; r < 256; ++r) {
       // Four different random bytes, each over all 256 values: halves read their own byte.
       const uint32_t bytes[4] = {r, r ^ 0xA5u, r ^ 0x3Cu, r ^ 0xFFu};
       const uint32_t random = bytes[0] | bytes[1] << 8 | bytes[2] << 16 | bytes[3] << 24;
       for (int half = 0; half < 2; ++half) {
-        const uint32_t x =
-            nvfp4::cuda::sr_pair_sums(table.data(), pair, random, half ? 0xF3D2u : 0xF1D0u);
-        codes += ((x >> 8) & 0xFu) != nvfp4::float_to_e2m1_stochastic(v, bytes[2 * half]);
-        codes += ((x >> 24) & 0xFu) != nvfp4::float_to_e2m1_stochastic(v, bytes[2 * half + 1]);
+        const uint32_t x = sums(v, random, half ? 0xF3D2u : 0xF1D0u);
+        codes += ((x >> 9) & 0xFu) != nvfp4::float_to_e2m1_stochastic(v, bytes[2 * half]);
+        codes += ((x >> 25) & 0xFu) != nvfp4::float_to_e2m1_stochastic(v, bytes[2 * half + 1]);
       }
     }
   }
@@ -248,10 +249,9 @@ NB_MODULE(_nvfp4_cuda_host, m) {
         "(code table mismatches by the tie-safe index, by the fast index, class table class "
         "mismatches, cases excluded from the fast index and the class table, class table class "
         "mismatches of the tie-safe bits).");
-  m.def("sr_table_mismatches", &sr_table_mismatches,
-        "Exhaustive check of the quantize kernel's stochastic-rounding position table "
-        "(cuda/e2m1_lut.cuh): (position mismatches over the float32 magnitudes, code mismatches "
-        "over the float16 values and random bytes).");
+  m.def("sr_arithmetic_mismatches", &sr_arithmetic_mismatches,
+        "Exhaustive check of the quantize kernel's stochastic-rounding positions and codes "
+        "(float16 arithmetic): (position mismatches, code mismatches).");
   m.def("prmt", &prmt, nb::arg("a"), nb::arg("b"), nb::arg("sel"),
         "prmt.b32 of uint32 arrays a and b (bytes) under selector sel (host equivalent).");
   m.def("f16_rz", &f16_rz, nb::arg("x"),
