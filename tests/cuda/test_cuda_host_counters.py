@@ -135,6 +135,16 @@ def test_class_table_lookups_are_conflict_free(options):
     assert lookups.per_request <= 1.0, lookups
 
 
+@pytest.mark.parametrize("sm", [90, 100])
+def test_stochastic_rounding_reads_no_table(sm):
+    """Stochastic rounding's positions are float16 arithmetic, two values a word: no shared-memory lookup at all,
+    which meets issue 48's budget of 1.5 wavefronts a lookup by having none (its 64 KB position table took 3.5 on
+    N(0, 1) data: a table indexed by the data cannot get much below that)."""
+    launch = quantize_traced(random_normal(SHAPE, 10), sm, **SPECS["stochastic rounding"])
+    assert launch.paths.get("stochastic8: float16 pairs, fast", 0) > 0, launch.paths
+    assert not launch.select("shared", "load", file="e2m1_lut.cuh")
+
+
 @pytest.mark.parametrize("name", ["row+col 1x16", "row+col 16x16", "stochastic rounding"])
 def test_staging_in_shared_memory_is_nearly_conflict_free(name):
     """The staged outputs (stores of codes and scales, their reads for the 16-byte global stores) and the
