@@ -5,7 +5,7 @@ shared-memory wavefronts against the fewest (bank conflicts), and the code index
 
 One bf16 N(0, 1) tensor of whole 64 x 256 tiles per spec, on the sm_90 and sm_100a code paths and, for
 nearest rounding, the pipelined kernel (NVFP4_QUANTIZE_LOAD=ring); then the dequantize of its rowwise copy to
-each output dtype. Needs the host model's module
+each output dtype, and the grouped quantize of its rows in two groups. Needs the host model's module
 (`NVFP4_CUDA_HOST=ON pip install .`); the tests hold these figures to budgets
 (tests/cuda/test_cuda_host_counters.py).
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import subprocess
 import sys
@@ -23,9 +24,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_nvfp4
 from benchmarks.timing import Report
+from jax_nvfp4.core.spec import QuantizeSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the host model's test helpers: its backend and the counters
@@ -111,6 +114,36 @@ def dequantize_rows(report: Report, x) -> None:
         )
 
 
+def grouped_rows(report: Report, x) -> None:
+    """The grouped quantize's counters: x's rows as one entry in two groups, both copies."""
+    report.add("")
+    report.add(
+        "Grouped quantize (a mixture of experts' token rows, two groups), both copies: its rowwise kernel and "
+        "its columnwise (grouped) kernel, each reading the input once. Sectors over the fewest."
+    )
+    report.add("")
+    report.add("| kernel | read / input | load sectors | code-store sectors | scale-store sectors |")
+    report.add("|---|---:|---:|---:|---:|")
+    x3 = x[None]
+    sizes = np.array([[x.shape[0] // 3, x.shape[0] - x.shape[0] // 3]], np.int32)
+    amax, amax_t = cuda_host.grouped_amax(x3, sizes)
+    seeds = (np.array([7, 9], np.uint32), np.arange(4, dtype=np.uint32).reshape(2, 2))
+    fn = jax.jit(functools.partial(cuda_host.grouped_quantize, spec=QuantizeSpec(columnwise=True)))
+    fn.lower(x3, sizes, amax, amax_t, *seeds).compile()
+    with traced() as launches:
+        jax.block_until_ready(fn(x3, sizes, amax, amax_t, *seeds))
+    for name in ("grouped_rows_kernel", "grouped_columns_kernel"):
+        (launch,) = [k for k in launches if name in k.kernel]
+        loads = launch.select("global", "load")
+        stores = launch.select("global", "store")
+        codes = [s for s in stores if s.size > 1]
+        scales = [s for s in stores if s.size == 1]
+        report.add(
+            f"| {name} | {Launch.total(loads).bytes / x.nbytes:.2f} | {ratio(loads)} | {ratio(codes)} "
+            f"| {ratio(scales)} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="256,1024")
@@ -121,7 +154,7 @@ def main() -> None:
     report = Report(
         args.out,
         [
-            "# Quantize and dequantize kernel counters from the CUDA host model (no GPU)",
+            "# Quantize, dequantize and grouped quantize kernel counters from the CUDA host model (no GPU)",
             "",
             f"{datetime.date.today()}, commit {commit.stdout.strip() or '?'}, jax {jax.__version__}; "
             f"`python -m benchmarks.host_counters --shape {args.shape}`: bf16 N(0, 1) {shape[0]}x{shape[1]}, "
@@ -145,6 +178,7 @@ def main() -> None:
     finally:
         os.environ.pop("NVFP4_QUANTIZE_LOAD", None)
     dequantize_rows(report, x)
+    grouped_rows(report, x)
     report.save()
 
 

@@ -15,6 +15,7 @@
 #include "cuda/common.cuh"
 #include "cuda/four_over_six.cuh"
 #include "cuda/handlers.h"
+#include "cuda/memory.cuh"
 
 namespace nvfp4::cuda {
 namespace {
@@ -112,7 +113,8 @@ __device__ __forceinline__ void load_column(const typename L::T* xb, int64_t col
 #pragma unroll
   for (int r = 0; r < kBlock; ++r) {
     const int64_t m = m0 + r;
-    v[r] = n < cols && m >= lo && m < hi ? L::load(xb[m * cols + n]) : 0.0f;
+    // (A predicated load: lanes out of range read nothing and take 0, the zero bits' value.)
+    v[r] = L::load(NVFP4_LDG_IF(n < cols && m >= lo && m < hi, xb + m * cols + n, typename L::T{}));
   }
 }
 
@@ -302,8 +304,8 @@ __device__ __forceinline__ void quantize_column(const typename L::T* x, const Pa
   uint2* data = reinterpret_cast<uint2*>(p.o.data_t + (line * p.blocks + blk) * (kBlock / 2));
   uint8_t* scale = p.o.scale_t + line * p.blocks + blk;
   if (o.g >= p.groups) {  // no group's block
-    *data = uint2{0, 0};
-    *scale = 0;
+    NVFP4_STG(data, (uint2{0, 0}));
+    NVFP4_STG(scale, uint8_t(0));
     return;
   }
   const int64_t m0 = (blk - o.g) * kBlock;  // global rows, as the random words count them
@@ -321,8 +323,8 @@ __device__ __forceinline__ void quantize_column(const typename L::T* x, const Pa
     s.column_block(s.column_index(m0), uint32_t(n), uint32_t(b), w);
   }
   uint32_t words[2];
-  *scale = encode_block<kMode>(spec, v, spec.global_scales(amax_t), w, words);
-  *data = uint2{words[0], words[1]};
+  NVFP4_STG(scale, encode_block<kMode>(spec, v, spec.global_scales(amax_t), w, words));
+  NVFP4_STG(data, (uint2{words[0], words[1]}));
 }
 
 // CUDA block (b, p) x (column chunk): the columns of block p of entry b's grouped copy.
@@ -337,6 +339,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The 16 values of a block at src, whole and 16-byte aligned, by 16-byte loads: a warp's load of
+// lanes a block apart touches twice the sectors its bytes fill (element loads: 16 times; the
+// loads after the first hit the L1 cache, but each is a request).
+template <typename L>
+__device__ __forceinline__ void load_block_vectors(const typename L::T* src, float (&v)[kBlock]) {
+  using T = typename L::T;
+  constexpr int kPerVector = 16 / int(sizeof(T));
+#pragma unroll
+  for (int q = 0; q < kBlock / kPerVector; ++q) {
+    const uint4 w = NVFP4_LDG(reinterpret_cast<const uint4*>(src) + q);
+    T t[kPerVector];
+    __builtin_memcpy(t, &w, sizeof(w));
+#pragma unroll
+    for (int i = 0; i < kPerVector; ++i) v[q * kPerVector + i] = L::load(t[i]);
+  }
+}
+
 // 1x16 block k of row m of entry b of the rowwise copy: quantize's, of the row's values where
 // it is before in_groups, else of zeros.
 template <typename L, Mode kMode>
@@ -347,24 +366,32 @@ __device__ __forceinline__ void quantize_row_block(const typename L::T* x, const
   const int64_t row = b * p.rows + m, n0 = k * kBlock;
   const typename L::T* src = x + row * p.cols + n0;
   float v[kBlock];
+  // Rows of whole 16-byte chunks from a 16-byte-aligned x: a block inside the row is aligned.
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(x) | uintptr_t(p.cols * sizeof(*x))) & 15) == 0;
+  if (aligned && m < in_groups && n0 + kBlock <= p.cols) {
+    load_block_vectors<L>(src, v);
+  } else {
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) v[i] = m < in_groups && n0 + i < p.cols ? L::load(src[i]) : 0.0f;
+    for (int i = 0; i < kBlock; ++i)
+      v[i] = L::load(NVFP4_LDG_IF(m < in_groups && n0 + i < p.cols, src + i, typename L::T{}));
+  }
   const float amax = spec.row_scaled ? p.amax[row] : p.amax[b];
   // Block k of row m draws Stream::row_block(k, m, b).
   uint32_t w[4] = {0, 0, 0, 0};
   if constexpr (kMode == Mode::kStochastic)
     stream_of(p.seed, p.placed, p.rows).row_block(uint32_t(k), m, uint32_t(b), w);
   uint32_t words[2];
-  p.o.scale[row * num_blocks(p.cols) + k] =
-      encode_block<kMode>(spec, v, spec.global_scales(amax), w, words);
+  NVFP4_STG(p.o.scale + row * num_blocks(p.cols) + k,
+            encode_block<kMode>(spec, v, spec.global_scales(amax), w, words));
   const int64_t data_cols = packed_size(p.cols);
   uint8_t* dst = p.o.data + row * data_cols + n0 / 2;
   if (data_cols % 8 == 0) {  // whole, aligned 8-byte blocks
-    *reinterpret_cast<uint2*>(dst) = uint2{words[0], words[1]};
+    NVFP4_STG(reinterpret_cast<uint2*>(dst), (uint2{words[0], words[1]}));
   } else {
     const uint64_t bytes = words[0] | uint64_t(words[1]) << 32;
     for (int64_t i = 0; i < kBlock / 2 && n0 / 2 + i < data_cols; ++i)
-      dst[i] = uint8_t(bytes >> (8 * i));
+      NVFP4_STG(dst + i, uint8_t(bytes >> (8 * i)));
   }
 }
 

@@ -1,5 +1,5 @@
-"""What a profiler would count for the CUDA quantize and dequantize kernels, read from the host model without
-a GPU (tests/helpers/counters.py): the code index each copy takes, bytes moved against the minimum,
+"""What a profiler would count for the CUDA quantize, dequantize and grouped quantize kernels, read from the host
+model without a GPU (tests/helpers/counters.py): the code index each copy takes, bytes moved against the minimum,
 coalescing of global accesses and bank conflicts in shared memory, held to budgets.
 
 The inputs are N(0, 1) bfloat16 tensors of whole 64 x 256 tiles (the steady state of a large tensor);
@@ -8,14 +8,18 @@ the budgets are issue 48's where the kernel meets them, else today's figure with
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import assert_same_tree, cuda_host, random_normal
 from helpers.counters import Launch, only, quantize_launches, quantized_bytes, traced
 from helpers.cuda_host import needs_module
 
 import jax_nvfp4
+from jax_nvfp4.core.spec import QuantizeSpec
 
 pytestmark = needs_module
 
@@ -178,6 +182,34 @@ def test_dequantize_reads_codes_once_and_writes_whole_sectors(out_dtype, per_row
     assert (codes.bytes, stores.bytes, stores.size) == (t.data.nbytes, out.nbytes, 16)
     assert scales.bytes == t.scale.nbytes * (16 // pieces)  # a block's pieces read its scale
     for site in (codes, scales, stores):
+        assert site.transactions <= 1.05 * site.ideal, site
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_grouped_quantize_reads_blocks_in_vectors(dtype):
+    """The grouped quantize (a mixture of experts' tokens, jax_nvfp4/ops/grouped.py) of rows in two groups: its
+    rowwise kernel reads a thread's 1x16 block by 16-byte loads (lanes a block apart: twice the fewest sectors;
+    its element loads took 16 times), its columnwise kernel a column's 16 rows by element loads (a warp's 32
+    consecutive columns: the fewest), each reading the input once, and the rowwise copy's stores take the fewest
+    sectors. Not held, what misses: the columnwise copy's stores (a thread a column, 8 code bytes and a scale
+    byte in a row of the [N, 8P] layout: 4x and 32x the fewest sectors) and the input read twice in all (a
+    kernel for each copy)."""
+    x = random_normal((1, 512, 1024), 11, dtype)
+    sizes = np.array([[200, 312]], np.int32)
+    amax, amax_t = cuda_host.grouped_amax(x, sizes)
+    seeds = (np.array([7, 9], np.uint32), np.arange(4, dtype=np.uint32).reshape(2, 2))
+    fn = jax.jit(functools.partial(cuda_host.grouped_quantize, spec=QuantizeSpec(columnwise=True)))
+    fn.lower(x, sizes, amax, amax_t, *seeds).compile()
+    with traced() as launches:
+        jax.block_until_ready(fn(x, sizes, amax, amax_t, *seeds))
+    rows, columns = only(launches, "grouped_rows_kernel"), only(launches, "grouped_columns_kernel")
+    (row_loads,) = rows.select("global", "load")
+    assert (row_loads.size, row_loads.bytes) == (16, x.nbytes)
+    assert row_loads.transactions <= 2 * row_loads.ideal, row_loads
+    (column_loads,) = columns.select("global", "load")
+    assert column_loads.bytes == x.nbytes
+    assert column_loads.transactions <= 1.05 * column_loads.ideal, column_loads
+    for site in rows.select("global", "store"):
         assert site.transactions <= 1.05 * site.ideal, site
 
 
