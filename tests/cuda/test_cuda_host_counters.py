@@ -192,7 +192,7 @@ def test_grouped_quantize_reads_blocks_in_vectors(dtype):
     its element loads took 16 times), its columnwise kernel a column's 16 rows by element loads (a warp's 32
     consecutive columns: the fewest), each reading the input once, and the rowwise copy's stores take the fewest
     sectors. Not held, what misses: the columnwise copy's stores (a thread a column, 8 code bytes and a scale
-    byte in a row of the [N, 8P] layout: 4x and 32x the fewest sectors) and the input read twice in all (a
+    byte in a row of the [N, 8P] layout: 4x and up to 32x the fewest sectors) and the input read twice in all (a
     kernel for each copy)."""
     x = random_normal((1, 512, 1024), 11, dtype)
     sizes = np.array([[200, 312]], np.int32)
