@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import os
 import subprocess
 import sys
@@ -33,8 +32,14 @@ from jax_nvfp4.core.spec import QuantizeSpec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the host model's test helpers: its backend and the counters
 
-from helpers import cuda_host, random_normal  # noqa: E402
-from helpers.counters import Launch, quantized_bytes, traced  # noqa: E402
+from helpers import random_normal  # noqa: E402
+from helpers.counters import (  # noqa: E402
+    Launch,
+    dequantize_launches,
+    grouped_quantize_launches,
+    quantize_launches,
+    quantized_bytes,
+)
 
 SPECS = {
     "row+col 1x16": dict(columnwise=True),
@@ -51,11 +56,7 @@ VARIANTS = (("sm_90", 90, "direct"), ("sm_100a", 100, "direct"), ("sm_90", 90, "
 def quantize_launch(x, sm: int, load: str, options) -> Launch | None:
     """The quantize kernel's traced launch, or None where the variant does not apply to the spec."""
     os.environ["NVFP4_QUANTIZE_LOAD"] = load
-    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
-    with cuda_host.emulating(sm):
-        fn.lower(x).compile()
-        with traced() as launches:
-            jax.block_until_ready(fn(x))
+    _, launches = quantize_launches(x, sm, **options)
     (launch,) = [t for t in launches if "quantize" in t.kernel]
     if load == "ring" and "ring" not in launch.kernel:
         return None
@@ -99,10 +100,7 @@ def dequantize_rows(report: Report, x) -> None:
     report.add("|---|---:|---:|---:|---:|---:|")
     t = jax_nvfp4.quantize(x)
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
-        fn = jax.jit(lambda t, dtype=dtype: cuda_host.dequantize(t, dtype))
-        fn.lower(t).compile()
-        with traced() as launches:
-            out = jax.block_until_ready(fn(t))
+        out, launches = dequantize_launches(t, dtype)
         (launch,) = [k for k in launches if "dequantize" in k.kernel]
         loads = launch.select("global", "load")
         codes = [s for s in loads if s.size > 1]
@@ -124,14 +122,8 @@ def grouped_rows(report: Report, x) -> None:
     report.add("")
     report.add("| kernel | read / input | load sectors | code-store sectors | scale-store sectors |")
     report.add("|---|---:|---:|---:|---:|")
-    x3 = x[None]
     sizes = np.array([[x.shape[0] // 3, x.shape[0] - x.shape[0] // 3]], np.int32)
-    amax, amax_t = cuda_host.grouped_amax(x3, sizes)
-    seeds = (np.array([7, 9], np.uint32), np.arange(4, dtype=np.uint32).reshape(2, 2))
-    fn = jax.jit(functools.partial(cuda_host.grouped_quantize, spec=QuantizeSpec(columnwise=True)))
-    fn.lower(x3, sizes, amax, amax_t, *seeds).compile()
-    with traced() as launches:
-        jax.block_until_ready(fn(x3, sizes, amax, amax_t, *seeds))
+    _, launches = grouped_quantize_launches(x[None], sizes, QuantizeSpec(columnwise=True))
     for name in ("grouped_rows_kernel", "grouped_columns_kernel"):
         (launch,) = [k for k in launches if name in k.kernel]
         loads = launch.select("global", "load")

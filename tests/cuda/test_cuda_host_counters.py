@@ -8,14 +8,21 @@ the budgets are issue 48's where the kernel meets them, else today's figure with
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_same_tree, cuda_host, random_normal
-from helpers.counters import Launch, only, quantize_launches, quantized_bytes, traced
+from helpers.counters import (
+    Launch,
+    dequantize_launches,
+    grouped_quantize_launches,
+    only,
+    quantize_launches,
+    quantized_bytes,
+    run_traced,
+    traced,
+)
 from helpers.cuda_host import needs_module
 
 import jax_nvfp4
@@ -75,13 +82,11 @@ def test_a_possible_tie_takes_the_tie_safe_index_and_the_cpu_bytes(amax, sm):
     x = random_normal(SHAPE, 1, jnp.bfloat16).at[::7, ::5].set(0.25)
     a = jnp.float32(amax)
 
-    def run(api):
-        return jax.jit(lambda x, a: api.quantize(x, amax=a, columnwise=True))
+    def quantize(api):
+        return lambda x, a: api.quantize(x, amax=a, columnwise=True)
 
     with cuda_host.emulating(sm):
-        run(cuda_host).lower(x, a).compile()
-        with traced() as launches:
-            got = jax.block_until_ready(run(cuda_host)(x, a))
+        got, launches = run_traced(quantize(cuda_host), x, a)
     paths = only(launches, KERNEL).paths
     safe = "class tie-safe" if sm == 90 else "convert tie-safe"
     assert paths.get(f"rowwise index: {safe}", 0) > 0, paths
@@ -90,7 +95,7 @@ def test_a_possible_tie_takes_the_tie_safe_index_and_the_cpu_bytes(amax, sm):
     if sm == 100:
         assert paths.get("nearest8: E2M1 convert, tie-safe", 0) > 0, paths
         assert not [p for p in paths if "table" in p], paths
-    assert_same_tree(got, run(jax_nvfp4)(x, a))
+    assert_same_tree(got, jax.jit(quantize(jax_nvfp4))(x, a))
 
 
 def test_row_scaled_copies_take_a_tie_safe_index():
@@ -169,10 +174,7 @@ def test_dequantize_reads_codes_once_and_writes_whole_sectors(out_dtype, per_row
     32 (bfloat16) or 64 (float32) bytes, each 16-byte store of a warp touching 32 half-filled sectors, 2.0."""
     x = random_normal(SHAPE, 9)
     t = jax_nvfp4.quantize(x, row_scaled=per_row)
-    fn = jax.jit(lambda t: cuda_host.dequantize(t, out_dtype))
-    fn.lower(t).compile()
-    with traced() as launches:
-        out = jax.block_until_ready(fn(t))
+    out, launches = dequantize_launches(t, out_dtype)
     assert_same_tree(out, jax_nvfp4.dequantize(t, out_dtype))
     launch = only(launches, "dequantize")
     pieces = 16 // jnp.dtype(out_dtype).itemsize  # values a thread stores
@@ -195,13 +197,7 @@ def test_grouped_quantize_reads_blocks_in_vectors(dtype):
     byte in a row of the [N, 8P] layout: 4x and up to 32x the fewest sectors) and the input read twice in all (a
     kernel for each copy)."""
     x = random_normal((1, 256, 512), 11, dtype)
-    sizes = np.array([[100, 156]], np.int32)
-    amax, amax_t = cuda_host.grouped_amax(x, sizes)
-    seeds = (np.array([7, 9], np.uint32), np.arange(4, dtype=np.uint32).reshape(2, 2))
-    fn = jax.jit(functools.partial(cuda_host.grouped_quantize, spec=QuantizeSpec(columnwise=True)))
-    fn.lower(x, sizes, amax, amax_t, *seeds).compile()
-    with traced() as launches:
-        jax.block_until_ready(fn(x, sizes, amax, amax_t, *seeds))
+    _, launches = grouped_quantize_launches(x, np.array([[100, 156]], np.int32), QuantizeSpec(columnwise=True))
     rows, columns = only(launches, "grouped_rows_kernel"), only(launches, "grouped_columns_kernel")
     (row_loads,) = rows.select("global", "load")
     assert (row_loads.size, row_loads.bytes) == (16, x.nbytes)

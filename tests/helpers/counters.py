@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 
 import jax_nvfp4
 from helpers import cuda_host
@@ -92,15 +94,33 @@ def traced() -> Iterator[list[Launch]]:
             launches.append(Launch(t["kernel"], dict(t["paths"]), [Site(**s) for s in t["sites"]]))
 
 
-def quantize_launches(x, sm: int = 90, **options) -> tuple:
-    """``cuda_host.quantize(x, **options)`` jitted and run on the emulated GPU ``sm``: (its result, the
-    launches of the run; compiling happens before the trace, so its amax passes at trace time are not in it)."""
-    fn = jax.jit(lambda x: cuda_host.quantize(x, **options))
-    with cuda_host.emulating(sm):
-        fn.lower(x).compile()
-        with traced() as launches:
-            got = jax.block_until_ready(fn(x))
+def run_traced(fn, *args) -> tuple:
+    """``fn`` jitted and run on ``args``: (its result, the launches of the run; compiling happens before the
+    trace, so kernels run at trace time, such as amax passes, are not in it)."""
+    jitted = jax.jit(fn)
+    jitted.lower(*args).compile()
+    with traced() as launches:
+        got = jax.block_until_ready(jitted(*args))
     return got, launches
+
+
+def quantize_launches(x, sm: int = 90, **options) -> tuple:
+    """``cuda_host.quantize(x, **options)`` run_traced on the emulated GPU ``sm``."""
+    with cuda_host.emulating(sm):
+        return run_traced(lambda x: cuda_host.quantize(x, **options), x)
+
+
+def dequantize_launches(t, dtype) -> tuple:
+    """``cuda_host.dequantize(t, dtype)`` run_traced."""
+    return run_traced(lambda t: cuda_host.dequantize(t, dtype), t)
+
+
+def grouped_quantize_launches(x, sizes, spec) -> tuple:
+    """The grouped quantize kernels (``cuda_host.grouped_quantize``) of x [B, M, N] in groups ``sizes`` [B, G]
+    run_traced, with the grouped amaxes of the CUDA kernel and fixed seeds."""
+    amax, amax_t = cuda_host.grouped_amax(x, sizes)
+    seeds = (np.array([7, 9], np.uint32), np.arange(2 * sizes.shape[1], dtype=np.uint32).reshape(-1, 2))
+    return run_traced(functools.partial(cuda_host.grouped_quantize, spec=spec), x, sizes, amax, amax_t, *seeds)
 
 
 def quantized_bytes(x, **options) -> int:
