@@ -116,24 +116,34 @@ def grouped_rows(report: Report, x) -> None:
     """The grouped quantize's counters: x's rows as one entry in two groups, both copies."""
     report.add("")
     report.add(
-        "Grouped quantize (a mixture of experts' token rows, two groups), both copies: its rowwise kernel and "
-        "its columnwise (grouped) kernel, each reading the input once. Sectors over the fewest."
+        "Grouped quantize (a mixture of experts' token rows, two groups), both copies from one read of the input: "
+        "grouped_tiles_kernel writes the grouped (columnwise) copy and the groups' rows' rowwise copy (the rows in no "
+        "group are grouped_rows_kernel's, which reads nothing; here every row is in a group). Sectors and wavefronts "
+        "over the fewest."
     )
     report.add("")
-    report.add("| kernel | read / input | load sectors | code-store sectors | scale-store sectors |")
-    report.add("|---|---:|---:|---:|---:|")
-    sizes = np.array([[x.shape[0] // 3, x.shape[0] - x.shape[0] // 3]], np.int32)
+    report.add(
+        "| kernel | read / input | load sectors | rowwise code stores | rowwise scale stores | grouped code stores "
+        "| grouped scale stores | shared wavefronts |"
+    )
+    report.add("|---|---:|---:|---:|---:|---:|---:|---:|")
+    rows, cols = x.shape
+    sizes = np.array([[rows // 3, rows - rows // 3]], np.int32)
+    blocks = cols * (-(-rows // 16) + sizes.shape[1] - 1)  # the grouped copy's 1x16 blocks
     _, launches = grouped_quantize_launches(x[None], sizes, QuantizeSpec(columnwise=True))
-    for name in ("grouped_rows_kernel", "grouped_columns_kernel"):
-        (launch,) = [k for k in launches if name in k.kernel]
-        loads = launch.select("global", "load")
-        stores = launch.select("global", "store")
-        codes = [s for s in stores if s.size > 1]
-        scales = [s for s in stores if s.size == 1]
-        report.add(
-            f"| {name} | {Launch.total(loads).bytes / x.nbytes:.2f} | {ratio(loads)} | {ratio(codes)} "
-            f"| {ratio(scales)} |"
-        )
+    (launch,) = [k for k in launches if "grouped_tiles_kernel" in k.kernel]
+    loads = launch.select("global", "load")
+    stores = launch.select("global", "store")
+    # The copies' stores told apart by their bytes: the grouped copy's are its blocks' (8 code bytes, a scale).
+    grouped_codes = [s for s in stores if s.size == 8 and s.bytes == 8 * blocks]
+    grouped_scales = [s for s in stores if s.size == 1 and s.bytes == blocks]
+    row_codes = [s for s in stores if s.size == 8 and s not in grouped_codes]
+    row_scales = [s for s in stores if s.size == 1 and s not in grouped_scales]
+    report.add(
+        f"| grouped_tiles_kernel | {Launch.total(loads).bytes / x.nbytes:.2f} | {ratio(loads)} | {ratio(row_codes)} "
+        f"| {ratio(row_scales)} | {ratio(grouped_codes)} | {ratio(grouped_scales)} "
+        f"| {ratio(launch.select('shared'))} |"
+    )
 
 
 def main() -> None:

@@ -4,11 +4,13 @@
 // zero) is block p = j + g of the grouped columnwise copy, which has P = ceil(M/16) + G - 1
 // blocks; the blocks no group owns are zero codes with zero scales.
 //
-// Layout: a CUDA block of 128 threads takes one block p of one batch entry, a thread one column
-// of it (the columnwise 1x16 block: 16 rows in registers), and loops over column tiles. Warp 0
-// finds p's owner first, walking the groups' prefix sums 32 at a time, so that no host pass over
-// group_sizes is needed. The grouped amax takes the same grid and folds its maxima atomically;
-// the rowwise copy of grouped_quantize is a second kernel, a thread a 1x16 block of a row.
+// Layout: the grouped amax's CUDA block of 128 threads takes one block p of one batch entry, a
+// thread one column of it (the columnwise 1x16 block: 16 rows in registers), and loops over column
+// tiles; it folds its maxima atomically. The grouped quantize's tile kernel takes 8 consecutive
+// blocks p the same way, and makes both copies from that one read of the input (see
+// grouped_tiles_kernel); a second kernel writes the rowwise copy of the rows in no group, which are
+// zeros. Warp 0 finds a block p's owner first, walking the groups' prefix sums 32 at a time, so
+// that no host pass over group_sizes is needed.
 //
 // Group bounds follow the reference for any int32 sizes: each clamped to [0, M], their running
 // sum saturating at M, so that every token row before the last group's end is in exactly one group.
@@ -295,22 +297,54 @@ __device__ __forceinline__ uint8_t encode_block(const QuantizeSpec& spec, const 
   return scale;
 }
 
-// Column n of block p (owner o) of entry b's grouped copy: 8 code bytes and a scale byte.
+// ---- one read of the input: the grouped copy and the group rows' rowwise copy ----
+//
+// A CUDA block takes kTileBlocks consecutive layout blocks p0.. of one batch entry over a share of
+// its 128-column tiles. For each tile and layout block, a thread loads its column's 16 rows of the
+// block (the owner's rows; the others 0) and encodes that 1x16 block of the grouped copy. With the
+// rowwise copy asked, the values also go to shared memory, where a thread takes one rowwise 1x16
+// block of the owner's rows in the tile (16 rows of 8 blocks: one a thread): every row in a group
+// lies in exactly one owned layout block, so the input is read once. The grouped copy's codes and
+// scales are staged in shared memory and stored kTileBlocks blocks of a line together (64
+// contiguous code bytes and 8 scale bytes), not 8 bytes and a byte a lane P blocks apart. The rows
+// in no group (from the last group's end) are the rowwise kernel's; it reads nothing of them.
+
+constexpr int kTileBlocks = 8;                   // layout blocks a CUDA block takes
+constexpr int kRowBlocks = kThreads / kBlock;    // rowwise blocks a row of a tile holds (8)
+static_assert(kBlock * kRowBlocks == kThreads);  // a thread a rowwise block of the tile
+
+// The tile kernel's shared memory. Each array is swizzled (the *_slot functions) so that its writes
+// and reads take one wavefront a phase.
+struct TileShared {
+  alignas(16) float values[kBlock][kThreads];  // the tile's row r, column c at [r][value_slot(c)]
+  uint2 codes[kThreads][kTileBlocks];          // line c's block kb at [c][code_slot(c, kb)]
+  uint8_t scales[kThreads][kTileBlocks];       // line c's block kb at [c][scale_slot(c, kb)]
+  Owner owners[kTileBlocks];
+};
+
+// Column c's place in a row of TileShared::values: its float4 group f = c / 4 XOR-ed with
+// (f / 8) % 4. A warp's 32 columns stay in one row's 32 banks, and a phase of rowwise loads (8
+// threads, the 8 blocks of a row: groups 4k + q) falls on 8 different groups of 4 banks.
+__device__ __forceinline__ int value_slot(int c) {
+  const int f = c >> 2;
+  return 4 * (f ^ ((f >> 3) & 3)) + (c & 3);
+}
+
+// Line c's place for block kb in TileShared::codes (a line is 64 bytes: 16 banks): a phase of 16
+// lines writing one block, and one of 2 lines reading their 8 blocks, fall on different banks.
+__device__ __forceinline__ int code_slot(int c, int kb) { return kb ^ ((c >> 1) & 7); }
+
+// Line c's place for block kb in TileShared::scales (a line is 2 words): a warp's 32 lines writing
+// one block's bytes fall on different banks (lines 16 apart would share one).
+__device__ __forceinline__ int scale_slot(int c, int kb) { return kb ^ (((c >> 4) & 1) << 2); }
+
+// The 1x16 block of the grouped copy at column n of layout block p0 + kb... of entry b: its code
+// words and scale byte from its values v (global rows m0.., the owner's only; o owns a group).
 template <typename L, Mode kMode>
-__device__ __forceinline__ void quantize_column(const typename L::T* x, const Params& p,
-                                                const Owner& o, int64_t b, int64_t blk, int64_t n) {
+__device__ __forceinline__ uint8_t encode_column(const Params& p, const Owner& o, int64_t b,
+                                                 int64_t m0, int64_t n, float (&v)[kBlock],
+                                                 uint32_t (&words)[2]) {
   const QuantizeSpec& spec = p.spec;
-  const int64_t line = b * p.cols + n;  // the row of x^T
-  uint2* data = reinterpret_cast<uint2*>(p.o.data_t + (line * p.blocks + blk) * (kBlock / 2));
-  uint8_t* scale = p.o.scale_t + line * p.blocks + blk;
-  if (o.g >= p.groups) {  // no group's block
-    NVFP4_STG(data, (uint2{0, 0}));
-    NVFP4_STG(scale, uint8_t(0));
-    return;
-  }
-  const int64_t m0 = (blk - o.g) * kBlock;  // global rows, as the random words count them
-  float v[kBlock];
-  load_column<L>(x + b * p.rows * p.cols, p.cols, n, m0, o.lo, o.hi, v);
   if (spec.columnwise_rht()) rht16_narrow<L>(v);
   const float amax_t =
       spec.row_scaled ? p.amax_t[(b * p.groups + o.g) * p.cols + n] : p.amax_t[b * p.groups + o.g];
@@ -322,20 +356,115 @@ __device__ __forceinline__ void quantize_column(const typename L::T* x, const Pa
     s.key = Seed{p.group_seeds[2 * o.g], p.group_seeds[2 * o.g + 1]};
     s.column_block(s.column_index(m0), uint32_t(n), uint32_t(b), w);
   }
-  uint32_t words[2];
-  NVFP4_STG(scale, encode_block<kMode>(spec, v, spec.global_scales(amax_t), w, words));
-  NVFP4_STG(data, (uint2{words[0], words[1]}));
+  return encode_block<kMode>(spec, v, spec.global_scales(amax_t), w, words);
 }
 
-// CUDA block (b, p) x (column chunk): the columns of block p of entry b's grouped copy.
+// Stores (where `ok`) block k of row `row` (counting every entry's rows) of the rowwise copy.
+__device__ __forceinline__ void store_row_block(const Params& p, bool ok, int64_t row, int64_t k,
+                                                uint8_t scale, const uint32_t (&words)[2]) {
+  NVFP4_STG_IF(ok, p.o.scale + row * num_blocks(p.cols) + k, scale);
+  const int64_t data_cols = packed_size(p.cols);
+  uint8_t* dst = p.o.data + row * data_cols + k * (kBlock / 2);
+  if (data_cols % 8 == 0) {  // whole, aligned 8-byte blocks
+    NVFP4_STG_IF(ok, reinterpret_cast<uint2*>(dst), (uint2{words[0], words[1]}));
+  } else {
+    const uint64_t bytes = words[0] | uint64_t(words[1]) << 32;
+#pragma unroll
+    for (int i = 0; i < kBlock / 2; ++i)
+      NVFP4_STG_IF(ok && k * (kBlock / 2) + i < data_cols, dst + i, uint8_t(bytes >> (8 * i)));
+  }
+}
+
+// The rowwise copy of the owner's rows among global rows m0.. of column tile `tile` of entry b,
+// from the values the block's threads hold (a column's 16 rows each): thread t takes block t % 8
+// of the tile's row t / 8, so that a warp stores 4 rows' 64 consecutive code bytes. Every thread
+// of the CUDA block calls.
+template <typename L, Mode kMode>
+__device__ __forceinline__ void quantize_tile_rows(const Params& p, TileShared& sh, const Owner& o,
+                                                   int64_t b, int64_t m0, int64_t tile,
+                                                   const float (&v)[kBlock]) {
+  const int t = int(threadIdx.x);
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) NVFP4_STS(&sh.values[r][value_slot(t)], v[r]);
+  __syncthreads();
+  const int r = t / kRowBlocks, kk = t % kRowBlocks;
+  const int64_t m = m0 + r, k = tile * kRowBlocks + kk;
+  const bool ok = m >= o.lo && m < o.hi && k < num_blocks(p.cols);
+  float u[kBlock];
+#pragma unroll
+  for (int q = 0; q < kBlock / 4; ++q) {
+    const auto* at = reinterpret_cast<const uint4*>(&sh.values[r][value_slot(kBlock * kk + 4 * q)]);
+    const uint4 w = NVFP4_LDS_IF(ok, at, (uint4{0, 0, 0, 0}));
+    __builtin_memcpy(u + 4 * q, &w, sizeof(w));
+  }
+  const int64_t row = b * p.rows + m;
+  uint32_t words[2] = {0, 0};
+  uint8_t scale = 0;
+  if (ok) {
+    const float amax = p.spec.row_scaled ? p.amax[row] : p.amax[b];
+    // Block k of row m draws Stream::row_block(k, m, b).
+    uint32_t w[4] = {0, 0, 0, 0};
+    if constexpr (kMode == Mode::kStochastic)
+      stream_of(p.seed, p.placed, p.rows).row_block(uint32_t(k), m, uint32_t(b), w);
+    scale = encode_block<kMode>(p.spec, u, p.spec.global_scales(amax), w, words);
+  }
+  store_row_block(p, ok, row, k, scale, words);
+  __syncthreads();  // the values' next writes wait for these reads
+}
+
+// The staged grouped-copy blocks p0.. (count of them) of the tile's 128 lines to global memory:
+// a warp stores 4 lines' 64 consecutive code bytes (8 a lane) and their 8 scale bytes each.
+__device__ __forceinline__ void store_staged(const Params& p, const TileShared& sh, int64_t b,
+                                             int64_t p0, int count, int64_t tile) {
+  for (int i = int(threadIdx.x); i < kThreads * kTileBlocks; i += kThreads) {
+    const int c = i / kTileBlocks, kb = i % kTileBlocks;
+    const int64_t n = tile * kThreads + c;
+    const bool ok = kb < count && n < p.cols;
+    const int64_t at = (b * p.cols + n) * p.blocks + p0 + kb;  // block p0 + kb of line n
+    NVFP4_STG_IF(ok, reinterpret_cast<uint2*>(p.o.data_t) + at,
+                 NVFP4_LDS_IF(ok, &sh.codes[c][code_slot(c, kb)], (uint2{0, 0})));
+    NVFP4_STG_IF(ok, p.o.scale_t + at,
+                 NVFP4_LDS_IF(ok, &sh.scales[c][scale_slot(c, kb)], uint8_t(0)));
+  }
+}
+
+// CUDA block (b, chunk) x (column chunk): layout blocks chunk * kTileBlocks.. of entry b's grouped
+// copy over its column chunk's tiles, and the rowwise copy of their owners' rows.
 template <typename L, Mode kMode>
 __global__ void __launch_bounds__(kThreads)
-    grouped_columns_kernel(const typename L::T* x, Params p) {
-  const int64_t b = blockIdx.x / p.blocks, blk = blockIdx.x % p.blocks;
-  const Owner o = block_owner(p.sizes + b * p.groups, int32_t(p.groups), int32_t(p.rows), blk);
+    grouped_tiles_kernel(const typename L::T* x, Params p, int64_t chunks) {
+  __shared__ TileShared sh;
+  const int64_t b = blockIdx.x / chunks, p0 = blockIdx.x % chunks * kTileBlocks;
+  const int count = int(p.blocks - p0 < kTileBlocks ? p.blocks - p0 : kTileBlocks);
+  if (threadIdx.x < 32)
+    for (int kb = 0; kb < count; ++kb) {
+      const Owner o =
+          find_owner(p.sizes + b * p.groups, int32_t(p.groups), int32_t(p.rows), p0 + kb);
+      if (threadIdx.x == 0) sh.owners[kb] = o;
+    }
+  __syncthreads();
+  const typename L::T* xb = x + b * p.rows * p.cols;
+  const bool rowwise = p.o.data != nullptr;
+  const int t = int(threadIdx.x);
   for (int64_t tile = blockIdx.y; tile * kThreads < p.cols; tile += gridDim.y) {
-    const int64_t n = tile * kThreads + threadIdx.x;
-    if (n < p.cols) quantize_column<L, kMode>(x, p, o, b, blk, n);
+    const int64_t n = tile * kThreads + t;
+    for (int kb = 0; kb < count; ++kb) {
+      const Owner o = sh.owners[kb];
+      uint32_t words[2] = {0, 0};  // a block no group owns: zero codes, zero scale
+      uint8_t scale = 0;
+      if (o.g < p.groups) {  // the same in every thread
+        const int64_t m0 = (p0 + kb - o.g) * kBlock;
+        float v[kBlock];
+        load_column<L>(xb, p.cols, n, m0, o.lo, o.hi, v);
+        if (rowwise) quantize_tile_rows<L, kMode>(p, sh, o, b, m0, tile, v);
+        if (n < p.cols) scale = encode_column<L, kMode>(p, o, b, m0, n, v, words);
+      }
+      NVFP4_STS(&sh.codes[t][code_slot(t, kb)], (uint2{words[0], words[1]}));
+      NVFP4_STS(&sh.scales[t][scale_slot(t, kb)], scale);
+    }
+    __syncthreads();
+    store_staged(p, sh, b, p0, count, tile);
+    __syncthreads();  // the staging's next writes wait for these reads
   }
 }
 
@@ -382,23 +511,16 @@ __device__ __forceinline__ void quantize_row_block(const typename L::T* x, const
   if constexpr (kMode == Mode::kStochastic)
     stream_of(p.seed, p.placed, p.rows).row_block(uint32_t(k), m, uint32_t(b), w);
   uint32_t words[2];
-  NVFP4_STG(p.o.scale + row * num_blocks(p.cols) + k,
-            encode_block<kMode>(spec, v, spec.global_scales(amax), w, words));
-  const int64_t data_cols = packed_size(p.cols);
-  uint8_t* dst = p.o.data + row * data_cols + n0 / 2;
-  if (data_cols % 8 == 0) {  // whole, aligned 8-byte blocks
-    NVFP4_STG(reinterpret_cast<uint2*>(dst), (uint2{words[0], words[1]}));
-  } else {
-    const uint64_t bytes = words[0] | uint64_t(words[1]) << 32;
-    for (int64_t i = 0; i < kBlock / 2 && n0 / 2 + i < data_cols; ++i)
-      NVFP4_STG(dst + i, uint8_t(bytes >> (8 * i)));
-  }
+  const uint8_t scale = encode_block<kMode>(spec, v, spec.global_scales(amax), w, words);
+  store_row_block(p, true, row, k, scale, words);
 }
 
-// CUDA block (b, chunk): a strided share of entry b's rowwise 1x16 blocks.
+// CUDA block (b, chunk): a strided share of entry b's rowwise 1x16 blocks from row `first` on:
+// the rows past the last group's end where the tile kernel takes the groups' rows (their values
+// are zeros: nothing is read), else every row.
 template <typename L, Mode kMode>
 __global__ void __launch_bounds__(kThreads)
-    grouped_rows_kernel(const typename L::T* x, Params p, int64_t chunks) {
+    grouped_rows_kernel(const typename L::T* x, Params p, int64_t chunks, bool past_groups) {
   const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
   __shared__ int32_t in_groups;
   if (threadIdx.x < 32) {
@@ -408,30 +530,34 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int64_t per_row = num_blocks(p.cols), items = p.rows * per_row;
-  for (int64_t i = chunk * kThreads + threadIdx.x; i < items; i += chunks * kThreads)
+  const int64_t first = past_groups ? in_groups * per_row : 0;
+  for (int64_t i = first + chunk * kThreads + threadIdx.x; i < items; i += chunks * kThreads)
     quantize_row_block<L, kMode>(x, p, b, i / per_row, i % per_row, in_groups);
 }
 
 template <typename L, Mode kMode>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, const Params& p,
                            int64_t batch) {
-  const int64_t items = p.rows * num_blocks(p.cols);  // rowwise blocks of an entry
-  if (p.o.data && batch * items > 0) {
-    constexpr auto kernel = grouped_rows_kernel<L, kMode>;
-    const int64_t fill = (resident_blocks(kernel, kThreads, 0) + batch - 1) / batch;
-    const int64_t chunks =
-        std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1,
-                            std::max<int64_t>(1, std::min(fill, INT32_MAX / batch)));
-    if (auto e = launch<kernel>("grouped quantize", unsigned(batch * chunks), kThreads, 0, stream,
-                                x, p, chunks);
+  // The grouped copy (always asked) and the rows in groups: one read.
+  const int64_t tiles = (p.cols + kThreads - 1) / kThreads;
+  const int64_t chunks = (p.blocks + kTileBlocks - 1) / kTileBlocks;
+  if (batch * chunks * tiles > 0) {
+    constexpr auto kernel = grouped_tiles_kernel<L, kMode>;
+    const dim3 grid(unsigned(batch * chunks), column_chunks(kernel, batch * chunks, tiles));
+    if (auto e = launch<kernel>("grouped quantize", grid, kThreads, 0, stream, x, p, chunks);
         e.failure())
       return e;
   }
-  const int64_t tiles = (p.cols + kThreads - 1) / kThreads;
-  if (batch * p.blocks * tiles == 0) return ffi::Error::Success();
-  constexpr auto kernel = grouped_columns_kernel<L, kMode>;
-  const dim3 grid(unsigned(batch * p.blocks), column_chunks(kernel, batch * p.blocks, tiles));
-  return launch<kernel>("grouped quantize", grid, kThreads, 0, stream, x, p);
+  // The rowwise copy of the rows in no group.
+  const int64_t items = p.rows * num_blocks(p.cols);  // rowwise blocks of an entry
+  if (!p.o.data || batch * items == 0) return ffi::Error::Success();
+  constexpr auto kernel = grouped_rows_kernel<L, kMode>;
+  const int64_t fill = (resident_blocks(kernel, kThreads, 0) + batch - 1) / batch;
+  const int64_t chunk_count =
+      std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1,
+                          std::max<int64_t>(1, std::min(fill, INT32_MAX / batch)));
+  return launch<kernel>("grouped quantize", unsigned(batch * chunk_count), kThreads, 0, stream, x,
+                        p, chunk_count, true);
 }
 
 ffi::Error grouped_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,
