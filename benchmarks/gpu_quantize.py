@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import jax_nvfp4
 from benchmarks.timing import Report, device_name, queued_seconds
 from jax_nvfp4.core.formats import num_blocks, packed_size
+from jax_nvfp4.core.spec import QuantizeSpec
+from jax_nvfp4.ops import grouped
 
 # Issue 48's "before": bf16 16384^2 on one H200, wheel of 83e5bc4 (jax 0.11.2), ms per call queued.
 BEFORE_16384 = {
@@ -120,18 +122,31 @@ def table_ops(x: jax.Array) -> list[tuple[str, object, tuple, int]]:
 
 
 RING_OPS = ("row+col 1x16, amax given", "row only 1x16, amax given", "row+col 16x16, amax given")
+GROUPS = 8  # the grouped quantize's: x's rows as the tokens of 8 experts, equal shares
+
+
+def grouped_op(x: jax.Array) -> tuple[str, object, tuple, int]:
+    """(name, function, arguments, bytes moved) of the grouped quantize of a mixture of experts' tokens
+    (``jax_nvfp4.ops.grouped``, both copies, amaxes given): x's rows in GROUPS groups."""
+    m, n = x.shape
+    tokens = x[None]
+    sizes = jnp.full((1, GROUPS), m // GROUPS, jnp.int32)
+    amax, amax_t = grouped.grouped_amax(tokens, sizes)
+    seeds = (jnp.array([7, 9], jnp.uint32), jnp.zeros((GROUPS, 2), jnp.uint32))
+    blocks = num_blocks(m) + GROUPS - 1  # the grouped copy's blocks a column
+    moved = x.nbytes + output_bytes(m, n, True, False) + n * blocks * (8 + 1)
+    fn = functools.partial(grouped.grouped_quantize, spec=QuantizeSpec(columnwise=True))
+    return f"grouped quantize (MoE, {GROUPS} groups), amax given", fn, (tokens, sizes, amax, amax_t, *seeds), moved
 
 
 def load_table(report: Report, x: jax.Array, copy_bw: float, calls: int) -> None:
-    """The direct kernel against the pipelined one (``NVFP4_QUANTIZE_LOAD=ring``, read by the handler on
-    every call) on the ops it applies to."""
+    """The direct kernels against the pipelined ones (``NVFP4_QUANTIZE_LOAD=ring``, read by the handlers on
+    every call) on the ops they apply to: the quantize's and the grouped quantize's."""
     report.add("| op | direct ms (% of the copy) | ring ms (% of the copy) | ring / direct |")
     report.add("|---|---:|---:|---:|")
     before = os.environ.get("NVFP4_QUANTIZE_LOAD")
     try:
-        for name, fn, fn_args, moved in table_ops(x):
-            if name not in RING_OPS:
-                continue
+        for name, fn, fn_args, moved in [op for op in table_ops(x) if op[0] in RING_OPS] + [grouped_op(x)]:
             times = {}
             for load in ("direct", "ring"):
                 os.environ["NVFP4_QUANTIZE_LOAD"] = load

@@ -11,9 +11,11 @@
 #endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -58,6 +60,14 @@ inline ffi::Error zero(void* ptr, int64_t bytes, cudaStream_t stream) {
   if (const cudaError_t err = cudaMemsetAsync(ptr, 0, size_t(bytes), stream); err != cudaSuccess)
     return cuda_error("cudaMemsetAsync", err);
   return ffi::Error::Success();
+}
+
+// Whether the environment asks for the kernels that load through a ring of bulk copies
+// (NVFP4_QUANTIZE_LOAD=ring; default direct loads): quantize's and the grouped quantize's, a switch
+// for measuring both on a GPU (benchmarks/gpu_quantize.py), read on every call.
+inline bool ring_asked() {
+  const char* load = std::getenv("NVFP4_QUANTIZE_LOAD");
+  return load != nullptr && std::string_view(load) == "ring";
 }
 
 // Blocks for a grid-stride loop over n items: enough to fill the GPU, no more.

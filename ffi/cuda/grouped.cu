@@ -14,6 +14,7 @@
 //
 // Group bounds follow the reference for any int32 sizes: each clamped to [0, M], their running
 // sum saturating at M, so that every token row before the last group's end is in exactly one group.
+#include "cuda/async_copy.cuh"
 #include "cuda/common.cuh"
 #include "cuda/four_over_six.cuh"
 #include "cuda/handlers.h"
@@ -300,46 +301,58 @@ __device__ __forceinline__ uint8_t encode_block(const QuantizeSpec& spec, const 
 // ---- one read of the input: the grouped copy and the group rows' rowwise copy ----
 //
 // A CUDA block takes kTileBlocks consecutive layout blocks p0.. of one batch entry over a share of
-// its 128-column tiles. For each tile and layout block, a thread loads its column's 16 rows of the
-// block (the owner's rows; the others 0) and encodes that 1x16 block of the grouped copy. With the
-// rowwise copy asked, the values also go to shared memory, where a thread takes one rowwise 1x16
-// block of the owner's rows in the tile (16 rows of 8 blocks: one a thread): every row in a group
-// lies in exactly one owned layout block, so the input is read once. The grouped copy's codes and
-// scales are staged in shared memory and stored kTileBlocks blocks of a line together (64
-// contiguous code bytes and 8 scale bytes), not 8 bytes and a byte a lane P blocks apart. The rows
-// in no group (from the last group's end) are the rowwise kernel's; it reads nothing of them.
+// its 128-column tiles: a step is one layout block of one tile. In a step, a thread takes its
+// column's 16 rows of the block (the owner's rows; the others 0) and encodes that 1x16 block of the
+// grouped copy; with the rowwise copy asked, a thread also takes one rowwise 1x16 block of the
+// owner's rows in the tile (16 rows of 8 blocks: one a thread), from the values in shared memory:
+// every row in a group lies in exactly one owned layout block, so the input is read once. The
+// grouped copy's codes and scales are staged in shared memory and stored kTileBlocks blocks of a
+// line together (64 contiguous code bytes and 8 scale bytes), not 8 bytes and a byte a lane P
+// blocks apart. The rows in no group (from the last group's end) are the rowwise kernel's; it
+// reads nothing of them.
+//
+// Two kernels load the steps' values: grouped_tiles_kernel by element loads, a thread its
+// column's 16 (then shared memory holds them for the rowwise blocks), and grouped_ring_kernel
+// (NVFP4_QUANTIZE_LOAD=ring, where rows are whole 16-byte chunks) by bulk copies of the owner's
+// rows into a ring of kRingStages stages completing on mbarriers, kRingStages - 1 steps ahead.
 
 constexpr int kTileBlocks = 8;                   // layout blocks a CUDA block takes
 constexpr int kRowBlocks = kThreads / kBlock;    // rowwise blocks a row of a tile holds (8)
 static_assert(kBlock * kRowBlocks == kThreads);  // a thread a rowwise block of the tile
+constexpr int kRingStages = 3;
 
-// The tile kernel's shared memory. Each array is swizzled (the *_slot functions) so that its writes
-// and reads take one wavefront a phase.
-struct TileShared {
-  alignas(16) float values[kBlock][kThreads];  // the tile's row r, column c at [r][value_slot(c)]
-  uint2 codes[kThreads][kTileBlocks];          // line c's block kb at [c][code_slot(c, kb)]
-  uint8_t scales[kThreads][kTileBlocks];       // line c's block kb at [c][scale_slot(c, kb)]
+// The grouped copy's staging. Each array is swizzled (the *_slot functions) so that its writes and
+// reads take one wavefront a phase.
+struct Staged {
+  uint2 codes[kThreads][kTileBlocks];     // line c's block kb at [c][code_slot(c, kb)]
+  uint8_t scales[kThreads][kTileBlocks];  // line c's block kb at [c][scale_slot(c, kb)]
   Owner owners[kTileBlocks];
 };
 
-// Column c's place in a row of TileShared::values: its float4 group f = c / 4 XOR-ed with
-// (f / 8) % 4. A warp's 32 columns stay in one row's 32 banks, and a phase of rowwise loads (8
-// threads, the 8 blocks of a row: groups 4k + q) falls on 8 different groups of 4 banks.
+// Line c's place for block kb in Staged::codes (a line is 64 bytes: 16 banks): a phase of 16
+// lines writing one block, and one of 2 lines reading their 8 blocks, fall on different banks.
+__device__ __forceinline__ int code_slot(int c, int kb) { return kb ^ ((c >> 1) & 7); }
+
+// Line c's place for block kb in Staged::scales (a line is 2 words): a warp's 32 lines writing
+// one block's bytes fall on different banks (lines 16 apart would share one).
+__device__ __forceinline__ int scale_slot(int c, int kb) { return kb ^ (((c >> 4) & 1) << 2); }
+
+// grouped_tiles_kernel's values of a step for the rowwise blocks: row r, column c at
+// [r][value_slot(c)] (16-byte aligned: a rowwise block reads 4 floats a load).
+struct alignas(16) TileValues {
+  float v[kBlock][kThreads];
+};
+
+// Column c's place in a row of TileValues: its float4 group f = c / 4 XOR-ed
+// with (f / 8) % 4. A warp's 32 columns stay in one row's 32 banks, and a phase of rowwise loads
+// (8 threads, the 8 blocks of a row: groups 4k + q) falls on 8 different groups of 4 banks.
 __device__ __forceinline__ int value_slot(int c) {
   const int f = c >> 2;
   return 4 * (f ^ ((f >> 3) & 3)) + (c & 3);
 }
 
-// Line c's place for block kb in TileShared::codes (a line is 64 bytes: 16 banks): a phase of 16
-// lines writing one block, and one of 2 lines reading their 8 blocks, fall on different banks.
-__device__ __forceinline__ int code_slot(int c, int kb) { return kb ^ ((c >> 1) & 7); }
-
-// Line c's place for block kb in TileShared::scales (a line is 2 words): a warp's 32 lines writing
-// one block's bytes fall on different banks (lines 16 apart would share one).
-__device__ __forceinline__ int scale_slot(int c, int kb) { return kb ^ (((c >> 4) & 1) << 2); }
-
-// The 1x16 block of the grouped copy at column n of layout block p0 + kb... of entry b: its code
-// words and scale byte from its values v (global rows m0.., the owner's only; o owns a group).
+// The 1x16 block of the grouped copy at column n of a layout block of entry b: its code words and
+// scale byte from its values v (global rows m0.., the owner's only; o owns a group).
 template <typename L, Mode kMode>
 __device__ __forceinline__ uint8_t encode_column(const Params& p, const Owner& o, int64_t b,
                                                  int64_t m0, int64_t n, float (&v)[kBlock],
@@ -375,28 +388,11 @@ __device__ __forceinline__ void store_row_block(const Params& p, bool ok, int64_
   }
 }
 
-// The rowwise copy of the owner's rows among global rows m0.. of column tile `tile` of entry b,
-// from the values the block's threads hold (a column's 16 rows each): thread t takes block t % 8
-// of the tile's row t / 8, so that a warp stores 4 rows' 64 consecutive code bytes. Every thread
-// of the CUDA block calls.
+// The rowwise 1x16 block k of row m of entry b from its values u, where `ok` (every thread of the
+// CUDA block calls).
 template <typename L, Mode kMode>
-__device__ __forceinline__ void quantize_tile_rows(const Params& p, TileShared& sh, const Owner& o,
-                                                   int64_t b, int64_t m0, int64_t tile,
-                                                   const float (&v)[kBlock]) {
-  const int t = int(threadIdx.x);
-#pragma unroll
-  for (int r = 0; r < kBlock; ++r) NVFP4_STS(&sh.values[r][value_slot(t)], v[r]);
-  __syncthreads();
-  const int r = t / kRowBlocks, kk = t % kRowBlocks;
-  const int64_t m = m0 + r, k = tile * kRowBlocks + kk;
-  const bool ok = m >= o.lo && m < o.hi && k < num_blocks(p.cols);
-  float u[kBlock];
-#pragma unroll
-  for (int q = 0; q < kBlock / 4; ++q) {
-    const auto* at = reinterpret_cast<const uint4*>(&sh.values[r][value_slot(kBlock * kk + 4 * q)]);
-    const uint4 w = NVFP4_LDS_IF(ok, at, (uint4{0, 0, 0, 0}));
-    __builtin_memcpy(u + 4 * q, &w, sizeof(w));
-  }
+__device__ __forceinline__ void quantize_row_values(const Params& p, bool ok, int64_t b, int64_t m,
+                                                    int64_t k, const float (&u)[kBlock]) {
   const int64_t row = b * p.rows + m;
   uint32_t words[2] = {0, 0};
   uint8_t scale = 0;
@@ -409,12 +405,37 @@ __device__ __forceinline__ void quantize_tile_rows(const Params& p, TileShared& 
     scale = encode_block<kMode>(p.spec, u, p.spec.global_scales(amax), w, words);
   }
   store_row_block(p, ok, row, k, scale, words);
+}
+
+// The rowwise copy of the owner's rows among global rows m0.. of column tile `tile` of entry b,
+// from the values the block's threads hold (a column's 16 rows each), through `values`: thread t
+// takes block t % 8 of the tile's row t / 8, so that a warp stores 4 rows' 64 consecutive code
+// bytes. Every thread of the CUDA block calls.
+template <typename L, Mode kMode>
+__device__ __forceinline__ void quantize_tile_rows(const Params& p, float (*values)[kThreads],
+                                                   const Owner& o, int64_t b, int64_t m0,
+                                                   int64_t tile, const float (&v)[kBlock]) {
+  const int t = int(threadIdx.x);
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) NVFP4_STS(&values[r][value_slot(t)], v[r]);
+  __syncthreads();
+  const int r = t / kRowBlocks, kk = t % kRowBlocks;
+  const int64_t m = m0 + r, k = tile * kRowBlocks + kk;
+  const bool ok = m >= o.lo && m < o.hi && k < num_blocks(p.cols);
+  float u[kBlock];
+#pragma unroll
+  for (int q = 0; q < kBlock / 4; ++q) {
+    const auto* at = reinterpret_cast<const uint4*>(&values[r][value_slot(kBlock * kk + 4 * q)]);
+    const uint4 w = NVFP4_LDS_IF(ok, at, (uint4{0, 0, 0, 0}));
+    __builtin_memcpy(u + 4 * q, &w, sizeof(w));
+  }
+  quantize_row_values<L, kMode>(p, ok, b, m, k, u);
   __syncthreads();  // the values' next writes wait for these reads
 }
 
 // The staged grouped-copy blocks p0.. (count of them) of the tile's 128 lines to global memory:
 // a warp stores 4 lines' 64 consecutive code bytes (8 a lane) and their 8 scale bytes each.
-__device__ __forceinline__ void store_staged(const Params& p, const TileShared& sh, int64_t b,
+__device__ __forceinline__ void store_staged(const Params& p, const Staged& st, int64_t b,
                                              int64_t p0, int count, int64_t tile) {
   for (int i = int(threadIdx.x); i < kThreads * kTileBlocks; i += kThreads) {
     const int c = i / kTileBlocks, kb = i % kTileBlocks;
@@ -422,49 +443,190 @@ __device__ __forceinline__ void store_staged(const Params& p, const TileShared& 
     const bool ok = kb < count && n < p.cols;
     const int64_t at = (b * p.cols + n) * p.blocks + p0 + kb;  // block p0 + kb of line n
     NVFP4_STG_IF(ok, reinterpret_cast<uint2*>(p.o.data_t) + at,
-                 NVFP4_LDS_IF(ok, &sh.codes[c][code_slot(c, kb)], (uint2{0, 0})));
+                 NVFP4_LDS_IF(ok, &st.codes[c][code_slot(c, kb)], (uint2{0, 0})));
     NVFP4_STG_IF(ok, p.o.scale_t + at,
-                 NVFP4_LDS_IF(ok, &sh.scales[c][scale_slot(c, kb)], uint8_t(0)));
+                 NVFP4_LDS_IF(ok, &st.scales[c][scale_slot(c, kb)], uint8_t(0)));
   }
 }
 
-// CUDA block (b, chunk) x (column chunk): layout blocks chunk * kTileBlocks.. of entry b's grouped
-// copy over its column chunk's tiles, and the rowwise copy of their owners' rows.
-template <typename L, Mode kMode>
-__global__ void __launch_bounds__(kThreads)
-    grouped_tiles_kernel(const typename L::T* x, Params p, int64_t chunks) {
-  __shared__ TileShared sh;
-  const int64_t b = blockIdx.x / chunks, p0 = blockIdx.x % chunks * kTileBlocks;
+// The CUDA block's layout blocks: p0, their count, and their owners in st (every thread calls).
+__device__ __forceinline__ int find_owners(const Params& p, int64_t b, int64_t p0, Staged& st) {
   const int count = int(p.blocks - p0 < kTileBlocks ? p.blocks - p0 : kTileBlocks);
   if (threadIdx.x < 32)
     for (int kb = 0; kb < count; ++kb) {
       const Owner o =
           find_owner(p.sizes + b * p.groups, int32_t(p.groups), int32_t(p.rows), p0 + kb);
-      if (threadIdx.x == 0) sh.owners[kb] = o;
+      if (threadIdx.x == 0) st.owners[kb] = o;
     }
+  return count;
+}
+
+// Stages the grouped copy's block kb of this thread's line (zeros for a block no group owns).
+__device__ __forceinline__ void stage_column(Staged& st, int kb, uint8_t scale,
+                                             const uint32_t (&words)[2]) {
+  const int t = int(threadIdx.x);
+  NVFP4_STS(&st.codes[t][code_slot(t, kb)], (uint2{words[0], words[1]}));
+  NVFP4_STS(&st.scales[t][scale_slot(t, kb)], scale);
+}
+
+// CUDA block (b, chunk) x (column chunk): layout blocks chunk * kTileBlocks.. of entry b's grouped
+// copy over its column chunk's tiles, and the rowwise copy of their owners' rows; element loads.
+template <typename L, Mode kMode>
+__global__ void __launch_bounds__(kThreads)
+    grouped_tiles_kernel(const typename L::T* x, Params p, int64_t chunks) {
+  __shared__ Staged st;
+  __shared__ TileValues values;
+  const int64_t b = blockIdx.x / chunks, p0 = blockIdx.x % chunks * kTileBlocks;
+  const int count = find_owners(p, b, p0, st);
   __syncthreads();
   const typename L::T* xb = x + b * p.rows * p.cols;
   const bool rowwise = p.o.data != nullptr;
-  const int t = int(threadIdx.x);
   for (int64_t tile = blockIdx.y; tile * kThreads < p.cols; tile += gridDim.y) {
-    const int64_t n = tile * kThreads + t;
+    const int64_t n = tile * kThreads + threadIdx.x;
     for (int kb = 0; kb < count; ++kb) {
-      const Owner o = sh.owners[kb];
+      const Owner o = st.owners[kb];
       uint32_t words[2] = {0, 0};  // a block no group owns: zero codes, zero scale
       uint8_t scale = 0;
       if (o.g < p.groups) {  // the same in every thread
         const int64_t m0 = (p0 + kb - o.g) * kBlock;
         float v[kBlock];
         load_column<L>(xb, p.cols, n, m0, o.lo, o.hi, v);
-        if (rowwise) quantize_tile_rows<L, kMode>(p, sh, o, b, m0, tile, v);
+        if (rowwise) quantize_tile_rows<L, kMode>(p, values.v, o, b, m0, tile, v);
         if (n < p.cols) scale = encode_column<L, kMode>(p, o, b, m0, n, v, words);
       }
-      NVFP4_STS(&sh.codes[t][code_slot(t, kb)], (uint2{words[0], words[1]}));
-      NVFP4_STS(&sh.scales[t][scale_slot(t, kb)], scale);
+      stage_column(st, kb, scale, words);
     }
     __syncthreads();
-    store_staged(p, sh, b, p0, count, tile);
+    store_staged(p, st, b, p0, count, tile);
     __syncthreads();  // the staging's next writes wait for these reads
+  }
+}
+
+// grouped_ring_kernel's input ring: a step's 16 rows x 128 columns a stage.
+template <typename L>
+struct Ring {
+  alignas(128) typename L::T stage[kRingStages][kBlock][kThreads];
+  Mbarrier full[kRingStages];
+};
+
+// Step k's column tile of the CUDA block (its layout block is kb = k % count).
+__device__ __forceinline__ int64_t step_tile(int64_t k, int count) {
+  return blockIdx.y + k / count * gridDim.y;
+}
+
+// Issues step k's copies: the owner's rows of its layout block, a bulk copy each (of the tile's
+// columns within N), into stage k % kRingStages, completing on its mbarrier; a block no group owns
+// copies nothing and its phase completes on the arrival alone. Warp 0 calls, after a block barrier
+// that follows every read of the stage's last step.
+template <typename L>
+__device__ __forceinline__ void load_step(const typename L::T* xb, const Params& p, Staged& st,
+                                          Ring<L>& ring, int64_t p0, int count, int64_t k) {
+  const int s = int(k % kRingStages), kb = int(k % count);
+  const Owner o = st.owners[kb];
+  const int64_t n0 = step_tile(k, count) * kThreads;
+  int64_t m0 = 0, first = 0, rows = 0, bytes = 0;
+  if (o.g < p.groups) {
+    m0 = (p0 + kb - o.g) * kBlock;
+    first = o.lo > m0 ? o.lo - m0 : 0;
+    rows = (o.hi < m0 + kBlock ? o.hi - m0 : kBlock) - first;
+    bytes = (p.cols - n0 < kThreads ? p.cols - n0 : kThreads) * int64_t(sizeof(typename L::T));
+  }
+  if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&ring.full[s], uint32_t(rows * bytes));
+  __syncwarp();
+  fence_proxy_async();  // the block read this stage last (before the barrier that led here)
+  for (int64_t r = threadIdx.x; r < rows; r += 32)
+    bulk_load(&ring.stage[s][first + r][0], xb + (m0 + first + r) * p.cols + n0, uint32_t(bytes),
+              &ring.full[s]);
+}
+
+// The rowwise values of block kk of row r of a stage: a block's 16-byte chunks, each read where
+// `ok` and inside N (rows of whole chunks), in an order rotated by kk * C / 8 (C chunks a block) so
+// that a phase of 8 threads (the 8 blocks of a row) falls on 8 different groups of 4 banks.
+template <typename L>
+__device__ __forceinline__ void stage_row_values(const typename L::T (*rows)[kThreads], int r,
+                                                 int kk, bool ok, int64_t n0, int64_t cols,
+                                                 float (&u)[kBlock]) {
+  using T = typename L::T;
+  constexpr int kChunkValues = 16 / int(sizeof(T)), kChunks = kBlock / kChunkValues;
+  const int rot = kk * kChunks / kRowBlocks;
+  uint4 w[kChunks];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int q = (i + rot) % kChunks, c = kBlock * kk + q * kChunkValues;
+    w[i] = NVFP4_LDS_IF(ok && n0 + c < cols, reinterpret_cast<const uint4*>(&rows[r][c]),
+                        (uint4{0, 0, 0, 0}));
+  }
+#pragma unroll
+  for (int q = 0; q < kChunks; ++q) {
+    uint4 chunk = w[q];  // w[i] holds chunk (i + rot) % kChunks: chunk q is w[(q - rot) mod C]
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i)
+      if ((i + rot) % kChunks == q) chunk = w[i];
+    T t[kChunkValues];
+    __builtin_memcpy(t, &chunk, sizeof(chunk));
+#pragma unroll
+    for (int i = 0; i < kChunkValues; ++i) u[q * kChunkValues + i] = L::load(t[i]);
+  }
+}
+
+// grouped_tiles_kernel with the steps' values in a ring of bulk copies (rows of whole 16-byte
+// chunks, a 16-byte-aligned x): a thread reads its column from the stage, and the rowwise blocks
+// read theirs there too.
+template <typename L, Mode kMode>
+__global__ void __launch_bounds__(kThreads)
+    grouped_ring_kernel(const typename L::T* x, Params p, int64_t chunks) {
+  __shared__ Staged st;
+  __shared__ Ring<L> ring;
+  const int64_t b = blockIdx.x / chunks, p0 = blockIdx.x % chunks * kTileBlocks;
+  const int count = find_owners(p, b, p0, st);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRingStages; ++s) mbarrier_init(&ring.full[s], 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  const typename L::T* xb = x + b * p.rows * p.cols;
+  const bool rowwise = p.o.data != nullptr;
+  const int64_t tiles = (p.cols + kThreads - 1) / kThreads;
+  const int64_t steps = blockIdx.y < tiles ? ((tiles - 1 - blockIdx.y) / gridDim.y + 1) * count : 0;
+  if (threadIdx.x < 32)
+    for (int64_t k = 0; k < kRingStages - 1 && k < steps; ++k)
+      load_step<L>(xb, p, st, ring, p0, count, k);
+  const int t = int(threadIdx.x);
+  for (int64_t k = 0; k < steps; ++k) {
+    // Step k + kRingStages - 1's copies into the stage step k - 1 read (every thread has passed
+    // the barrier after those reads); then step k's stage, filled for the (k / stages)-th time.
+    if (threadIdx.x < 32 && k + kRingStages - 1 < steps)
+      load_step<L>(xb, p, st, ring, p0, count, k + kRingStages - 1);
+    const int s = int(k % kRingStages), kb = int(k % count);
+    const int64_t tile = step_tile(k, count), n0 = tile * kThreads, n = n0 + t;
+    mbarrier_wait(&ring.full[s], uint32_t(k / kRingStages) & 1u);
+    const Owner o = st.owners[kb];
+    uint32_t words[2] = {0, 0};  // a block no group owns: zero codes, zero scale
+    uint8_t scale = 0;
+    if (o.g < p.groups) {  // the same in every thread
+      const int64_t m0 = (p0 + kb - o.g) * kBlock;
+      const typename L::T(*rows)[kThreads] = ring.stage[s];
+      float v[kBlock];
+#pragma unroll
+      for (int r = 0; r < kBlock; ++r)
+        v[r] = L::load(NVFP4_LDS_IF(n < p.cols && m0 + r >= o.lo && m0 + r < o.hi, &rows[r][t],
+                                    typename L::T{}));
+      if (rowwise) {
+        const int r = t / kRowBlocks, kk = t % kRowBlocks;
+        const int64_t m = m0 + r, k_row = tile * kRowBlocks + kk;
+        const bool ok = m >= o.lo && m < o.hi && k_row < num_blocks(p.cols);
+        float u[kBlock];
+        stage_row_values<L>(rows, r, kk, ok, n0, p.cols, u);
+        quantize_row_values<L, kMode>(p, ok, b, m, k_row, u);
+      }
+      if (n < p.cols) scale = encode_column<L, kMode>(p, o, b, m0, n, v, words);
+    }
+    stage_column(st, kb, scale, words);
+    __syncthreads();  // the stage's reads are done; the staging's writes are seen
+    if (kb == count - 1) {
+      store_staged(p, st, b, p0, count, tile);
+      __syncthreads();  // the staging's next writes wait for these reads
+    }
   }
 }
 
@@ -535,19 +697,27 @@ __global__ void __launch_bounds__(kThreads)
     quantize_row_block<L, kMode>(x, p, b, i / per_row, i % per_row, in_groups);
 }
 
+// The grouped copy and the rowwise copy of the rows in groups by kernel K (one read of the input).
+template <auto K, typename L>
+ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, const Params& p,
+                        int64_t batch) {
+  const int64_t tiles = (p.cols + kThreads - 1) / kThreads;
+  const int64_t chunks = (p.blocks + kTileBlocks - 1) / kTileBlocks;
+  if (batch * chunks * tiles == 0) return ffi::Error::Success();
+  const dim3 grid(unsigned(batch * chunks), column_chunks(K, batch * chunks, tiles));
+  return launch<K>("grouped quantize", grid, kThreads, 0, stream, x, p, chunks);
+}
+
 template <typename L, Mode kMode>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, const Params& p,
                            int64_t batch) {
-  // The grouped copy (always asked) and the rows in groups: one read.
-  const int64_t tiles = (p.cols + kThreads - 1) / kThreads;
-  const int64_t chunks = (p.blocks + kTileBlocks - 1) / kTileBlocks;
-  if (batch * chunks * tiles > 0) {
-    constexpr auto kernel = grouped_tiles_kernel<L, kMode>;
-    const dim3 grid(unsigned(batch * chunks), column_chunks(kernel, batch * chunks, tiles));
-    if (auto e = launch<kernel>("grouped quantize", grid, kThreads, 0, stream, x, p, chunks);
-        e.failure())
-      return e;
-  }
+  // The ring's bulk copies need rows of whole 16-byte chunks and a 16-byte-aligned x.
+  const bool ring = ring_asked() && (p.cols * int64_t(sizeof(*x))) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  if (auto e = ring ? launch_tiles<grouped_ring_kernel<L, kMode>, L>(stream, x, p, batch)
+                    : launch_tiles<grouped_tiles_kernel<L, kMode>, L>(stream, x, p, batch);
+      e.failure())
+    return e;
   // The rowwise copy of the rows in no group.
   const int64_t items = p.rows * num_blocks(p.cols);  // rowwise blocks of an entry
   if (!p.o.data || batch * items == 0) return ffi::Error::Success();

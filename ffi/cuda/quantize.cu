@@ -1306,13 +1306,6 @@ ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p,
   return launch<K>("quantize", blocks, kThreads, shared.bytes, stream, x, p);
 }
 
-// Whether the environment asks for the kRing kernel (NVFP4_QUANTIZE_LOAD=ring; default direct):
-// a switch for measuring the two on a GPU (benchmarks/gpu_quantize.py), read on every call.
-inline bool ring_asked() {
-  const char* load = std::getenv("NVFP4_QUANTIZE_LOAD");
-  return load != nullptr && std::string_view(load) == "ring";
-}
-
 // The spec's rounding mode.
 inline Mode mode_of(const QuantizeSpec& spec) {
   return spec.stochastic_rounding    ? Mode::kStochastic

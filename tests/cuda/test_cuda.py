@@ -31,7 +31,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jax_nvfp4
-from jax_nvfp4.ops import KERNELS, ffi
+from jax_nvfp4.core.spec import QuantizeSpec
+from jax_nvfp4.ops import KERNELS, ffi, grouped
 
 
 def _devices(platform: str) -> list:
@@ -163,6 +164,37 @@ def test_row_scaled_dequantize_gpu_equals_cpu(out_dtype, e4m3_max):
 
     args = (data, scale, amax, data_t, scale_t, amax_t)
     assert_same_tree(on(GPUS[0], dequantize, *args), on(CPU, dequantize, *args))
+
+
+GROUPED_SPECS = {
+    "nearest": QuantizeSpec(columnwise=True),
+    "stochastic row-scaled": QuantizeSpec(columnwise=True, stochastic_rounding=True, row_scaled=True),
+    "4over6 fast": QuantizeSpec(columnwise=True, four_over_six_error="mse", four_over_six_fast_math=True, e4m3_max=256),
+    "rht stochastic": QuantizeSpec(rowwise=False, columnwise=True, rht=True, stochastic_rounding=True),
+}
+
+
+@pytest.mark.parametrize("load", ["direct", "ring"])
+@pytest.mark.parametrize("name", list(GROUPED_SPECS))
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((2, 48, 136), jnp.bfloat16), ((1, 304, 264), jnp.float16), ((1, 96, 600), jnp.float32)]
+)
+def test_grouped_quantize_gpu_equals_cpu(shape, dtype, name, load, monkeypatch):
+    """The MoE grouped quantize (both kernels: element loads, and NVFP4_QUANTIZE_LOAD=ring's bulk copies, whose
+    rows of whole 16-byte chunks these shapes have) on groups that cut blocks, leave blocks unowned and rows
+    past the groups."""
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", load)
+    spec = GROUPED_SPECS[name]
+    rng = np.random.default_rng(len(name))
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    sizes = rng.integers(0, shape[1] // 3, (shape[0], 5)).astype(np.int32)
+
+    def quantize(x, sizes):
+        amax, amax_t = grouped.grouped_amax(x, sizes, rht_amax=spec.rht, per_row=spec.row_scaled)
+        seeds = (jnp.array([7, 9], jnp.uint32), jnp.arange(10, dtype=jnp.uint32).reshape(5, 2))
+        return grouped.grouped_quantize(x, sizes, amax, amax_t, *seeds, spec=spec)
+
+    assert_same_tree(on(GPUS[0], quantize, x, sizes), on(CPU, quantize, x, sizes))
 
 
 def test_the_training_step_runs_on_the_gpu():

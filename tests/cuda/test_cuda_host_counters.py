@@ -187,8 +187,9 @@ def test_dequantize_reads_codes_once_and_writes_whole_sectors(out_dtype, per_row
         assert site.transactions <= 1.05 * site.ideal, site
 
 
+@pytest.mark.parametrize("load", ["direct", "ring"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_grouped_quantize_reads_the_input_once(dtype):
+def test_grouped_quantize_reads_the_input_once(dtype, load, monkeypatch):
     """The grouped quantize (a mixture of experts' tokens, jax_nvfp4/ops/grouped.py) of rows in two groups and
     16 rows in none: one kernel reads each input byte once (a warp's 32 consecutive columns: the fewest sectors)
     and writes the grouped copy and the groups' rows' rowwise copy from it; the rows in no group are another
@@ -197,11 +198,15 @@ def test_grouped_quantize_reads_the_input_once(dtype):
     codes the fewest sectors. The grouped copy's stores, staged 8 layout blocks of a line together (64 code
     bytes, 8 scale bytes) in lines of P = 17 blocks, not aligned to sectors: codes 1.5x the fewest sectors,
     scales under 3x (before: a thread a column stored 8 bytes and a byte P blocks apart, 4x and 32x). Not
-    held, what misses: the rowwise scales (8 bytes a row of a 128-column tile: 4x)."""
+    held, what misses: the rowwise scales (8 bytes a row of a 128-column tile: 4x). The same with the values
+    loaded by the ring kernel (NVFP4_QUANTIZE_LOAD=ring): a bulk copy a row of the owner's, and the rowwise
+    blocks' 16-byte reads of the stage rotated so that a row's 8 blocks fall on different banks."""
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", load)
     x = random_normal((1, 256, 512), 11, dtype)
     sizes = np.array([[100, 140]], np.int32)
     _, launches = grouped_quantize_launches(x, sizes, QuantizeSpec(columnwise=True))
-    tiles, rows = only(launches, "grouped_tiles_kernel"), only(launches, "grouped_rows_kernel")
+    tiles = only(launches, "grouped_ring_kernel" if load == "ring" else "grouped_tiles_kernel")
+    rows = only(launches, "grouped_rows_kernel")
     (loads,) = tiles.select("global", "load")
     assert loads.bytes == x[:, :240].nbytes  # the rows in groups, once
     assert loads.transactions <= 1.05 * loads.ideal, loads

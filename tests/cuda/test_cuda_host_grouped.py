@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import NamedTuple
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import KERNEL_CASES_ONLY, assert_same_tree, cuda_host, examples, random_tensor
+from helpers.counters import traced
 from helpers.cuda_host import needs_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -165,6 +168,42 @@ def test_grouped_random_sizes(name, sizes, sm, seed):
     _, dtype, shape = CASES[name]
     sizes = np.array(sizes[: shape[0]], np.int32)
     check(name, sizes, values(shape, dtype, np.random.default_rng(seed), sizes), sms=(sm,))
+
+
+# The quantize cases on shapes whose rows are whole 16-byte chunks (N a multiple of 8, or of 4 for float32):
+# where NVFP4_QUANTIZE_LOAD=ring takes the ring kernel (bulk copies of the owners' rows).
+QUANTIZE_CASES = [name for name, case in CASES.items() if isinstance(case[0], QuantizeSpec)]
+RING_COLS = {np.float32: 300, np.float16: 264, ml_dtypes.bfloat16: 136}
+
+
+@settings(max_examples=examples(40))
+@given(
+    name=st.sampled_from(QUANTIZE_CASES),
+    sizes=st.lists(st.lists(st.integers(0, 24), min_size=GROUPS, max_size=GROUPS), min_size=2, max_size=2),
+    sm=st.sampled_from(SMS),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_ring_kernel_gives_the_direct_kernels_bytes(name, sizes, sm, seed):
+    """grouped_ring_kernel (its steps' values by bulk copies into a ring of stages on mbarriers, which the host
+    model checks) against grouped_tiles_kernel and the CPU kernel, both held to the reference above: random
+    sizes (blocks no group owns, groups that cut blocks, rows past the groups) and values. Each case's kernel
+    and M, with N a multiple of 8 (4 for float32) ending in a partial tile of 128 columns."""
+    spec, dtype, shape = CASES[name]
+    shape = (*shape[:2], RING_COLS[dtype])
+    sizes = np.array(sizes[: shape[0]], np.int32)
+    x = values(shape, dtype, np.random.default_rng(seed), sizes)
+    finite = np.where(np.isfinite(x), x, 0).astype(x.dtype)
+    amax, amax_t = jitted(cuda_host, AmaxFlags(spec.rht, spec.row_scaled))(finite, sizes)
+    operands = (x, sizes, amax, amax_t, ROW_SEED, GROUP_SEEDS[: sizes.shape[1]])
+    quantize = jitted(cuda_host, spec)
+    with cuda_host.emulating(sm):
+        with mock.patch.dict(os.environ, {"NVFP4_QUANTIZE_LOAD": "ring"}), traced() as launches:
+            ring = jax.block_until_ready(quantize(*operands))
+        direct = quantize(*operands)
+    assert [launch.kernel for launch in launches if "ring" in launch.kernel] != []
+    want = jitted(cpu_ops, spec)(*operands)
+    assert_same_tree(ring, want)
+    assert_same_tree(direct, want)
 
 
 @pytest.mark.parametrize("name", ["amax_rht", "amax_rht_per_row", "rht_stochastic_row_scaled"])
