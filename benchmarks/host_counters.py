@@ -5,7 +5,7 @@ shared-memory wavefronts against the fewest (bank conflicts), and the code index
 
 One bf16 N(0, 1) tensor of whole 64 x 256 tiles per spec, on the sm_90 and sm_100a code paths and, for
 nearest rounding, the pipelined kernel (NVFP4_QUANTIZE_LOAD=ring); then the dequantize of its rowwise copy to
-each output dtype, and the grouped quantize of its rows in two groups. Needs the host model's module
+each output dtype, and the grouped quantize of its rows in two groups (both loads). Needs the host model's module
 (`NVFP4_CUDA_HOST=ON pip install .`); the tests hold these figures to budgets
 (tests/cuda/test_cuda_host_counters.py).
 
@@ -118,8 +118,9 @@ def grouped_rows(report: Report, x) -> None:
     report.add(
         "Grouped quantize (a mixture of experts' token rows, two groups), both copies from one read of the input: "
         "grouped_tiles_kernel writes the grouped (columnwise) copy and the groups' rows' rowwise copy (the rows in no "
-        "group are grouped_rows_kernel's, which reads nothing; here every row is in a group). Sectors and wavefronts "
-        "over the fewest."
+        "group are grouped_rows_kernel's, which reads nothing; here every row is in a group), its values by element "
+        "loads; grouped_ring_kernel (NVFP4_QUANTIZE_LOAD=ring) the same from bulk copies into a ring of stages. "
+        "Sectors and wavefronts over the fewest."
     )
     report.add("")
     report.add(
@@ -130,20 +131,25 @@ def grouped_rows(report: Report, x) -> None:
     rows, cols = x.shape
     sizes = np.array([[rows // 3, rows - rows // 3]], np.int32)
     blocks = cols * (-(-rows // 16) + sizes.shape[1] - 1)  # the grouped copy's 1x16 blocks
-    _, launches = grouped_quantize_launches(x[None], sizes, QuantizeSpec(columnwise=True))
-    (launch,) = [k for k in launches if "grouped_tiles_kernel" in k.kernel]
-    loads = launch.select("global", "load")
-    stores = launch.select("global", "store")
-    # The copies' stores told apart by their bytes: the grouped copy's are its blocks' (8 code bytes, a scale).
-    grouped_codes = [s for s in stores if s.size == 8 and s.bytes == 8 * blocks]
-    grouped_scales = [s for s in stores if s.size == 1 and s.bytes == blocks]
-    row_codes = [s for s in stores if s.size == 8 and s not in grouped_codes]
-    row_scales = [s for s in stores if s.size == 1 and s not in grouped_scales]
-    report.add(
-        f"| grouped_tiles_kernel | {Launch.total(loads).bytes / x.nbytes:.2f} | {ratio(loads)} | {ratio(row_codes)} "
-        f"| {ratio(row_scales)} | {ratio(grouped_codes)} | {ratio(grouped_scales)} "
-        f"| {ratio(launch.select('shared'))} |"
-    )
+    for kernel, load in (("grouped_tiles_kernel", "direct"), ("grouped_ring_kernel", "ring")):
+        os.environ["NVFP4_QUANTIZE_LOAD"] = load
+        try:
+            _, launches = grouped_quantize_launches(x[None], sizes, QuantizeSpec(columnwise=True))
+        finally:
+            os.environ.pop("NVFP4_QUANTIZE_LOAD", None)
+        (launch,) = [k for k in launches if kernel in k.kernel]
+        loads = launch.select("global", "load")
+        stores = launch.select("global", "store")
+        # The copies' stores told apart by their bytes: the grouped copy's are its blocks' (8 code bytes, a scale).
+        grouped_codes = [s for s in stores if s.size == 8 and s.bytes == 8 * blocks]
+        grouped_scales = [s for s in stores if s.size == 1 and s.bytes == blocks]
+        row_codes = [s for s in stores if s.size == 8 and s not in grouped_codes]
+        row_scales = [s for s in stores if s.size == 1 and s not in grouped_scales]
+        report.add(
+            f"| {kernel} | {Launch.total(loads).bytes / x.nbytes:.2f} | {ratio(loads)} | {ratio(row_codes)} "
+            f"| {ratio(row_scales)} | {ratio(grouped_codes)} | {ratio(grouped_scales)} "
+            f"| {ratio(launch.select('shared'))} |"
+        )
 
 
 def main() -> None:
