@@ -206,6 +206,20 @@ def test_the_ring_kernel_gives_the_direct_kernels_bytes(name, sizes, sm, seed):
     assert_same_tree(direct, want)
 
 
+def test_the_ring_needs_rows_of_whole_16_byte_chunks():
+    """NVFP4_QUANTIZE_LOAD=ring on rows of 300 bfloat16 values (600 bytes, not whole 16-byte chunks: no bulk
+    copy fits them) runs the direct kernel, with the CPU kernel's bytes."""
+    spec, dtype, shape = CASES["4over6_mse_fast_256"]
+    x = values(shape, dtype, np.random.default_rng(3), SIZES)
+    finite = np.where(np.isfinite(x), x, 0).astype(x.dtype)
+    operands = (x, SIZES, *jitted(cuda_host, AmaxFlags(False, False))(finite, SIZES), ROW_SEED, GROUP_SEEDS)
+    with mock.patch.dict(os.environ, {"NVFP4_QUANTIZE_LOAD": "ring"}), traced() as launches:
+        got = jax.block_until_ready(jitted(cuda_host, spec)(*operands))
+    assert [launch.kernel for launch in launches if "grouped_ring_kernel" in launch.kernel] == []
+    assert [launch.kernel for launch in launches if "grouped_tiles_kernel" in launch.kernel] != []
+    assert_same_tree(got, jitted(cpu_ops, spec)(*operands))
+
+
 @pytest.mark.parametrize("name", ["amax_rht", "amax_rht_per_row", "rht_stochastic_row_scaled"])
 def test_grouped_negative_and_huge_sizes(name):
     """Sizes the reference clamps: a negative one counts as 0, and a running sum past int32 saturates at M."""
