@@ -12,8 +12,11 @@ using Mbarrier = host::Mbarrier;
 // The host model names the caller's line in its errors.
 #define NVFP4_CALLER , const char *file = __builtin_FILE(), int line = __builtin_LINE()
 #define NVFP4_CALLER_SITE ::nvfp4::host::caller_site(file, line)
+#define NVFP4_CALLER_ARGS \
+  , file, line  // passes the caller's site on to another NVFP4_CALLER function
 #else
 #define NVFP4_CALLER
+#define NVFP4_CALLER_ARGS
 struct alignas(8) Mbarrier {
   uint64_t state;
 };
@@ -74,6 +77,22 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       "l"(src), "r"(bytes), "r"(shared_address(bar))
       : "memory");
 #endif
+}
+
+// Copies `rows` rows of `bytes` each (multiples of 16, 16-byte aligned), row r from
+// src + r * src_stride to dst + r * dst_stride (elements), completing on bar, whose arrival (lane
+// 0's) announces their bytes; first orders the block's earlier reads of dst before the copies.
+// Every lane of one warp calls, after a block barrier that follows those reads.
+template <typename T>
+__device__ __forceinline__ void warp_bulk_load_rows(T* dst, int64_t dst_stride, const T* src,
+                                                    int64_t src_stride, uint32_t rows,
+                                                    uint32_t bytes, Mbarrier* bar NVFP4_CALLER) {
+  const uint32_t lane = threadIdx.x % 32;
+  if (lane == 0) mbarrier_arrive_expect_tx(bar, rows * bytes NVFP4_CALLER_ARGS);
+  __syncwarp();
+  fence_proxy_async();
+  for (uint32_t r = lane; r < rows; r += 32)
+    bulk_load(dst + r * dst_stride, src + r * src_stride, bytes, bar NVFP4_CALLER_ARGS);
 }
 
 // Returns once the phase of parity `parity` of bar has completed (its arrivals and bytes).

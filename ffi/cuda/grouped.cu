@@ -390,7 +390,7 @@ __device__ __forceinline__ void store_row_block(const Params& p, bool ok, int64_
 
 // The rowwise 1x16 block k of row m of entry b from its values u, where `ok` (every thread of the
 // CUDA block calls).
-template <typename L, Mode kMode>
+template <Mode kMode>
 __device__ __forceinline__ void quantize_row_values(const Params& p, bool ok, int64_t b, int64_t m,
                                                     int64_t k, const float (&u)[kBlock]) {
   const int64_t row = b * p.rows + m;
@@ -429,7 +429,7 @@ __device__ __forceinline__ void quantize_tile_rows(const Params& p, float (*valu
     const uint4 w = NVFP4_LDS_IF(ok, at, (uint4{0, 0, 0, 0}));
     __builtin_memcpy(u + 4 * q, &w, sizeof(w));
   }
-  quantize_row_values<L, kMode>(p, ok, b, m, k, u);
+  quantize_row_values<kMode>(p, ok, b, m, k, u);
   __syncthreads();  // the values' next writes wait for these reads
 }
 
@@ -531,12 +531,9 @@ __device__ __forceinline__ void load_step(const typename L::T* xb, const Params&
     rows = (o.hi < m0 + kBlock ? o.hi - m0 : kBlock) - first;
     bytes = (p.cols - n0 < kThreads ? p.cols - n0 : kThreads) * int64_t(sizeof(typename L::T));
   }
-  if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&ring.full[s], uint32_t(rows * bytes));
-  __syncwarp();
-  fence_proxy_async();  // the block read this stage last (before the barrier that led here)
-  for (int64_t r = threadIdx.x; r < rows; r += 32)
-    bulk_load(&ring.stage[s][first + r][0], xb + (m0 + first + r) * p.cols + n0, uint32_t(bytes),
-              &ring.full[s]);
+  // The block read this stage last, before the barrier that led here.
+  warp_bulk_load_rows(&ring.stage[s][first][0], kThreads, xb + (m0 + first) * p.cols + n0, p.cols,
+                      uint32_t(rows), uint32_t(bytes), &ring.full[s]);
 }
 
 // The rowwise values of block kk of row r of a stage: a block's 16-byte chunks, each read where
@@ -617,7 +614,7 @@ __global__ void __launch_bounds__(kThreads)
         const bool ok = m >= o.lo && m < o.hi && k_row < num_blocks(p.cols);
         float u[kBlock];
         stage_row_values<L>(rows, r, kk, ok, n0, p.cols, u);
-        quantize_row_values<L, kMode>(p, ok, b, m, k_row, u);
+        quantize_row_values<kMode>(p, ok, b, m, k_row, u);
       }
       if (n < p.cols) scale = encode_column<L, kMode>(p, o, b, m0, n, v, words);
     }
@@ -630,59 +627,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The 16 values of a block at src, whole and 16-byte aligned, by 16-byte loads: a warp's load of
-// lanes a block apart touches twice the sectors its bytes fill (element loads: 16 times; the
-// loads after the first hit the L1 cache, but each is a request).
-template <typename L>
-__device__ __forceinline__ void load_block_vectors(const typename L::T* src, float (&v)[kBlock]) {
-  using T = typename L::T;
-  constexpr int kPerVector = 16 / int(sizeof(T));
-#pragma unroll
-  for (int q = 0; q < kBlock / kPerVector; ++q) {
-    const uint4 w = NVFP4_LDG(reinterpret_cast<const uint4*>(src) + q);
-    T t[kPerVector];
-    __builtin_memcpy(t, &w, sizeof(w));
-#pragma unroll
-    for (int i = 0; i < kPerVector; ++i) v[q * kPerVector + i] = L::load(t[i]);
-  }
-}
-
-// 1x16 block k of row m of entry b of the rowwise copy: quantize's, of the row's values where
-// it is before in_groups, else of zeros.
-template <typename L, Mode kMode>
-__device__ __forceinline__ void quantize_row_block(const typename L::T* x, const Params& p,
-                                                   int64_t b, int64_t m, int64_t k,
-                                                   int64_t in_groups) {
-  const QuantizeSpec& spec = p.spec;
-  const int64_t row = b * p.rows + m, n0 = k * kBlock;
-  const typename L::T* src = x + row * p.cols + n0;
-  float v[kBlock];
-  // Rows of whole 16-byte chunks from a 16-byte-aligned x: a block inside the row is aligned.
-  const bool aligned =
-      ((reinterpret_cast<uintptr_t>(x) | uintptr_t(p.cols * sizeof(*x))) & 15) == 0;
-  if (aligned && m < in_groups && n0 + kBlock <= p.cols) {
-    load_block_vectors<L>(src, v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i)
-      v[i] = L::load(NVFP4_LDG_IF(m < in_groups && n0 + i < p.cols, src + i, typename L::T{}));
-  }
-  const float amax = spec.row_scaled ? p.amax[row] : p.amax[b];
-  // Block k of row m draws Stream::row_block(k, m, b).
-  uint32_t w[4] = {0, 0, 0, 0};
-  if constexpr (kMode == Mode::kStochastic)
-    stream_of(p.seed, p.placed, p.rows).row_block(uint32_t(k), m, uint32_t(b), w);
-  uint32_t words[2];
-  const uint8_t scale = encode_block<kMode>(spec, v, spec.global_scales(amax), w, words);
-  store_row_block(p, true, row, k, scale, words);
-}
-
-// CUDA block (b, chunk): a strided share of entry b's rowwise 1x16 blocks from row `first` on:
-// the rows past the last group's end where the tile kernel takes the groups' rows (their values
-// are zeros: nothing is read), else every row.
-template <typename L, Mode kMode>
-__global__ void __launch_bounds__(kThreads)
-    grouped_rows_kernel(const typename L::T* x, Params p, int64_t chunks, bool past_groups) {
+// CUDA block (b, chunk): a strided share of entry b's rowwise 1x16 blocks of the rows past the last
+// group's end (the tile kernels take the groups' rows). Their values are zeros: nothing is read,
+// and the loader's dtype does not matter.
+template <Mode kMode>
+__global__ void __launch_bounds__(kThreads) grouped_rows_kernel(Params p, int64_t chunks) {
   const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
   __shared__ int32_t in_groups;
   if (threadIdx.x < 32) {
@@ -692,9 +641,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int64_t per_row = num_blocks(p.cols), items = p.rows * per_row;
-  const int64_t first = past_groups ? in_groups * per_row : 0;
-  for (int64_t i = first + chunk * kThreads + threadIdx.x; i < items; i += chunks * kThreads)
-    quantize_row_block<L, kMode>(x, p, b, i / per_row, i % per_row, in_groups);
+  const float zeros[kBlock] = {};
+  for (int64_t i = in_groups * per_row + chunk * kThreads + threadIdx.x; i < items;
+       i += chunks * kThreads)
+    quantize_row_values<kMode>(p, true, b, i / per_row, i % per_row, zeros);
 }
 
 // The grouped copy and the rowwise copy of the rows in groups by kernel K (one read of the input).
@@ -721,13 +671,13 @@ ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, const Pa
   // The rowwise copy of the rows in no group.
   const int64_t items = p.rows * num_blocks(p.cols);  // rowwise blocks of an entry
   if (!p.o.data || batch * items == 0) return ffi::Error::Success();
-  constexpr auto kernel = grouped_rows_kernel<L, kMode>;
+  constexpr auto kernel = grouped_rows_kernel<kMode>;
   const int64_t fill = (resident_blocks(kernel, kThreads, 0) + batch - 1) / batch;
   const int64_t chunk_count =
       std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1,
                           std::max<int64_t>(1, std::min(fill, INT32_MAX / batch)));
-  return launch<kernel>("grouped quantize", unsigned(batch * chunk_count), kThreads, 0, stream, x,
-                        p, chunk_count, true);
+  return launch<kernel>("grouped quantize", unsigned(batch * chunk_count), kThreads, 0, stream, p,
+                        chunk_count);
 }
 
 ffi::Error grouped_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sizes,

@@ -28,9 +28,6 @@
 // word (e2m1_lut.cuh), adding random byte and sign two a word: no table;
 // 4over6 decides each chunk in registers (four_over_six.cuh), its 1x16 candidates' rounded values
 // from the float16 classes of their products; row-scaled copies take per-row global scales.
-#include <cstdlib>
-#include <string_view>
-
 #include "cuda/async_copy.cuh"
 #include "cuda/common.cuh"
 #include "cuda/e2m1_lut.cuh"
@@ -1090,12 +1087,9 @@ __device__ __forceinline__ void load_stage(const typename L::T* x, const Params&
   const uint32_t m0 = t.tr * kTileRows, n0 = t.tc * kTileCols;
   const uint32_t nrows = min(uint32_t(kTileRows), rows - m0);
   const uint32_t bytes = min(uint32_t(kTileCols), cols - n0) * uint32_t(sizeof(typename L::T));
-  if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&sh.full[s], nrows * bytes);
-  __syncwarp();
-  fence_proxy_async();  // the block read this stage last (before the barrier that led here)
-  for (uint32_t r = threadIdx.x; r < nrows; r += 32)
-    bulk_load(stage + r * kTileCols, x + (uint64_t(t.b) * rows + m0 + r) * cols + n0, bytes,
-              &sh.full[s]);
+  // The block read this stage last, before the barrier that led here.
+  warp_bulk_load_rows(stage, kTileCols, x + (uint64_t(t.b) * rows + m0) * cols + n0, cols, nrows,
+                      bytes, &sh.full[s]);
 }
 
 // The block's static code tables (every thread of the block calls; a barrier before they are read).
