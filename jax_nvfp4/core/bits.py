@@ -7,6 +7,13 @@ scaled by a huge encode scale, a tiny negative product whose sign picks code 8).
 These helpers compute round-to-nearest-even results with integer ops only, so
 the reference gives the same bits on every backend as the C++/CUDA kernels,
 which run with subnormals preserved.
+
+Their integer ops are ``lax`` calls on operands of one dtype (numpy scalar
+constants), not jax.numpy's operators: those are jitted functions whose every
+call takes ``jit``'s Python path while tracing (about 95 us an equation
+against 35), and these helpers are much of the reference's thousands of
+equations. The program is the one the operators gave, op for op (checked when
+they changed: the StableHLO of 50 reference programs, byte for byte).
 """
 
 from __future__ import annotations
@@ -22,6 +29,21 @@ MAG = np.uint32(0x7FFFFFFF)
 INF = np.uint32(0x7F800000)
 NAN = np.uint32(0x7FC00000)
 FLT_MAX = np.uint32(0x7F7FFFFF)
+ONE = np.uint32(1)
+
+# Integer ops on traced arrays (see the module's docstring); shifts take a uint32 count.
+_and, _or, _xor, _not = lax.bitwise_and, lax.bitwise_or, lax.bitwise_xor, lax.bitwise_not
+_shr, _shl = lax.shift_right_logical, lax.shift_left
+
+
+def _c(v, dtype=np.uint32):
+    """A constant operand for lax: a numpy scalar of the other operand's dtype."""
+    return np.dtype(dtype).type(v)
+
+
+def _low_mask(count: jnp.ndarray) -> jnp.ndarray:
+    """(1 << count) - 1 of a uint32 count."""
+    return lax.sub(_shl(_c(1), count), ONE)
 
 
 def u32(v) -> jnp.ndarray:
@@ -41,12 +63,12 @@ def from_bits(u: jnp.ndarray) -> jnp.ndarray:
 
 
 def is_nan(u: jnp.ndarray) -> jnp.ndarray:
-    return (u & MAG) > INF
+    return lax.gt(_and(u, MAG), INF)
 
 
 def magnitude(u: jnp.ndarray) -> jnp.ndarray:
     """|x| bits: for non-NaN values integer order equals float order."""
-    return u & MAG
+    return _and(u, MAG)
 
 
 def canonical_nan(u: jnp.ndarray) -> jnp.ndarray:
@@ -55,92 +77,96 @@ def canonical_nan(u: jnp.ndarray) -> jnp.ndarray:
 
 def minimum(u: jnp.ndarray, limit: int) -> jnp.ndarray:
     """min(x, limit) for a positive limit; NaN passes through (as torch.min does)."""
-    return jnp.where((u > limit) & (u <= INF), u32(limit), u)  # positive, not NaN
+    return jnp.where(_and(lax.gt(u, _c(limit)), lax.le(u, INF)), u32(limit), u)  # positive, not NaN
 
 
 def clamp_magnitude(u: jnp.ndarray, limit: int) -> jnp.ndarray:
     """clamp(x, -limit, limit); NaN passes through."""
-    return jnp.where(~is_nan(u) & (magnitude(u) > limit), u32(limit) | (u & SIGN), u)
+    return jnp.where(_and(_not(is_nan(u)), lax.gt(magnitude(u), _c(limit))), _or(u32(limit), _and(u, SIGN)), u)
 
 
 def _unpack(u: jnp.ndarray):
     """(exponent, significand) of |u| with value = sig * 2**(exp - 23), sig in [2^23, 2^24)."""
-    field = ((u >> 23) & 0xFF).astype(jnp.int32)
-    sig = (u & 0x7FFFFF) | jnp.where(field == 0, u32(0), u32(0x800000))
+    field = lax.convert_element_type(_and(_shr(u, _c(23)), _c(0xFF)), jnp.int32)
+    sig = _or(_and(u, _c(0x7FFFFF)), jnp.where(lax.eq(field, _c(0, np.int32)), u32(0), u32(0x800000)))
     # Subnormals: shift the leading one up to bit 23 (a normal's is there: no shift).
-    shift = lax.clz(sig | 1) - 8
-    exp = jnp.maximum(field, 1) - 127 - shift.astype(jnp.int32)
-    return exp, sig << shift
+    shift = lax.sub(lax.clz(_or(sig, ONE)), _c(8))
+    exp = lax.sub(lax.sub(jnp.maximum(field, 1), _c(127, np.int32)), lax.convert_element_type(shift, jnp.int32))
+    return exp, _shl(sig, shift)
 
 
 def _round_pack(sign, exp, sig26, sticky):
     """Round value = sig26 * 2**(exp - 25) (bit 25 of sig26 set) to float32 bits, RNE."""
-    biased = exp + 127
+    biased = lax.add(exp, _c(127, np.int32))
     # Bits to drop: 2 for a normal result, more for a subnormal one.
-    drop = jnp.clip(3 - biased, 2, 31).astype(U32)
-    kept = sig26 >> drop
-    rem = sig26 & ((u32(1) << drop) - 1)
-    half = u32(1) << (drop - 1)
-    up = (rem > half) | ((rem == half) & (sticky | ((kept & 1) == 1)))
+    drop = lax.convert_element_type(jnp.clip(lax.sub(_c(3, np.int32), biased), 2, 31), U32)
+    kept = _shr(sig26, drop)
+    rem = _and(sig26, _low_mask(drop))
+    half = _shl(_c(1), lax.sub(drop, ONE))
+    up = _or(lax.gt(rem, half), _and(lax.eq(rem, half), _or(sticky, lax.eq(_and(kept, ONE), ONE))))
     # A normal result's kept has bit 23 set, which adds one to the exponent field below it (a rounding carry into
     # bit 24, one more); a subnormal's is the field itself (one that rounds up to 2^-126 is exactly its bits).
     # The shifted field fits in 32 bits while biased < 512: a float32 product or quotient (div_by's too, by any
     # float32 constant) reaches biased 404 at most; what lies past 254 becomes inf below.
-    packed = (jnp.maximum(biased, 1) - 1).astype(U32) << 23
-    packed = packed + kept + up.astype(U32)
-    return sign | jnp.minimum(packed, u32(INF))
+    packed = _shl(lax.convert_element_type(lax.sub(jnp.maximum(biased, 1), _c(1, np.int32)), U32), _c(23))
+    packed = lax.add(lax.add(packed, kept), lax.convert_element_type(up, U32))
+    return _or(sign, jnp.minimum(packed, u32(INF)))
 
 
 def mul(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     """Bits of fp32(a * b), round to nearest even, subnormals kept."""
     a, b = jnp.broadcast_arrays(u32(a), u32(b))
-    sign = (a ^ b) & SIGN
+    sign = _and(_xor(a, b), SIGN)
     ea, ma = _unpack(a)
     eb, mb = _unpack(b)
     # 24x24-bit product as 12-bit limbs: every partial product fits in 32 bits.
-    a1, a0 = ma >> 12, ma & 0xFFF
-    b1, b0 = mb >> 12, mb & 0xFFF
-    mid = a1 * b0 + a0 * b1
-    low = a0 * b0 + ((mid & 0xFFF) << 12)
-    lo = low & 0xFFFFFF
-    hi = a1 * b1 + (mid >> 12) + (low >> 24)  # product = hi * 2^24 + lo, in [2^46, 2^48)
-    top = (hi >> 23) == 1  # product >= 2^47
-    sig26 = jnp.where(top, (hi << 2) | (lo >> 22), (hi << 3) | (lo >> 21))
-    sticky = jnp.where(top, (lo & 0x3FFFFF) != 0, (lo & 0x1FFFFF) != 0)
-    exp = ea + eb + top.astype(jnp.int32)
+    a1, a0 = _shr(ma, _c(12)), _and(ma, _c(0xFFF))
+    b1, b0 = _shr(mb, _c(12)), _and(mb, _c(0xFFF))
+    mid = lax.add(lax.mul(a1, b0), lax.mul(a0, b1))
+    low = lax.add(lax.mul(a0, b0), _shl(_and(mid, _c(0xFFF)), _c(12)))
+    lo = _and(low, _c(0xFFFFFF))
+    # product = hi * 2^24 + lo, in [2^46, 2^48)
+    hi = lax.add(lax.add(lax.mul(a1, b1), _shr(mid, _c(12))), _shr(low, _c(24)))
+    top = lax.eq(_shr(hi, _c(23)), ONE)  # product >= 2^47
+    sig26 = jnp.where(top, _or(_shl(hi, _c(2)), _shr(lo, _c(22))), _or(_shl(hi, _c(3)), _shr(lo, _c(21))))
+    sticky = jnp.where(top, lax.ne(_and(lo, _c(0x3FFFFF)), _c(0)), lax.ne(_and(lo, _c(0x1FFFFF)), _c(0)))
+    exp = lax.add(lax.add(ea, eb), lax.convert_element_type(top, jnp.int32))
     out = _round_pack(sign, exp, sig26, sticky)
     a_mag, b_mag = magnitude(a), magnitude(b)
-    zero = (a_mag == 0) | (b_mag == 0)
-    inf = (a_mag == INF) | (b_mag == INF)
+    zero = _or(lax.eq(a_mag, _c(0)), lax.eq(b_mag, _c(0)))
+    inf = _or(lax.eq(a_mag, INF), lax.eq(b_mag, INF))
     out = jnp.where(zero, sign, out)
-    out = jnp.where(inf, sign | INF, out)
-    nan = is_nan(a) | is_nan(b) | (zero & inf)
+    out = jnp.where(inf, _or(sign, INF), out)
+    nan = _or(_or(is_nan(a), is_nan(b)), _and(zero, inf))
     return jnp.where(nan, u32(NAN), out)
 
 
 def div(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     """Bits of fp32(a / b), round to nearest even, subnormals kept."""
     a, b = jnp.broadcast_arrays(u32(a), u32(b))
-    sign = (a ^ b) & SIGN
+    sign = _and(_xor(a, b), SIGN)
     ea, ma = _unpack(a)
     eb, mb = _unpack(b)
     # Long division: 26 quotient bits with the leading one at bit 25, 8 + 7 + 7 + 4 of them a step, each step
     # one integer division of a remainder below 2^32 (the remainder is below mb < 2^24): a fraction of the
     # ops of a bit a step for XLA to compile.
-    below = ma < mb
-    r = jnp.where(below, ma << 1, ma)  # r / mb in [1, 2)
+    below = lax.lt(ma, mb)
+    r = jnp.where(below, _shl(ma, ONE), ma)  # r / mb in [1, 2)
     q = jnp.zeros_like(r)
     for bits in (7, 7, 7, 4):
-        r = r << bits
+        r = _shl(r, _c(bits))
         digit = r // jnp.maximum(mb, 1)  # mb is 0 only for a zero divisor, whose result is set below
-        q = (q << bits) | digit
-        r = r - digit * mb
-    exp = ea - eb - below.astype(jnp.int32)
-    out = _round_pack(sign, exp, q, r != 0)
+        q = _or(_shl(q, _c(bits)), digit)
+        r = lax.sub(r, lax.mul(digit, mb))
+    exp = lax.sub(lax.sub(ea, eb), lax.convert_element_type(below, jnp.int32))
+    out = _round_pack(sign, exp, q, lax.ne(r, _c(0)))
     a_mag, b_mag = magnitude(a), magnitude(b)
-    out = jnp.where((a_mag == 0) | (b_mag == INF), sign, out)
-    out = jnp.where((b_mag == 0) | (a_mag == INF), sign | INF, out)
-    nan = is_nan(a) | is_nan(b) | ((a_mag == 0) & (b_mag == 0)) | ((a_mag == INF) & (b_mag == INF))
+    out = jnp.where(_or(lax.eq(a_mag, _c(0)), lax.eq(b_mag, INF)), sign, out)
+    out = jnp.where(_or(lax.eq(b_mag, _c(0)), lax.eq(a_mag, INF)), _or(sign, INF), out)
+    nan = _or(
+        _or(_or(is_nan(a), is_nan(b)), _and(lax.eq(a_mag, _c(0)), lax.eq(b_mag, _c(0)))),
+        _and(lax.eq(a_mag, INF), lax.eq(b_mag, INF)),
+    )
     return jnp.where(nan, u32(NAN), out)
 
 
@@ -157,74 +183,81 @@ def div_by(a: jnp.ndarray, divisor: float) -> jnp.ndarray:
     if not (np.isfinite(d) and d > 0 and odd <= 31):
         return div(a, lax.bitcast_convert_type(jnp.asarray(d), U32))
     a = u32(a)
-    sign = a & SIGN
+    sign = _and(a, SIGN)
     ea, ma = _unpack(a)
     # a / d = (ma * 2^7 / odd) * 2^(ea - 30 - k); ma * 2^7 < 2^31, and its quotient keeps >= 26 bits.
-    q = (ma << 7) // np.uint32(odd)
-    rest = (ma << 7) - q * np.uint32(odd)
-    lead = 31 - lax.clz(q).astype(jnp.int32)  # 25 + (0 to 5)
-    sh = (lead - 25).astype(U32)
-    sticky = (rest != 0) | ((q & ((u32(1) << sh) - 1)) != 0)
-    out = _round_pack(sign, ea - 5 - k + (lead - 25), q >> sh, sticky)
+    q = _shl(ma, _c(7)) // np.uint32(odd)
+    rest = lax.sub(_shl(ma, _c(7)), lax.mul(q, np.uint32(odd)))
+    lead = lax.sub(_c(31, np.int32), lax.convert_element_type(lax.clz(q), jnp.int32))  # 25 + (0 to 5)
+    sh = lax.convert_element_type(lax.sub(lead, _c(25, np.int32)), U32)
+    sticky = _or(lax.ne(rest, _c(0)), lax.ne(_and(q, _low_mask(sh)), _c(0)))
+    exp = lax.add(lax.sub(lax.sub(ea, _c(5, np.int32)), _c(k, np.int32)), lax.sub(lead, _c(25, np.int32)))
+    out = _round_pack(sign, exp, _shr(q, sh), sticky)
     mag = magnitude(a)
-    out = jnp.where(mag == 0, sign, out)
-    out = jnp.where(mag == INF, sign | INF, out)
+    out = jnp.where(lax.eq(mag, _c(0)), sign, out)
+    out = jnp.where(lax.eq(mag, INF), _or(sign, INF), out)
     return jnp.where(is_nan(a), u32(NAN), out)
 
 
 def f32_to_bf16(u: jnp.ndarray) -> jnp.ndarray:
     """bfloat16 array from float32 bits, RNE; NaN -> canonical quiet NaN."""
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = _shr(lax.add(lax.add(u, _c(0x7FFF)), _and(_shr(u, _c(16)), ONE)), _c(16))
     r = jnp.where(is_nan(u), u32(0x7FC0), r)
-    return lax.bitcast_convert_type(r.astype(jnp.uint16), jnp.bfloat16)
+    return lax.bitcast_convert_type(lax.convert_element_type(r, jnp.uint16), jnp.bfloat16)
 
 
 def f32_to_f16(u: jnp.ndarray) -> jnp.ndarray:
     """float16 array from float32 bits, RNE with subnormals; NaN -> canonical NaN."""
-    sign = (u >> 16) & 0x8000
+    sign = _and(_shr(u, _c(16)), _c(0x8000))
     mag = magnitude(u)
-    exp = (mag >> 23).astype(jnp.int32) - 127
-    r = mag - ((127 - 15) << 23)
-    normal = (r + 0xFFF + ((r >> 13) & 1)) >> 13
-    sig = (mag & 0x7FFFFF) | 0x800000
-    shift = jnp.clip(-exp - 1, 14, 31).astype(U32)
-    q = sig >> shift
-    rem = sig & ((u32(1) << shift) - 1)
-    half = u32(1) << (shift - 1)
-    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(U32)
-    out = jnp.where(exp >= -14, normal, jnp.where(exp < -25, 0, sub))
-    out = jnp.where(mag >= 0x477FF000, u32(0x7C00), out)
-    out = sign | out
+    exp = lax.sub(lax.convert_element_type(_shr(mag, _c(23)), jnp.int32), _c(127, np.int32))
+    r = lax.sub(mag, _c((127 - 15) << 23))
+    normal = _shr(lax.add(lax.add(r, _c(0xFFF)), _and(_shr(r, _c(13)), ONE)), _c(13))
+    sig = _or(_and(mag, _c(0x7FFFFF)), _c(0x800000))
+    shift = lax.convert_element_type(jnp.clip(lax.sub(lax.neg(exp), _c(1, np.int32)), 14, 31), U32)
+    q = _shr(sig, shift)
+    rem = _and(sig, _low_mask(shift))
+    half = _shl(_c(1), lax.sub(shift, ONE))
+    sub = lax.add(
+        q, lax.convert_element_type(_or(lax.gt(rem, half), _and(lax.eq(rem, half), lax.eq(_and(q, ONE), ONE))), U32)
+    )
+    out = jnp.where(lax.ge(exp, _c(-14, np.int32)), normal, jnp.where(lax.lt(exp, _c(-25, np.int32)), 0, sub))
+    out = jnp.where(lax.ge(mag, _c(0x477FF000)), u32(0x7C00), out)
+    out = _or(sign, out)
     out = jnp.where(is_nan(u), u32(0x7E00), out)
-    return lax.bitcast_convert_type(out.astype(jnp.uint16), jnp.float16)
+    return lax.bitcast_convert_type(lax.convert_element_type(out, jnp.uint16), jnp.float16)
 
 
 def add(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     """Bits of fp32(a + b), round to nearest even, subnormals kept."""
     a, b = jnp.broadcast_arrays(u32(a), u32(b))
     # Order by magnitude: |a| >= |b|; the result takes a's sign unless it is an exact zero.
-    swap = magnitude(b) > magnitude(a)
+    swap = lax.gt(magnitude(b), magnitude(a))
     a, b = jnp.where(swap, b, a), jnp.where(swap, a, b)
     a_mag, b_mag = magnitude(a), magnitude(b)
-    sign = a & SIGN
+    sign = _and(a, SIGN)
     ea, ma = _unpack(a)
     eb, mb = _unpack(b)
     # Three guard bits; b's bits shifted out beyond them fold into a sticky bit 0.
-    a3, b3 = ma << 3, mb << 3
-    d = jnp.clip(ea - eb, 0, 31).astype(U32)
-    shifted = jnp.where(d >= 27, 0, b3 >> d)
-    lost = jnp.where(d >= 27, b3 != 0, (b3 & ((u32(1) << d) - 1)) != 0)
-    b3 = shifted | lost.astype(U32)
-    subtract = ((a ^ b) & SIGN) != 0
-    s = jnp.where(subtract, a3 - b3, a3 + b3)  # value s * 2^(ea - 26)
+    a3, b3 = _shl(ma, _c(3)), _shl(mb, _c(3))
+    d = lax.convert_element_type(jnp.clip(lax.sub(ea, eb), 0, 31), U32)
+    shifted = jnp.where(lax.ge(d, _c(27)), 0, _shr(b3, d))
+    lost = jnp.where(lax.ge(d, _c(27)), lax.ne(b3, _c(0)), lax.ne(_and(b3, _low_mask(d)), _c(0)))
+    b3 = _or(shifted, lax.convert_element_type(lost, U32))
+    subtract = lax.ne(_and(_xor(a, b), SIGN), _c(0))
+    s = jnp.where(subtract, lax.sub(a3, b3), lax.add(a3, b3))  # value s * 2^(ea - 26)
     # Normalize the leading one to bit 25 (the sig26 of _round_pack), keeping a sticky bit.
-    lead = 31 - lax.clz(s | 1).astype(jnp.int32)
-    sh = lead - 25
-    right = jnp.clip(sh, 0, 31).astype(U32)
-    sticky = (s & ((u32(1) << right) - 1)) != 0
-    sig26 = jnp.where(sh >= 0, s >> right, s << jnp.clip(-sh, 0, 31).astype(U32))
-    out = _round_pack(sign, ea - 1 + sh, sig26, sticky)
-    out = jnp.where(s == 0, u32(0), out)  # x - x = +0
-    out = jnp.where(b_mag == 0, jnp.where(a_mag == 0, a & b, a), out)  # -0 + -0 = -0, else +0
-    out = jnp.where(a_mag == INF, jnp.where(subtract & (b_mag == INF), u32(NAN), a), out)
-    return jnp.where(is_nan(a) | is_nan(b), u32(NAN), out)
+    lead = lax.sub(_c(31, np.int32), lax.convert_element_type(lax.clz(_or(s, ONE)), jnp.int32))
+    sh = lax.sub(lead, _c(25, np.int32))
+    right = lax.convert_element_type(jnp.clip(sh, 0, 31), U32)
+    sticky = lax.ne(_and(s, _low_mask(right)), _c(0))
+    sig26 = jnp.where(
+        lax.ge(sh, _c(0, np.int32)),
+        _shr(s, right),
+        _shl(s, lax.convert_element_type(jnp.clip(lax.neg(sh), 0, 31), U32)),
+    )
+    out = _round_pack(sign, lax.add(lax.sub(ea, _c(1, np.int32)), sh), sig26, sticky)
+    out = jnp.where(lax.eq(s, _c(0)), u32(0), out)  # x - x = +0
+    out = jnp.where(lax.eq(b_mag, _c(0)), jnp.where(lax.eq(a_mag, _c(0)), _and(a, b), a), out)  # -0 + -0 = -0
+    out = jnp.where(lax.eq(a_mag, INF), jnp.where(_and(subtract, lax.eq(b_mag, INF)), u32(NAN), a), out)
+    return jnp.where(_or(is_nan(a), is_nan(b)), u32(NAN), out)
