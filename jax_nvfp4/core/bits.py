@@ -43,7 +43,7 @@ def _c(v, dtype=np.uint32):
 
 def _low_mask(count: jnp.ndarray) -> jnp.ndarray:
     """(1 << count) - 1 of a uint32 count."""
-    return lax.sub(_shl(_c(1), count), ONE)
+    return lax.sub(_shl(ONE, count), ONE)
 
 
 def u32(v) -> jnp.ndarray:
@@ -102,7 +102,7 @@ def _round_pack(sign, exp, sig26, sticky):
     drop = lax.convert_element_type(jnp.clip(lax.sub(_c(3, np.int32), biased), 2, 31), U32)
     kept = _shr(sig26, drop)
     rem = _and(sig26, _low_mask(drop))
-    half = _shl(_c(1), lax.sub(drop, ONE))
+    half = _shl(ONE, lax.sub(drop, ONE))
     up = _or(lax.gt(rem, half), _and(lax.eq(rem, half), _or(sticky, lax.eq(_and(kept, ONE), ONE))))
     # A normal result's kept has bit 23 set, which adds one to the exponent field below it (a rounding carry into
     # bit 24, one more); a subnormal's is the field itself (one that rounds up to 2^-126 is exactly its bits).
@@ -217,7 +217,7 @@ def f32_to_f16(u: jnp.ndarray) -> jnp.ndarray:
     shift = lax.convert_element_type(jnp.clip(lax.sub(lax.neg(exp), _c(1, np.int32)), 14, 31), U32)
     q = _shr(sig, shift)
     rem = _and(sig, _low_mask(shift))
-    half = _shl(_c(1), lax.sub(shift, ONE))
+    half = _shl(ONE, lax.sub(shift, ONE))
     sub = lax.add(
         q, lax.convert_element_type(_or(lax.gt(rem, half), _and(lax.eq(rem, half), lax.eq(_and(q, ONE), ONE))), U32)
     )
