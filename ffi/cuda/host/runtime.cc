@@ -104,6 +104,9 @@ struct Fiber {
   // Its mbarrier wait while in State::kMbarrier.
   Mbarrier* mbar = nullptr;
   uint32_t parity = 0;
+  // Suspended where its thread function returned (exit_thread): the next block resumes it, and
+  // it runs the thread function again on the same stack (and, under ASan, the same fake stack).
+  bool parked = false;
 #if defined(NVFP4_HOST_ASAN)
   void* fake_stack = nullptr;
 #endif
@@ -150,6 +153,12 @@ class Block {
 #endif
   }
   ~Block() {
+#if defined(NVFP4_HOST_ASAN)
+    // A parked fiber's fake stack is ASan's to free, from the fiber's last switch (leave).
+    finishing_ = true;
+    for (int t = 0; t < count_; ++t)
+      if (fibers_[t].parked) switch_to(t);
+#endif
     for (Fiber& f : fibers_) {
 #if defined(NVFP4_HOST_ASAN)
       ASAN_UNPOISON_MEMORY_REGION(f.stack,
@@ -170,7 +179,8 @@ class Block {
     std::fill(exited_.begin(), exited_.end(), 0u);
     for (Fiber& f : fibers_) {
       f.state = State::kRunnable;
-      make_context(f.context, f.stack, kStackBytes, &Block::entry);
+      if (!f.parked) make_context(f.context, f.stack, kStackBytes, &Block::entry);
+      f.parked = false;  // a parked one resumes in exit_thread
     }
     current_ = -1;
     failed_ = false;
@@ -323,16 +333,18 @@ class Block {
     return me.result;
   }
 
+  // The current thread's function returned: its fiber parks until the next block resumes it (or,
+  // under ASan, the block's destructor, to end it).
   void exit_thread() {
-    fibers_[current_].state = State::kExited;
+    Fiber& me = fibers_[current_];
+    me.state = State::kExited;
+    me.parked = true;
     exited_[current_ / kWarpSize] |= 1u << (current_ % kWarpSize);
     ++exited_count_;
+    switch_to(next_runnable(current_));
 #if defined(NVFP4_HOST_ASAN)
-    // Its frames are never popped, so their redzones are unpoisoned here (the next block's fiber
-    // reuses the stack).
-    __asan_handle_no_return();
+    if (finishing_) leave(-1);
 #endif
-    leave(next_runnable(current_));
   }
 
   // Thread t did what a GPU would hang or corrupt on: the launch fails with this message (the
@@ -357,13 +369,17 @@ class Block {
  private:
   static constexpr size_t kGuard = 4096;
 
+  // A fiber's life: the thread function of each block the worker runs (exit_thread parks it in
+  // between), until the block fails or is destroyed.
   static void entry() {
     Block* b = active();
 #if defined(NVFP4_HOST_ASAN)
     __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
-    b->thread_();
-    b->exit_thread();
+    for (;;) {
+      b->thread_();
+      b->exit_thread();
+    }
   }
 
   // Sets the built-in variables for thread t, about to run.
@@ -474,8 +490,8 @@ class Block {
     if (from >= 0) enter(from);  // resumed
   }
 
-  // The current fiber ends (it exited or failed) and `to` runs (the worker when `to` < 0); its
-  // state goes to discarded_, never resumed. Does not return.
+  // The current fiber ends (it failed, or ~Block ends a parked one) and `to` runs (the worker when
+  // `to` < 0); its state goes to discarded_, never resumed. Does not return.
   void leave(int to) {
 #if defined(NVFP4_HOST_ASAN)
     start_switch(nullptr, to);  // ASan frees this fiber's fake stack
@@ -615,6 +631,7 @@ class Block {
   std::vector<std::vector<std::pair<const Mbarrier*, uint32_t>>> seen_;
   bool failed_ = false;
 #if defined(NVFP4_HOST_ASAN)
+  bool finishing_ = false;  // ~Block resumes the parked fibers only to end them
   void* main_fake_stack_ = nullptr;
   void* main_stack_ = nullptr;
   size_t main_stack_size_ = 0;
