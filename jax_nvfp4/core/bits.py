@@ -258,6 +258,7 @@ def add(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     )
     out = _round_pack(sign, lax.add(lax.sub(ea, _c(1, np.int32)), sh), sig26, sticky)
     out = jnp.where(lax.eq(s, _c(0)), u32(0), out)  # x - x = +0
-    out = jnp.where(lax.eq(b_mag, _c(0)), jnp.where(lax.eq(a_mag, _c(0)), _and(a, b), a), out)  # -0 + -0 = -0
+    # -0 + -0 = -0, else +0
+    out = jnp.where(lax.eq(b_mag, _c(0)), jnp.where(lax.eq(a_mag, _c(0)), _and(a, b), a), out)
     out = jnp.where(lax.eq(a_mag, INF), jnp.where(_and(subtract, lax.eq(b_mag, INF)), u32(NAN), a), out)
     return jnp.where(_or(is_nan(a), is_nan(b)), u32(NAN), out)

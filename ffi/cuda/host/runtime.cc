@@ -65,6 +65,9 @@ constexpr size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames large
 constexpr size_t kStackBytes = 128 * 1024;
 #endif
 
+// kExited: the thread function returned and the fiber is parked there (exit_thread): the next
+// block resumes it, and it runs the thread function again on the same stack (and, under ASan, the
+// same fake stack).
 enum class State { kRunnable, kBarrier, kWarp, kMbarrier, kExited };
 
 const char* op_name(WarpOp op) {
@@ -104,9 +107,6 @@ struct Fiber {
   // Its mbarrier wait while in State::kMbarrier.
   Mbarrier* mbar = nullptr;
   uint32_t parity = 0;
-  // Suspended where its thread function returned (exit_thread): the next block resumes it, and
-  // it runs the thread function again on the same stack (and, under ASan, the same fake stack).
-  bool parked = false;
 #if defined(NVFP4_HOST_ASAN)
   void* fake_stack = nullptr;
 #endif
@@ -157,7 +157,7 @@ class Block {
     // A parked fiber's fake stack is ASan's to free, from the fiber's last switch (leave).
     finishing_ = true;
     for (int t = 0; t < count_; ++t)
-      if (fibers_[t].parked) switch_to(t);
+      if (fibers_[t].state == State::kExited) switch_to(t);
 #endif
     for (Fiber& f : fibers_) {
 #if defined(NVFP4_HOST_ASAN)
@@ -178,9 +178,9 @@ class Block {
     std::fill(arrived_.begin(), arrived_.end(), 0u);
     std::fill(exited_.begin(), exited_.end(), 0u);
     for (Fiber& f : fibers_) {
+      if (f.state != State::kExited)  // a parked one resumes in exit_thread
+        make_context(f.context, f.stack, kStackBytes, &Block::entry);
       f.state = State::kRunnable;
-      if (!f.parked) make_context(f.context, f.stack, kStackBytes, &Block::entry);
-      f.parked = false;  // a parked one resumes in exit_thread
     }
     current_ = -1;
     failed_ = false;
@@ -336,9 +336,7 @@ class Block {
   // The current thread's function returned: its fiber parks until the next block resumes it (or,
   // under ASan, the block's destructor, to end it).
   void exit_thread() {
-    Fiber& me = fibers_[current_];
-    me.state = State::kExited;
-    me.parked = true;
+    fibers_[current_].state = State::kExited;
     exited_[current_ / kWarpSize] |= 1u << (current_ % kWarpSize);
     ++exited_count_;
     switch_to(next_runnable(current_));
