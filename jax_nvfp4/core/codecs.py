@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_nvfp4.core import bits as b
+
+# lax calls on one dtype, numpy scalar constants (see core/bits.py's docstring).
+_and, _or, _shr, _shl = lax.bitwise_and, lax.bitwise_or, lax.shift_right_logical, lax.shift_left
+_u32 = np.uint32
 
 # E2M1 decision thresholds (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5); `True` where a
 # value equal to the threshold rounds up (ties to even).
@@ -31,12 +36,18 @@ def e2m1_encode(u: jnp.ndarray) -> jnp.ndarray:
     -0.0 gives 0, negative values that round to zero give 8, NaN gives 0.
     """
     mag = b.magnitude(u)
-    code = jnp.zeros(u.shape, jnp.uint8)
+    code = lax.full(u.shape, 0, jnp.uint8)
     for threshold, inclusive in _E2M1_STEPS:
-        code = code + (mag >= threshold if inclusive else mag > threshold).astype(jnp.uint8)
-    negative = ((u >> 31) == 1) & (mag != 0)
-    code = jnp.where(negative, code | 8, code)
-    return jnp.where(b.is_nan(u), jnp.uint8(0), code)
+        above = (lax.ge if inclusive else lax.gt)(mag, _u32(threshold))
+        code = lax.add(code, lax.convert_element_type(above, jnp.uint8))
+    code = b.where(_negative(u, mag), _or(code, np.uint8(8)), code)
+    return b.where(b.is_nan(u), np.uint8(0), code)
+
+
+def _negative(u: jnp.ndarray, mag: jnp.ndarray) -> jnp.ndarray:
+    """Whether float32 bits ``u`` (magnitude bits ``mag``) are a negative value other than -0.0: its code takes
+    the sign bit even where the value rounds to zero."""
+    return _and(lax.eq(_shr(u, _u32(31)), _u32(1)), lax.ne(mag, _u32(0)))
 
 
 def e2m1_decode(code: jnp.ndarray) -> jnp.ndarray:
@@ -46,31 +57,32 @@ def e2m1_decode(code: jnp.ndarray) -> jnp.ndarray:
 
 def e4m3_encode(u: jnp.ndarray) -> jnp.ndarray:
     """E4M3 code of float32 bits already clamped to +-448, RNE; NaN -> 0xFF."""
-    sign = ((u >> 24) & 0x80).astype(jnp.uint8)
+    sign = lax.convert_element_type(_and(_shr(u, _u32(24)), _u32(0x80)), jnp.uint8)
     mag = b.magnitude(u)
-    exp = (mag >> 23).astype(jnp.int32) - 127
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-    sig = (mag & 0x7FFFFF) | 0x800000
-    shift = jnp.clip(14 - exp, 21, 31).astype(jnp.uint32)
-    q = sig >> shift
-    rem = sig & ((b.u32(1) << shift) - 1)
-    half = b.u32(1) << (shift - 1)
-    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.uint32)
-    code = jnp.where(exp >= -6, normal, jnp.where(exp < -11, 0, sub))
-    code = sign | code.astype(jnp.uint8)
-    return jnp.where(b.is_nan(u), jnp.uint8(0xFF), code)
+    exp = lax.sub(lax.convert_element_type(_shr(mag, _u32(23)), jnp.int32), np.int32(127))
+    normal = lax.sub(
+        _shr(lax.add(lax.add(mag, _u32(0x7FFFF)), _and(_shr(mag, _u32(20)), _u32(1))), _u32(20)), _u32(120 << 3)
+    )
+    sig = _or(_and(mag, _u32(0x7FFFFF)), _u32(0x800000))
+    q, up = b.shift_round(sig, lax.convert_element_type(b.clip(lax.sub(np.int32(14), exp), 21, 31), jnp.uint32))
+    sub = lax.add(q, lax.convert_element_type(up, jnp.uint32))
+    code = b.where(lax.ge(exp, np.int32(-6)), normal, b.where(lax.lt(exp, np.int32(-11)), _u32(0), sub))
+    code = _or(sign, lax.convert_element_type(code, jnp.uint8))
+    return b.where(b.is_nan(u), np.uint8(0xFF), code)
 
 
 def e4m3_decode(code: jnp.ndarray) -> jnp.ndarray:
     """float32 bits of E4M3 codes (uint8)."""
-    c = code.astype(jnp.uint32)
-    sign = (c & 0x80) << 24
-    exp = (c >> 3) & 0xF
-    mant = c & 0x7
-    normal = ((exp + 120) << 23) | (mant << 20)
+    c = lax.convert_element_type(code, jnp.uint32)
+    sign = _shl(_and(c, _u32(0x80)), _u32(24))
+    exp = _and(_shr(c, _u32(3)), _u32(0xF))
+    mant = _and(c, _u32(0x7))
+    normal = _or(_shl(lax.add(exp, _u32(120)), _u32(23)), _shl(mant, _u32(20)))
     # Subnormal: mant * 2^-9 is a float32 normal with the leading one of mant on top.
-    lead = jnp.where(mant >= 4, 2, jnp.where(mant >= 2, 1, 0)).astype(jnp.uint32)
-    sub = ((lead + 118) << 23) | (((mant << (3 - lead)) & 0x7) << 20)
-    out = jnp.where(exp == 0, jnp.where(mant == 0, 0, sub), normal)
-    out = sign | out
-    return jnp.where((c & 0x7F) == 0x7F, b.u32(b.NAN) | sign, out)
+    lead = b.where(lax.ge(mant, _u32(4)), _u32(2), b.where(lax.ge(mant, _u32(2)), _u32(1), _u32(0)))
+    sub = _or(
+        _shl(lax.add(lead, _u32(118)), _u32(23)), _shl(_and(_shl(mant, lax.sub(_u32(3), lead)), _u32(0x7)), _u32(20))
+    )
+    out = b.where(lax.eq(exp, _u32(0)), b.where(lax.eq(mant, _u32(0)), _u32(0), sub), normal)
+    out = _or(sign, out)
+    return b.where(lax.eq(_and(c, _u32(0x7F)), _u32(0x7F)), _or(b.NAN, sign), out)

@@ -29,6 +29,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.formats import BLOCK
@@ -38,16 +40,22 @@ PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 PHILOX_ROUNDS = 10
 
+# The hash and the encode as lax calls on uint32 operands (numpy scalar constants), not jax.numpy's operators,
+# whose every call takes jit's Python path while tracing (core/bits.py).
+_and, _xor, _shr, _shl = lax.bitwise_and, lax.bitwise_xor, lax.shift_right_logical, lax.shift_left
+_U16 = np.uint32(16)
+_LOW16 = np.uint32(0xFFFF)
+
 
 def _mulhilo(a: int, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``x``, in 16-bit halves (no uint64)."""
-    a_lo, a_hi = a & 0xFFFF, a >> 16
-    x_lo, x_hi = x & 0xFFFF, x >> 16
-    low = x_lo * jnp.uint32(a_lo)
-    m1, m2 = x_lo * jnp.uint32(a_hi), x_hi * jnp.uint32(a_lo)
-    mid = (low >> 16) + (m1 & 0xFFFF) + (m2 & 0xFFFF)
-    hi = x_hi * jnp.uint32(a_hi) + (m1 >> 16) + (m2 >> 16) + (mid >> 16)
-    return hi, x * jnp.uint32(a)
+    a_lo, a_hi = np.uint32(a & 0xFFFF), np.uint32(a >> 16)
+    x_lo, x_hi = _and(x, _LOW16), _shr(x, _U16)
+    low = lax.mul(x_lo, a_lo)
+    m1, m2 = lax.mul(x_lo, a_hi), lax.mul(x_hi, a_lo)
+    mid = lax.add(lax.add(_shr(low, _U16), _and(m1, _LOW16)), _and(m2, _LOW16))
+    hi = lax.add(lax.add(lax.add(lax.mul(x_hi, a_hi), _shr(m1, _U16)), _shr(m2, _U16)), _shr(mid, _U16))
+    return hi, lax.mul(x, np.uint32(a))
 
 
 def philox4x32_10(key: jnp.ndarray, c0, c1, c2, c3) -> tuple[jnp.ndarray, ...]:
@@ -56,10 +64,10 @@ def philox4x32_10(key: jnp.ndarray, c0, c1, c2, c3) -> tuple[jnp.ndarray, ...]:
     c = [jnp.asarray(v, jnp.uint32) for v in jnp.broadcast_arrays(c0, c1, c2, c3)]
     for i in range(PHILOX_ROUNDS):
         if i:
-            k0, k1 = k0 + jnp.uint32(PHILOX_W0), k1 + jnp.uint32(PHILOX_W1)
+            k0, k1 = lax.add(k0, np.uint32(PHILOX_W0)), lax.add(k1, np.uint32(PHILOX_W1))
         hi0, lo0 = _mulhilo(PHILOX_M0, c[0])
         hi1, lo1 = _mulhilo(PHILOX_M1, c[2])
-        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        c = [_xor(_xor(hi1, c[1]), k0), lo1, _xor(_xor(hi0, c[3]), k1), lo0]
     return tuple(c)
 
 
@@ -131,18 +139,22 @@ def sr_position(mag: jnp.ndarray) -> jnp.ndarray:
     more mantissa bits rounded half up; below 1.0, p = 2 |v| and T = floor(512 |v| + 1/2) from the
     significand, shifted by the exponent (0 below 2^-10).
     """
-    big = ((mag + 0x2000) >> 14) - 0xFC00
-    field = mag >> 23
-    sig = jnp.where(field == 0, mag & 0x7FFFFF, (mag & 0x7FFFFF) | 0x800000)
-    shift = jnp.clip(141 - field.astype(jnp.int32), 15, 25).astype(jnp.uint32)
-    small = (sig + (jnp.uint32(1) << (shift - 1))) >> shift
-    return jnp.where(mag >= 0x3F800000, big, small)
+    u32 = np.uint32
+    big = lax.sub(_shr(lax.add(mag, u32(0x2000)), u32(14)), u32(0xFC00))
+    field = _shr(mag, u32(23))
+    frac = _and(mag, u32(0x7FFFFF))
+    sig = b.where(lax.eq(field, u32(0)), frac, lax.bitwise_or(frac, u32(0x800000)))
+    shift = lax.convert_element_type(
+        b.clip(lax.sub(np.int32(141), lax.convert_element_type(field, jnp.int32)), 15, 25), jnp.uint32
+    )
+    small = _shr(lax.add(sig, _shl(u32(1), lax.sub(shift, u32(1)))), shift)
+    return b.where(lax.ge(mag, u32(0x3F800000)), big, small)
 
 
 def e2m1_encode_stochastic(u: jnp.ndarray, rbyte: jnp.ndarray) -> jnp.ndarray:
     """E2M1 codes of float32 bits ``u`` (already scaled), rounded stochastically by random bytes ``rbyte``."""
     mag = b.magnitude(u)
-    code = jnp.minimum((sr_position(mag) + rbyte) >> 8, 7)
-    negative = ((u >> 31) == 1) & (mag != 0)
-    code = jnp.where(negative, code | 8, code).astype(jnp.uint8)
-    return jnp.where(b.is_nan(u), jnp.uint8(0), code)
+    code = lax.min(_shr(lax.add(sr_position(mag), rbyte), np.uint32(8)), np.uint32(7))
+    negative = lax.bitwise_and(lax.eq(_shr(u, np.uint32(31)), np.uint32(1)), lax.ne(mag, np.uint32(0)))
+    code = lax.convert_element_type(b.where(negative, lax.bitwise_or(code, np.uint32(8)), code), jnp.uint8)
+    return b.where(b.is_nan(u), np.uint8(0), code)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
 
@@ -64,8 +66,21 @@ def normal(shape, seed, dtype=jnp.float32) -> jax.Array:
 
 
 def random_normal(shape, seed, dtype=jnp.bfloat16) -> jax.Array:
-    """Standard normal values from ``jax.random.key(seed)`` (float32), as ``dtype``."""
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+    """``jax.random.normal(jax.random.key(seed), shape, float32).astype(dtype)``, compiled once a length.
+
+    Drawn flat at a power-of-two length (1024 at least) and cut to ``shape``: with partitionable Threefry
+    (jax's default) each value depends on its index alone, so these are the values of ``shape``'s own draw
+    (tests/build_checks/test_helpers.py), without a compile of the draw and the cast for every shape.
+    """
+    size = math.prod(shape)
+    return jnp.asarray(
+        _normal_draw(seed, max(1024, 1 << (size - 1).bit_length()), jnp.dtype(dtype))[:size].reshape(shape)
+    )
+
+
+@functools.cache
+def _normal_draw(seed: int, length: int, dtype: np.dtype) -> np.ndarray:
+    return np.asarray(jax.random.normal(jax.random.key(seed), (length,), jnp.float32).astype(dtype))
 
 
 # ---- byte-exact comparisons ----

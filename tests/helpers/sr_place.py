@@ -5,14 +5,13 @@ slice must reproduce byte for byte."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
 from jax_nvfp4 import QuantizeSpec
 
-from .core import assert_same_bytes
+from .core import assert_same_bytes, random_normal
 
 KEY = np.array([0x243F6A88, 0x85A308D3], np.uint32)
 
@@ -71,7 +70,7 @@ def shard_parts(outs, start, stop) -> list:
 def assert_shard_draws_the_whole(quantize, spec: QuantizeSpec, shape, start, stop, dtype=jnp.bfloat16):
     """``quantize`` (a backend's, [B, *R, N]; both copies) of the slice start:stop with its placed seed gives the
     bytes that the whole tensor's quantization has there."""
-    x = jax.random.normal(jax.random.key(sum(shape)), shape, jnp.float32).astype(dtype)
+    x = random_normal(shape, sum(shape), dtype)
     mag = jnp.abs(x.astype(jnp.float32))
     sl = _slice(start, stop, range(len(shape)))
     if spec.row_scaled:  # per row of x [B, *R] and of x^T [B, N]
