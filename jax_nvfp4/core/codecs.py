@@ -40,13 +40,13 @@ def e2m1_encode(u: jnp.ndarray) -> jnp.ndarray:
     for threshold, inclusive in _E2M1_STEPS:
         above = (lax.ge if inclusive else lax.gt)(mag, _u32(threshold))
         code = lax.add(code, lax.convert_element_type(above, jnp.uint8))
-    code = b.where(_negative(u, mag), _or(code, np.uint8(8)), code)
+    code = b.where(negative(u, mag), _or(code, np.uint8(8)), code)
     return b.where(b.is_nan(u), np.uint8(0), code)
 
 
-def _negative(u: jnp.ndarray, mag: jnp.ndarray) -> jnp.ndarray:
-    """Whether float32 bits ``u`` (magnitude bits ``mag``) are a negative value other than -0.0: its code takes
-    the sign bit even where the value rounds to zero."""
+def negative(u: jnp.ndarray, mag: jnp.ndarray) -> jnp.ndarray:
+    """Whether float32 bits ``u`` (magnitude bits ``mag``) are a negative value other than -0.0: its E2M1 code
+    takes the sign bit even where the value rounds to zero (nearest and stochastic rounding alike)."""
     return _and(lax.eq(_shr(u, _u32(31)), _u32(1)), lax.ne(mag, _u32(0)))
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from jax_nvfp4.core import bits as b
+from jax_nvfp4.core.codecs import negative
 from jax_nvfp4.core.formats import BLOCK
 
 # Philox-4x32's multipliers and key increments (Salmon et al., SC'11; Random123).
@@ -43,19 +44,19 @@ PHILOX_ROUNDS = 10
 # The hash and the encode as lax calls on uint32 operands (numpy scalar constants), not jax.numpy's operators,
 # whose every call takes jit's Python path while tracing (core/bits.py).
 _and, _xor, _shr, _shl = lax.bitwise_and, lax.bitwise_xor, lax.shift_right_logical, lax.shift_left
-_U16 = np.uint32(16)
-_LOW16 = np.uint32(0xFFFF)
+_u32 = np.uint32
+_U16, _LOW16 = _u32(16), _u32(0xFFFF)
 
 
 def _mulhilo(a: int, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``x``, in 16-bit halves (no uint64)."""
-    a_lo, a_hi = np.uint32(a & 0xFFFF), np.uint32(a >> 16)
+    a_lo, a_hi = _u32(a & 0xFFFF), _u32(a >> 16)
     x_lo, x_hi = _and(x, _LOW16), _shr(x, _U16)
     low = lax.mul(x_lo, a_lo)
     m1, m2 = lax.mul(x_lo, a_hi), lax.mul(x_hi, a_lo)
     mid = lax.add(lax.add(_shr(low, _U16), _and(m1, _LOW16)), _and(m2, _LOW16))
     hi = lax.add(lax.add(lax.add(lax.mul(x_hi, a_hi), _shr(m1, _U16)), _shr(m2, _U16)), _shr(mid, _U16))
-    return hi, lax.mul(x, np.uint32(a))
+    return hi, lax.mul(x, _u32(a))
 
 
 def philox4x32_10(key: jnp.ndarray, c0, c1, c2, c3) -> tuple[jnp.ndarray, ...]:
@@ -64,7 +65,7 @@ def philox4x32_10(key: jnp.ndarray, c0, c1, c2, c3) -> tuple[jnp.ndarray, ...]:
     c = [jnp.asarray(v, jnp.uint32) for v in jnp.broadcast_arrays(c0, c1, c2, c3)]
     for i in range(PHILOX_ROUNDS):
         if i:
-            k0, k1 = lax.add(k0, np.uint32(PHILOX_W0)), lax.add(k1, np.uint32(PHILOX_W1))
+            k0, k1 = lax.add(k0, _u32(PHILOX_W0)), lax.add(k1, _u32(PHILOX_W1))
         hi0, lo0 = _mulhilo(PHILOX_M0, c[0])
         hi1, lo1 = _mulhilo(PHILOX_M1, c[2])
         c = [_xor(_xor(hi1, c[1]), k0), lo1, _xor(_xor(hi0, c[3]), k1), lo0]
@@ -139,22 +140,20 @@ def sr_position(mag: jnp.ndarray) -> jnp.ndarray:
     more mantissa bits rounded half up; below 1.0, p = 2 |v| and T = floor(512 |v| + 1/2) from the
     significand, shifted by the exponent (0 below 2^-10).
     """
-    u32 = np.uint32
-    big = lax.sub(_shr(lax.add(mag, u32(0x2000)), u32(14)), u32(0xFC00))
-    field = _shr(mag, u32(23))
-    frac = _and(mag, u32(0x7FFFFF))
-    sig = b.where(lax.eq(field, u32(0)), frac, lax.bitwise_or(frac, u32(0x800000)))
+    big = lax.sub(_shr(lax.add(mag, _u32(0x2000)), _u32(14)), _u32(0xFC00))
+    field = _shr(mag, _u32(23))
+    frac = _and(mag, _u32(0x7FFFFF))
+    sig = b.where(lax.eq(field, _u32(0)), frac, lax.bitwise_or(frac, _u32(0x800000)))
     shift = lax.convert_element_type(
         b.clip(lax.sub(np.int32(141), lax.convert_element_type(field, jnp.int32)), 15, 25), jnp.uint32
     )
-    small = _shr(lax.add(sig, _shl(u32(1), lax.sub(shift, u32(1)))), shift)
-    return b.where(lax.ge(mag, u32(0x3F800000)), big, small)
+    small = _shr(lax.add(sig, _shl(_u32(1), lax.sub(shift, _u32(1)))), shift)
+    return b.where(lax.ge(mag, _u32(0x3F800000)), big, small)
 
 
 def e2m1_encode_stochastic(u: jnp.ndarray, rbyte: jnp.ndarray) -> jnp.ndarray:
     """E2M1 codes of float32 bits ``u`` (already scaled), rounded stochastically by random bytes ``rbyte``."""
     mag = b.magnitude(u)
-    code = lax.min(_shr(lax.add(sr_position(mag), rbyte), np.uint32(8)), np.uint32(7))
-    negative = lax.bitwise_and(lax.eq(_shr(u, np.uint32(31)), np.uint32(1)), lax.ne(mag, np.uint32(0)))
-    code = lax.convert_element_type(b.where(negative, lax.bitwise_or(code, np.uint32(8)), code), jnp.uint8)
+    code = lax.min(_shr(lax.add(sr_position(mag), rbyte), _u32(8)), _u32(7))
+    code = lax.convert_element_type(b.where(negative(u, mag), lax.bitwise_or(code, _u32(8)), code), jnp.uint8)
     return b.where(b.is_nan(u), np.uint8(0), code)
