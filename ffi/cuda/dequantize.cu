@@ -11,6 +11,8 @@
 // time. A block whose values could be NaN (a NaN scale, a NaN or infinite global scale) takes the
 // reference path. Other shapes take a thread per packed byte. Global accesses go through
 // cuda/memory.cuh, which the host model's profiler counts.
+// No ring of bulk copies as quantize has: reads are a fifth of the bytes (0.56 a value against 2
+// written for bfloat16), and each thread issues kUnroll pieces' loads before it decodes any.
 #include <type_traits>
 
 #include "cuda/common.cuh"

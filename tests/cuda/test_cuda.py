@@ -197,6 +197,32 @@ def test_grouped_quantize_gpu_equals_cpu(shape, dtype, name, load, monkeypatch):
     assert_same_tree(on(GPUS[0], quantize, x, sizes), on(CPU, quantize, x, sizes))
 
 
+RING_SPECS = {
+    "row+col": dict(columnwise=True),
+    "16x16": dict(columnwise=True, block_2d=True),
+    "row-scaled": dict(columnwise=True, row_scaled=True),
+    "rht": dict(columnwise=True, rht=True),
+    "stochastic": dict(columnwise=True, rng_key=jax.random.key(5)),
+    "stochastic rht": dict(rowwise=False, columnwise=True, rht=True, rng_key=jax.random.key(6)),
+}
+
+
+@pytest.mark.parametrize("name", list(RING_SPECS))
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((4096, 4096), jnp.bfloat16), ((3, 208, 520), jnp.float16), ((1008, 4104), jnp.bfloat16)]
+)
+def test_the_quantize_ring_gpu_equals_cpu(shape, dtype, name, monkeypatch):
+    """NVFP4_QUANTIZE_LOAD=ring's pipelined quantize (bulk copies into a ring of mbarrier stages: rows of whole
+    16-byte chunks, as these shapes have) on the GPU: the CPU kernels' bytes, on many tiles a block (the ring turns
+    over), ragged tiles and batch entries. The host model checks its copies and waits on the CPU
+    (tests/cuda/test_cuda_host_ring.py); this is the same check on a GPU's own bulk copies and barriers."""
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+    options = RING_SPECS[name]
+    x = (np.random.default_rng(len(name)).standard_normal(shape) * 3).astype(dtype)
+    quantize = functools.partial(jax_nvfp4.quantize, **options)
+    assert_same_tree(on(GPUS[0], quantize, x), on(CPU, quantize, x))
+
+
 def test_the_training_step_runs_on_the_gpu():
     x = jnp.asarray(
         random_tensor(np.random.default_rng(1), (256, 128), ml_dtypes.bfloat16, spread=1, specials=(), frac=0)

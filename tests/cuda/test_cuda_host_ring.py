@@ -8,9 +8,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import assert_same_tree, random_normal
-from helpers.counters import only, quantize_launches
+from helpers import (
+    GOLDEN_DIR,
+    assert_golden,
+    assert_same_tree,
+    assert_sr_vector,
+    cases,
+    cuda_host,
+    load,
+    load_sr,
+    option_cases,
+    random_normal,
+    sr_cases,
+)
+from helpers.counters import Launch, only, quantize_launches, run_traced
 from helpers.cuda_host import needs_module
 
 import jax_nvfp4
@@ -50,6 +63,49 @@ def test_the_ring_gives_the_cpu_bytes(name, shape, dtype, sm, monkeypatch):
     got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
     assert "quantize_ring_kernel" in launch.kernel
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
+
+
+def _takes_the_ring(name: str) -> bool:
+    """Whether the ring applies to golden file ``name``: bfloat16 inputs in rows of whole 16-byte chunks, without
+    4over6 (compute-bound: the direct kernel)."""
+    g = np.load(GOLDEN_DIR / name)
+    return str(g["input_dtype"]) == "bfloat16" and g["x"].shape[-1] * 2 % 16 == 0 and not g.get("use_4over6", False)
+
+
+# TransformerEngine's golden files and our stochastic-rounding vectors (tests/golden/sr_*.npz) that the ring takes.
+RING_GOLDEN = [name for name in cases() + option_cases() if _takes_the_ring(name)]
+RING_SR_VECTORS = [name for name in sr_cases() if _takes_the_ring(name)]
+
+
+def test_the_ring_takes_most_golden_files():
+    """1x16, 16x16, padded edges, edge values, the RHT and row-scaled copies; bfloat16 stochastic rounding."""
+    assert {n.split("_")[0] for n in RING_GOLDEN} == {"1d", "2d", "edge", "rht", "rowscaled"}, RING_GOLDEN
+    assert len(RING_GOLDEN) >= 15 and len(RING_SR_VECTORS) >= 3, (RING_GOLDEN, RING_SR_VECTORS)
+
+
+@pytest.mark.parametrize("sm", [90, 100])
+@pytest.mark.parametrize("name", RING_GOLDEN)
+def test_the_ring_gives_the_golden_bytes(name, sm, monkeypatch):
+    g, x, options = load(name)
+    t, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
+    assert "quantize_ring_kernel" in launch.kernel
+    assert_golden(g, options["columnwise"], t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)
+
+
+@pytest.mark.parametrize("sm", [90, 100])
+@pytest.mark.parametrize("name", RING_SR_VECTORS)
+def test_the_ring_gives_the_stochastic_rounding_vectors(name, sm, monkeypatch):
+    g, x, amax, amax_t, seed, spec = load_sr(name)
+
+    def run(x, amax, amax_t, seed):
+        amaxes = cuda_host.BACKEND.amax(x, amax_mesh_axes=None, rht_amax=spec.rht, per_row=False)
+        return amaxes, cuda_host.BACKEND.quantize(x, amax, amax_t, seed, spec=spec)
+
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+    with cuda_host.emulating(sm):
+        (amaxes, outs), launches = run_traced(run, x, amax, amax_t, seed)
+    assert "quantize_ring_kernel" in only(launches, "quantize").kernel
+    assert_sr_vector(g, amaxes, outs)
 
 
 # Stochastic rounding: its own kernel (registers), the same ring.
@@ -125,3 +181,21 @@ def test_the_ring_reads_each_input_byte_once(monkeypatch):
     loads = only(launches, "quantize_ring_kernel").select("global", "load", size=512)
     assert sum(s.bytes for s in loads) == x.nbytes
     assert sum(s.transactions for s in loads) == sum(s.ideal for s in loads) == x.nbytes // 32
+
+
+@pytest.mark.parametrize("sm", [90, 100])
+@pytest.mark.parametrize("name", ["row+col", "16x16", "stochastic"])
+def test_the_rings_shared_memory_accesses_are_conflict_free(name, sm, monkeypatch):
+    """N(0, 1) data: the 16-byte reads, the stages' (a warp reads 512 consecutive bytes of a stage row) and the
+    staged outputs', take the fewest wavefronts; sm_90's class table one a lookup (each lane reads its own
+    copy); all the kernel's shared-memory accesses together at most 1.5 times the fewest (issue 48's budget; the
+    rowwise scales' byte stores and the columnwise codes' 8-byte stores are 2-way, as in the direct kernel)."""
+    x = random_normal((128, 512), 7)
+    _, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **{**OPTIONS, **MODES}[name])
+    reads = Launch.total(launch.select("shared", "load", file="quantize.cu", size=16))
+    assert reads.bytes >= x.nbytes  # every input value is read from a stage
+    assert reads.transactions == reads.ideal, launch.select("shared", "load", size=16)
+    lookups = Launch.total(launch.select("shared", "load", file="e2m1_lut.cuh"))
+    assert lookups.transactions == (lookups.requests if sm == 90 and name != "stochastic" else 0), lookups
+    every = Launch.total(launch.select("shared"))
+    assert every.transactions <= 1.5 * every.ideal, launch.select("shared")
