@@ -80,8 +80,9 @@ __device__ __forceinline__ void fast_candidates(float bamax, const GlobalScales&
   const float base = candidate_base(bamax, g);
   const uint32_t codes = e4m3x2_satfinite(base * 1.5f, base);
   const auto one = [&](uint32_t code) {
-    const Candidate c{uint8_t(code), enc ? enc[code] : block_encode_scale(uint8_t(code), g),
-                      dec[code]};
+    const Candidate c{uint8_t(code),
+                      enc ? NVFP4_LDS(enc + code) : block_encode_scale(uint8_t(code), g),
+                      NVFP4_LDS(dec + code)};
     return fast_math ? FastCandidate{c, 0.0f, 0.0f, true} : exact_units(c, g);
   };
   c6 = one(codes & 0xFFu);
@@ -106,8 +107,8 @@ template <bool kSafe>
 __device__ __forceinline__ void rounded2(const float* values, float v0, float v1, float enc,
                                          float& r0, float& r1) {
   const uint32_t h = truncated_pair<kSafe>(v0, v1, enc);
-  r0 = values[byte_perm(h, 0, 0x4441)];
-  r1 = values[byte_perm(h, 0, 0x4443)];
+  r0 = NVFP4_LDS(values + byte_perm(h, 0, 0x4441));
+  r1 = NVFP4_LDS(values + byte_perm(h, 0, 0x4443));
 }
 
 // element_error of value x rounded to r under candidate c; xg = fp32(x * ges) (fast math).

@@ -154,6 +154,29 @@ def test_stochastic_rounding_reads_no_table(sm):
     assert not launch.select("shared", "load", file="e2m1_lut.cuh")
 
 
+@pytest.mark.parametrize("sm", [90, 100])
+@pytest.mark.parametrize(
+    "options",
+    [dict(four_over_six_error="mse"), dict(four_over_six_error="mae", four_over_six_fast_math=True, e4m3_max=256)],
+    ids=["mse", "mae fast 256"],
+)
+def test_four_over_six_lookups_take_about_two_wavefronts(options, sm):
+    """4over6's 1x16 candidates look up each product's rounded value by its float16 class (four_over_six.cuh's
+    rounded2: 1 KB, one float a class) and each block's scales by code. The value lookups are NOT at issue 48's
+    1.5 wavefronts: 2.1 on N(0, 1) data, held here at 2.2, because a class and its negative share a bank (the
+    sign is the class's top bit). Left so: 4over6 is compute-bound, and for 32 elements a warp issues 60-85
+    instructions (15-21 multiprocessor clocks at 4 a clock) against two lookups at 2.1 wavefronts (4.2 clocks of
+    the shared-memory pipe), so a swizzle's two instructions a lookup would cost more than the conflicts do.
+    The scales' lookups (a pair of lanes reads one code) take one."""
+    launch = only(quantize_launches(random_normal(SHAPE, 6), sm, columnwise=True, **options)[1], "4over6")
+    lookups = launch.select("shared", "load", file="four_over_six.cuh")
+    values = Launch.total([s for s in lookups if s.requests == max(t.requests for t in lookups)])
+    scales = Launch.total([s for s in lookups if s.requests < max(t.requests for t in lookups)])
+    assert values.requests > 0 and scales.requests > 0, lookups
+    assert values.transactions <= 2.2 * values.requests, lookups
+    assert scales.transactions == scales.requests, lookups
+
+
 @pytest.mark.parametrize("name", ["row+col 1x16", "row+col 16x16", "stochastic rounding"])
 def test_staging_in_shared_memory_is_nearly_conflict_free(name):
     """The staged outputs (stores of codes and scales, their reads for the 16-byte global stores) and the
