@@ -54,6 +54,7 @@ class Kernel:
     op: str  # the JAX operation it came from (its op_name, shortened)
     read: float
     written: float
+    shape: str = ""  # its result's HLO shape
 
 
 def kernels(hlo: str) -> list[Kernel]:
@@ -76,12 +77,20 @@ def kernels(hlo: str) -> list[Kernel]:
         op_name = re.search(r'op_name="([^"]+)"', rest)
         op = "/".join(op_name.group(1).split("/")[-2:]) if op_name else ""
         read = sum(shape_bytes(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", operands))
-        out.append(Kernel(name, what, op, read, shape_bytes(shape)))
+        out.append(Kernel(name, what, op, read, shape_bytes(shape), shape))
     return out
 
 
+# A dequantize call whose result is one float32 a row ([..., 1]): a GEMM's global decode scale (one code 1.0 under
+# block scale 1.0, ops.gemm.decode_scale), a few bytes, not a pass over an operand.
+DECODE_SCALE = re.compile(r"^f32\[[\d,]*\b1\]")
+CATEGORIES = ("amax", "quantize", "dequantize", "decode scale", "GEMM", "other")
+
+
 def category(k: Kernel) -> str:
-    """What a kernel is for, by its custom call or name."""
+    """What a kernel is for (one of CATEGORIES), by its custom call or name."""
+    if "nvfp4_dequantize" in k.what and DECODE_SCALE.match(k.shape):
+        return "decode scale"
     for key in ("amax", "quantize", "dequantize"):
         if f"nvfp4_{key}" in k.what:
             return key
@@ -171,7 +180,7 @@ def main() -> None:
     report.add("| | kernels | MB read | MB written | MB in all | x bf16's |")
     report.add("|---|---:|---:|---:|---:|---:|")
     bf16_total = sum(k.read + k.written for k in bf16)
-    for cat in ("amax", "quantize", "dequantize", "GEMM", "other"):
+    for cat in CATEGORIES:
         ks = [k for k in nvfp4 if category(k) == cat]
         moved = sum(k.read + k.written for k in ks)
         report.add(

@@ -1,6 +1,7 @@
-"""The training numbers the README and the docs quote are their records': each is computed here from the record's
-JSON files (benchmarks/results/train-lm-recipes/, what examples.train_lm --json wrote) and must appear in the page
-exactly as computed. A re-run that changes a record, or an edit of a quoted number, fails here until both agree."""
+"""The numbers the README and the docs quote are their records': the training numbers computed here from the
+record's JSON files (benchmarks/results/train-lm-recipes/, what examples.train_lm --json wrote), one layer's
+kernels and bytes from benchmarks.layer_breakdown's summary tables; each must appear in the page exactly as
+computed. A re-run that changes a record, or an edit of a quoted number, fails here until both agree."""
 
 from __future__ import annotations
 
@@ -102,3 +103,46 @@ def test_the_rerun_on_todays_numerics_is_quoted_as_recorded(page):
         gaps = rerun_gaps(run)
         quoted = f"{label} {spread(gaps)} (per seed {', '.join(f'{g:+.2f}%' for g in gaps)})"
         assert quoted in text, f"{page} should quote the re-run as {quoted!r}"
+
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def breakdown(record: str) -> dict[str, tuple[int, float, float]]:
+    """A benchmarks.layer_breakdown record's summary table: its row's label (``NVFP4 dequantize``, ``NVFP4``,
+    ``bf16``, ...) -> (kernels, MB in all, x bf16's)."""
+    rows = {}
+    for line in (RESULTS / record).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0].strip("*").startswith(("NVFP4", "bf16")) and cells[1].isdigit():
+            rows[cells[0].strip("*")] = (int(cells[1]), float(cells[4]), float(cells[5]))
+    return rows
+
+
+def _normalized(page: str) -> str:
+    return " ".join((REPO / page).read_text().split())
+
+
+def test_the_layer_breakdowns_quoted_are_their_records():
+    """One layer's forward and backward at 8192 x 4096 x 4096: kernels and MB on Hopper (compiled offline) in the
+    README and docs/benchmarks.md, and on the CPU in docs/benchmarks.md."""
+    emulated = breakdown("layer-breakdown-h100-offline-emulated-8192x4096x4096.md")
+    fused = breakdown("layer-breakdown-h100-offline-fused-8192x4096x4096.md")
+    cpu = breakdown("layer-breakdown-cpu-8192x4096x4096.md")
+    (n, mb, ratio), (bn, bmb, _), (dn, dmb, _) = emulated["NVFP4"], emulated["bf16"], emulated["NVFP4 dequantize"]
+    fn, fmb, fratio = fused["NVFP4"]
+    assert fused["NVFP4 dequantize"][0] == 0  # the fused GEMMs read the packed operands
+    readme = (
+        f"the emulated recipe runs {n} kernels moving {mb:.0f} MB, {ratio:.2f}x bf16's {bn} kernels and {bmb:.0f} MB, "
+        f"{dn} of them dequantize passes writing bf16 copies of the GEMMs' operands ({dmb:.0f} MB); with "
+        f'`impl="fused"` {fn} kernels moving {fmb:.0f} MB, {fratio:.2f}x, and no dequantize pass'
+    )
+    assert readme in _normalized("README.md"), f"the README should say: {readme!r}"
+    (cn, cmb, cratio), (cbn, cbmb, _) = cpu["NVFP4"], cpu["bf16"]
+    for quoted in (
+        f"{cn} kernels moving {cmb:.0f} MB against bf16's {cbn} and {cbmb:.0f} MB ({cratio:.2f}x)",
+        f'`impl="emulated"` {n} kernels moving {mb:.0f} MB against bf16\'s {bn} and {bmb:.0f} MB ({ratio:.2f}x), of '
+        f"which {dmb:.0f} MB are the {dn} dequantize passes",
+        f'`impl="fused"` {fn} kernels and {fmb:.0f} MB ({fratio:.2f}x)',
+    ):
+        assert quoted in _normalized("docs/benchmarks.md"), f"docs/benchmarks.md should say: {quoted!r}"

@@ -41,3 +41,21 @@ def test_the_offline_hopper_target_names_what_it_needs():
         pytest.skip("the CUDA plugin is installed here")
     with pytest.raises(RuntimeError, match=f"pip install jax-cuda13-plugin=={jax.__version__}"):
         hopper_devices()
+
+
+def test_a_gemms_decode_scale_is_not_a_dequantize_pass():
+    """The emulated layer dequantizes each of its six GEMM operands (a bf16 copy each); the GEMMs' global decode
+    scales (one float32 a row from a one-code dequantize, ops.gemm.decode_scale) are counted apart. The fused
+    impl reads the packed operands: no dequantize pass, the same three decode scales."""
+    shape, key = (64, 128, 96), jax.random.key(0)
+    for impl, passes in (("emulated", 6), ("fused", 0)):
+        recipe = jax_nvfp4.Recipe(impl=impl)
+        dot = lambda x, w, recipe=recipe: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key)  # noqa: E731
+        found = kernels(compiled_step(dot, shape).as_text())
+        dequantize = [k for k in found if category(k) == "dequantize"]
+        scales = [k for k in found if category(k) == "decode scale"]
+        assert len(dequantize) == passes and len(scales) == 3, (impl, [(k.what, k.shape) for k in found])
+        assert all(k.written == 2 * 4 for k in scales), scales  # a float32 a row: [2, 1, 1]
+        if passes:  # bf16 copies of x, W and dy, each in both layouts the GEMMs read
+            m, k, n = shape
+            assert sorted(d.written for d in dequantize) == sorted(2 * s for s in (m * k, k * n, m * n) * 2)
