@@ -7,10 +7,12 @@ bytes it must read and write: its operands and its result, each once, the least 
 from the compiled HLO only: nothing runs, so it works offline on any backend (on the CPU the GEMMs are XLA's own
 fusions; a GPU build shows the same custom calls and dequantize passes). ``--target h100`` compiles for an H100
 (sm_90) on a machine without a GPU (``benchmarks.offline_gpu``: jax's CUDA plugin, and a build with the CUDA
-module for the recipe's kernels), so the table shows XLA's GPU fusions. Times per kernel need a GPU profiler
-trace (``jax.profiler``): not measured here.
+module for the recipe's kernels), so the table shows XLA's GPU fusions. ``--time`` also runs the step (random
+inputs and cotangent) under ``jax.profiler`` and puts each kernel's time beside its bytes
+(``benchmarks.profile_trace``): device time on a GPU, host time on the CPU.
 
-    python -m benchmarks.layer_breakdown [--shape 8192,4096,4096] [--impl auto] [--target h100] [--out results.md]
+    python -m benchmarks.layer_breakdown [--shape 8192,4096,4096] [--impl auto] [--target h100] [--time]
+                                         [--out results.md]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jax_nvfp4
+from benchmarks.profile_trace import instruction_seconds
 from benchmarks.timing import Report, device_name
 
 DENSE = (((1,), (0,)), ((), ()))
@@ -121,6 +124,18 @@ def compiled_step(dot, shape: tuple[int, int, int], target: str = "default", pro
         return jax.jit(step).trace(*[on_h100(s, jnp.bfloat16) for s in shapes]).lower().compile()
 
 
+def step_inputs(shape: tuple[int, int, int]) -> list[jax.Array]:
+    """Random bf16 x [M, K], W [K, N] (scaled as a layer's) and cotangent dy [M, N]: a GEMM that the gradient
+    of a sum would hand a constant cotangent can skip work."""
+    m, k, n = shape
+    keys = jax.random.split(jax.random.key(1), 3)
+    return [
+        jax.random.normal(keys[0], (m, k), jnp.bfloat16),
+        (jax.random.normal(keys[1], (k, n)) * k**-0.5).astype(jnp.bfloat16),
+        jax.random.normal(keys[2], (m, n), jnp.bfloat16),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8192,4096,4096", help="M,K,N: x [M, K] . W [K, N]")
@@ -130,9 +145,12 @@ def main() -> None:
     )
     parser.add_argument("--producer", default="none", choices=("none", "gelu"), help="x an input, or a gelu's output")
     parser.add_argument("--rht-amax-estimate", action="store_true", help="Recipe(rht_amax_estimate=True)")
+    parser.add_argument("--time", action="store_true", help="also time each kernel (jax.profiler; not with h100)")
     parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
+    if args.time and args.target != "default":
+        parser.error("--time runs the step: only on JAX's own backend")
     if args.target == "h100":
         from benchmarks.offline_gpu import prepare
 
@@ -140,9 +158,18 @@ def main() -> None:
     recipe = jax_nvfp4.Recipe(impl=args.impl, rht_amax_estimate=args.rht_amax_estimate)
     key = jax.random.key(0)
     nvfp4_dot = lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key)  # noqa: E731
-    nvfp4 = kernels(compiled_step(nvfp4_dot, shape, args.target, args.producer).as_text())
+    nvfp4_step = compiled_step(nvfp4_dot, shape, args.target, args.producer)
+    nvfp4 = kernels(nvfp4_step.as_text())
     bf16_dot = lambda x, w: lax.dot_general(x, w, DENSE)  # noqa: E731
-    bf16 = kernels(compiled_step(bf16_dot, shape, args.target, args.producer).as_text())
+    bf16_step = compiled_step(bf16_dot, shape, args.target, args.producer)
+    bf16 = kernels(bf16_step.as_text())
+    seconds: dict[str, float] = {}  # by kernel name, NVFP4's and bf16's (names are per program: kept apart)
+    if args.time:
+        inputs = step_inputs(shape)
+        nvfp4_s, bf16_s = instruction_seconds(nvfp4_step, *inputs), instruction_seconds(bf16_step, *inputs)
+        seconds = {id(k): nvfp4_s.get(k.name, 0.0) for k in nvfp4} | {id(k): bf16_s.get(k.name, 0.0) for k in bf16}
+    ms = (lambda ks: f" | {sum(seconds[id(k)] for k in ks) * 1e3:.3f}") if args.time else (lambda ks: "")
+    ms_head, ms_rule = (" ms |", "---:|") if args.time else ("", "")
     if args.target == "h100":
         from benchmarks.offline_gpu import H100
 
@@ -162,47 +189,53 @@ def main() -> None:
             "cotangent) of x [M, K] . "
             f"W [K, N] = {shape[0]} x {shape[1]} . {shape[1]} x {shape[2]}, bf16, the full recipe (RHT, stochastic "
             "rounding, 16x16 weight blocks). Bytes: each kernel's operands read once and its result written "
-            "once (the least HBM traffic it can have), from the compiled HLO; no times (they need a GPU trace).",
+            "once (the least HBM traffic it can have), from the compiled HLO. "
+            + (
+                "Times: the mean of 5 runs traced by jax.profiler (benchmarks.profile_trace), "
+                f"{'device' if jax.default_backend() != 'cpu' else 'host'} time."
+                if args.time
+                else "No times (`--time` traces a run)."
+            ),
             "",
-            "| # | kernel | what | from | MB read | MB written |",
-            "|---:|---|---|---|---:|---:|",
+            f"| # | kernel | what | from | MB read | MB written |{ms_head}",
+            f"|---:|---|---|---|---:|---:|{ms_rule}",
         ],
     )
     shown = [k for k in nvfp4 if k.read + k.written >= 1e5]
     for i, k in enumerate(shown):
-        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f} |")
+        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f}{ms([k])} |")
     small = [k for k in nvfp4 if k.read + k.written < 1e5]
     report.add(
         f"| | {len(small)} more under 0.1 MB each | | | {sum(k.read for k in small) / mb:.2f} | "
-        f"{sum(k.written for k in small) / mb:.2f} |"
+        f"{sum(k.written for k in small) / mb:.2f}{ms(small)} |"
     )
     report.add("")
-    report.add("| | kernels | MB read | MB written | MB in all | x bf16's |")
-    report.add("|---|---:|---:|---:|---:|---:|")
+    report.add(f"| | kernels | MB read | MB written | MB in all | x bf16's |{ms_head}")
+    report.add(f"|---|---:|---:|---:|---:|---:|{ms_rule}")
     bf16_total = sum(k.read + k.written for k in bf16)
     for cat in CATEGORIES:
         ks = [k for k in nvfp4 if category(k) == cat]
         moved = sum(k.read + k.written for k in ks)
         report.add(
             f"| NVFP4 {cat} | {len(ks)} | {sum(k.read for k in ks) / mb:.1f} | "
-            f"{sum(k.written for k in ks) / mb:.1f} | {moved / mb:.1f} | {moved / bf16_total:.2f} |"
+            f"{sum(k.written for k in ks) / mb:.1f} | {moved / mb:.1f} | {moved / bf16_total:.2f}{ms(ks)} |"
         )
     total = sum(k.read + k.written for k in nvfp4)
     report.add(
         f"| **NVFP4** | {len(nvfp4)} | {sum(k.read for k in nvfp4) / mb:.1f} | "
-        f"{sum(k.written for k in nvfp4) / mb:.1f} | {total / mb:.1f} | {total / bf16_total:.2f} |"
+        f"{sum(k.written for k in nvfp4) / mb:.1f} | {total / mb:.1f} | {total / bf16_total:.2f}{ms(nvfp4)} |"
     )
     report.add(
         f"| **bf16** | {len(bf16)} | {sum(k.read for k in bf16) / mb:.1f} | "
-        f"{sum(k.written for k in bf16) / mb:.1f} | {bf16_total / mb:.1f} | 1.00 |"
+        f"{sum(k.written for k in bf16) / mb:.1f} | {bf16_total / mb:.1f} | 1.00{ms(bf16)} |"
     )
     report.add("")
     report.add("bf16's kernels:")
     report.add("")
-    report.add("| # | kernel | what | from | MB read | MB written |")
-    report.add("|---:|---|---|---|---:|---:|")
+    report.add(f"| # | kernel | what | from | MB read | MB written |{ms_head}")
+    report.add(f"|---:|---|---|---|---:|---:|{ms_rule}")
     for i, k in enumerate(bf16):
-        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f} |")
+        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f}{ms([k])} |")
     report.save()
 
 

@@ -114,7 +114,7 @@ def breakdown(record: str) -> dict[str, tuple[int, float, float]]:
     rows = {}
     for line in (RESULTS / record).read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[0].strip("*").startswith(("NVFP4", "bf16")) and cells[1].isdigit():
+        if len(cells) >= 6 and cells[0].strip("*").startswith(("NVFP4", "bf16")) and cells[1].isdigit():
             rows[cells[0].strip("*")] = (int(cells[1]), float(cells[4]), float(cells[5]))
     return rows
 

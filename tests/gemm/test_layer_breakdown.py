@@ -6,7 +6,8 @@ import jax
 from jax import lax
 
 import jax_nvfp4
-from benchmarks.layer_breakdown import DENSE, category, compiled_step, kernels, shape_bytes
+from benchmarks.layer_breakdown import DENSE, category, compiled_step, kernels, shape_bytes, step_inputs
+from benchmarks.profile_trace import covered_ns, instruction_seconds
 
 
 def test_shape_bytes_counts_every_element_of_a_tuple():
@@ -59,3 +60,19 @@ def test_a_gemms_decode_scale_is_not_a_dequantize_pass():
         if passes:  # bf16 copies of x, W and dy, each in both layouts the GEMMs read
             m, k, n = shape
             assert sorted(d.written for d in dequantize) == sorted(2 * s for s in (m * k, k * n, m * n) * 2)
+
+
+def test_covered_spans_count_overlaps_once():
+    assert covered_ns([(30, 40), (0, 10), (5, 20), (32, 35)]) == 30
+    assert covered_ns([]) == 0
+
+
+def test_a_traced_run_times_every_kernel_of_the_step():
+    """--time: every instruction the compiled step runs has a time from the profiler's trace (on the CPU, host
+    time), under the name the compiled HLO gives it, so the breakdown's kernels and their times join."""
+    shape, key = (64, 128, 96), jax.random.key(0)
+    step = compiled_step(lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, rng_key=key), shape)
+    seconds = instruction_seconds(step, *step_inputs(shape), runs=2)
+    found = kernels(step.as_text())
+    assert {k.name for k in found} <= set(seconds), sorted({k.name for k in found} - set(seconds))
+    assert sum(seconds[k.name] for k in found if category(k) == "quantize") > 0
