@@ -146,3 +146,62 @@ def test_the_layer_breakdowns_quoted_are_their_records():
         f'`impl="fused"` {fn} kernels and {fmb:.0f} MB ({fratio:.2f}x)',
     ):
         assert quoted in _normalized("docs/benchmarks.md"), f"docs/benchmarks.md should say: {quoted!r}"
+
+
+# The widths' records (d_model 128 is the recipes record's default width): 3 seeds at 64 and 256, one at 384.
+WIDTH_STEMS = {64: "width64-1400-lr6e-3", 256: "width256-lr1e-3"}
+WIDTH_384 = "width384-lr0.00067"  # seed 0 alone
+
+
+def width_gaps(stem: str, run: str) -> np.ndarray:
+    """Each seed's gap of ``run`` at a width, against the same seed's bf16 run (in the seed's file, or in its
+    bf16-only file ``{stem}-bf16-seed{s}``)."""
+    gaps = []
+    for s in SEEDS:
+        bf16 = json.loads((RECIPES / f"{stem}-seed{s}.json").read_text())["results"].get("bf16")
+        if bf16 is None:
+            bf16 = json.loads((RECIPES / f"{stem}-bf16-seed{s}.json").read_text())["results"]["bf16"]
+        gaps.append(100 * (_final_val(stem, s, run) / bf16["final_val_loss"] - 1))
+    return np.array(gaps)
+
+
+def test_the_width_figures_quoted_are_their_records():
+    """The full recipe's gap and the ends-kept run's at d_model 64, 128, 256 and 384, in the README (means of
+    the ends-kept runs) and docs/benchmarks.md (their spreads)."""
+    one_seed = {
+        run: 100 * (_final_val(WIDTH_384, 0, run) / _final_val(WIDTH_384, 0, "bf16") - 1)
+        for run in ("full", "full-keep-ends")
+    }
+    full = [spread(width_gaps(WIDTH_STEMS[64], "full")), spread(seed_gaps(*FULL))]
+    full.append(spread(width_gaps(WIDTH_STEMS[256], "full")))
+    falls = (
+        f"the full recipe's gap falls from {full[0]} (64) to {full[1]} (128), {full[2]} (256) and "
+        f"{one_seed['full']:+.2f}% (384, one seed)"
+    )
+    ends = [width_gaps(WIDTH_STEMS[64], "full-keep-ends"), seed_gaps(*DEFAULT)]
+    ends.append(width_gaps(WIDTH_STEMS[256], "full-keep-ends"))
+    last = f"{one_seed['full-keep-ends']:+.2f}%"
+    readme_ends = (
+        f"keeping the ends stays within 2% at every width ({', '.join(f'{g.mean():+.2f}%' for g in ends)}, {last})"
+    )
+    docs_ends = f"keeping the ends stays within 2% at every width ({', '.join(spread(g) for g in ends)}, {last})"
+    for page, quoted in (("README.md", (falls, readme_ends)), ("docs/benchmarks.md", (falls, docs_ends))):
+        for q in quoted:
+            assert q in _normalized(page), f"{page} should say: {q!r}"
+
+
+def test_the_options_figures_quoted_are_their_record():
+    """The README's one-seed options line: 4over6 and per-token scales against the plain recipe, each's
+    validation loss against bf16's in the options record's table."""
+    record = (RESULTS / "train-lm-options-cpu-amd-epyc-2core.md").read_text()
+    val = {}
+    for line in record.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in ("plain", "4o6", "per-token", "bf16"):
+            val[cells[0]] = float(cells[3])
+    gap = {run: f"{100 * (val[run] / val['bf16'] - 1):.1f}%" for run in ("plain", "4o6", "per-token")}
+    quoted = (
+        f"4over6 on x, W and dy ends {gap['4o6']} and per-token scales {gap['per-token']} above bf16, against "
+        f"{gap['plain']} for the plain recipe"
+    )
+    assert quoted in _normalized("README.md"), f"the README should say: {quoted!r}"
