@@ -163,7 +163,7 @@ def main() -> None:
     bf16_dot = lambda x, w: lax.dot_general(x, w, DENSE)  # noqa: E731
     bf16_step = compiled_step(bf16_dot, shape, args.target, args.producer)
     bf16 = kernels(bf16_step.as_text())
-    seconds: dict[str, float] = {}  # by kernel name, NVFP4's and bf16's (names are per program: kept apart)
+    seconds: dict[int, float] = {}  # by id(kernel): the two programs' instruction names can coincide
     if args.time:
         inputs = step_inputs(shape)
         nvfp4_s, bf16_s = instruction_seconds(nvfp4_step, *inputs), instruction_seconds(bf16_step, *inputs)

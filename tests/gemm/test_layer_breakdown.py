@@ -56,7 +56,7 @@ def test_a_gemms_decode_scale_is_not_a_dequantize_pass():
         dequantize = [k for k in found if category(k) == "dequantize"]
         scales = [k for k in found if category(k) == "decode scale"]
         assert len(dequantize) == passes and len(scales) == 3, (impl, [(k.what, k.shape) for k in found])
-        assert all(k.written == 2 * 4 for k in scales), scales  # a float32 a row: [2, 1, 1]
+        assert all(k.written == 2 * 4 for k in scales), scales  # f32[2, 1, 1]: a few bytes, not a pass
         if passes:  # bf16 copies of x, W and dy, each in both layouts the GEMMs read
             m, k, n = shape
             assert sorted(d.written for d in dequantize) == sorted(2 * s for s in (m * k, k * n, m * n) * 2)
