@@ -205,3 +205,16 @@ def test_the_options_figures_quoted_are_their_record():
         f"{gap['plain']} for the plain recipe"
     )
     assert quoted in _normalized("README.md"), f"the README should say: {quoted!r}"
+
+
+def test_the_default_run_on_jax_0_12_is_quoted_as_recorded():
+    """The seed-0 default run on jax 0.12 (what pip installs for Python 3.12): its gap and losses as its JSON has
+    them, in the README and the getting-started page."""
+    record = json.loads((RERUN / "default-jax0.12-seed0.json").read_text())
+    assert record["made_by"]["jax"].startswith("0.12") and record["args"]["seed"] == 0
+    assert not record["made_by"]["commit"].endswith("+dirty")
+    final = {run: v["final_val_loss"] for run, v in record["results"].items()}
+    gap = 100 * (final["full-keep-ends"] / final["bf16"] - 1)
+    quoted = f"default run ends {gap:+.2f}% ({final['full-keep-ends']:.4f} against bf16's {final['bf16']:.4f}"
+    for page in ("README.md", "docs/getting-started.md"):
+        assert quoted in _normalized(page), f"{page} should say: {quoted!r}"
