@@ -218,3 +218,18 @@ def test_the_default_run_on_jax_0_12_is_quoted_as_recorded():
     quoted = f"default run ends {gap:+.2f}% ({final['full-keep-ends']:.4f} against bf16's {final['bf16']:.4f}"
     for page in ("README.md", "docs/getting-started.md"):
         assert quoted in _normalized(page), f"{page} should say: {quoted!r}"
+
+
+def test_the_residuals_quoted_are_their_record():
+    """One layer's backward-pass residuals (benchmarks.residuals) in the README."""
+    mb = {}
+    for line in (RESULTS / "residuals-8192x4096x4096.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith(("bf16 (", "NVFP4 (", "NVFP4 with")):
+            mb[cells[0].split(" ")[0] + (" both" if "kept too" in cells[0] else "")] = cells[1]
+    quoted = (
+        f"{mb['NVFP4']} MB, x's columnwise copy and W's one rowwise copy, against {mb['bf16']} MB for bf16's x and W "
+        f"({float(mb['NVFP4']) / float(mb['bf16']):.2f}x); W's second copy, kept until issue 51, made it "
+        f"{mb['NVFP4 both']} MB"
+    )
+    assert quoted in _normalized("README.md"), f"the README should say: {quoted!r}"
