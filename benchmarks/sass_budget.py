@@ -51,6 +51,13 @@ SPECS = {  # the specs measured, each built by its option names
     ),
     "four_over_six": QuantizeSpec(columnwise=True, four_over_six_error="mse", e4m3_max=256),
 }
+# The same specs on the tie-safe code index, which a copy takes where its amax lets a product be a round-down
+# tie (tie_possible: about a third of bfloat16 amaxes; the RHT's columnwise copy and 4over6 at E4M3 256 on
+# N(0, 1) data): today's kernel only (budget_tile<..., true>).
+TIE_SAFE_SPECS = {
+    f"{name}_tie_safe": SPECS[name]
+    for name in ("rowwise_columnwise", "block_2d", "rht", "four_over_six_fast_math", "four_over_six")
+}
 AFTER_ELEMENTS = 16 * 8  # a thread's values per tile
 BEFORE_ELEMENTS = 16  # the old kernel: one column of a 16-row stripe per thread
 
@@ -68,8 +75,15 @@ ENTRY_MACRO = """
     nvfp4::cuda::HOOK<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>(x, p, s);              \\
   }
 """
-# The kernel's own hook (ffi/cuda/quantize.cu under NVFP4_SASS_BUDGET).
-AFTER_WRAPPER = '#include "cuda/quantize.cu"\n' + ENTRY_MACRO.replace("HOOK", "budget_tile")
+# The kernel's own hook (ffi/cuda/quantize.cu under NVFP4_SASS_BUDGET), and its tie-safe variant
+# (NVFP4_BUDGET_TIE_SAFE: the hook's third template argument).
+AFTER_WRAPPER = (
+    '#include "cuda/quantize.cu"\n'
+    + ENTRY_MACRO.replace("HOOK", "budget_tile")
+    + ENTRY_MACRO.replace("NVFP4_BUDGET(", "NVFP4_BUDGET_TIE_SAFE(").replace(
+        "HOOK<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode>", "budget_tile<nvfp4::LoadBF16, nvfp4::cuda::Mode::mode, true>"
+    )
+)
 # The old kernel (quantize_stripe<L, Mode>(x, p), Params {amax, amax_t, seed, rows, cols,
 # stripes, tiles, spec, o}) has no hook: this wrapper adds one.
 BEFORE_WRAPPER = """
@@ -278,8 +292,9 @@ def measure(source: Path, include: Path, arch: str, entries: dict[str, tuple[str
     return table
 
 
-def quantize_entries(elements: int) -> dict[str, tuple[str, int]]:
-    return {name: (f"budget_quantize_{name}", elements) for name in SPECS}
+def quantize_entries(elements: int, tie_safe: bool = False) -> dict[str, tuple[str, int]]:
+    names = list(SPECS) + (list(TIE_SAFE_SPECS) if tie_safe else [])
+    return {name: (f"budget_quantize_{name}", elements) for name in names}
 
 
 def mode_of(spec: QuantizeSpec) -> str:
@@ -289,14 +304,18 @@ def mode_of(spec: QuantizeSpec) -> str:
     return "kNearest" if spec.four_over_six_error is None else "kFourOverSix"
 
 
-def budget_source(wrapper: str, tmp: Path) -> Path:
-    """`wrapper` (which includes the kernel) with an entry point per spec, written under tmp."""
+def budget_source(wrapper: str, tmp: Path, tie_safe: bool = False) -> Path:
+    """`wrapper` (which includes the kernel) with an entry point per spec (and per tie-safe spec, on today's
+    kernel), written under tmp."""
     lines = [wrapper]
-    for name, spec in SPECS.items():
+    specs = [("NVFP4_BUDGET", name, spec) for name, spec in SPECS.items()]
+    if tie_safe:
+        specs += [("NVFP4_BUDGET_TIE_SAFE", name, spec) for name, spec in TIE_SAFE_SPECS.items()]
+    for macro, name, spec in specs:
         mode = mode_of(spec)
         min_blocks = 1 if mode == "kFourOverSix" and wrapper is AFTER_WRAPPER else 0
         members = " ".join(f"s.{field} = {int(value)};" for field, value in spec.kernel_attrs().items())
-        lines.append(f"NVFP4_BUDGET({name}, {mode}, {min_blocks}, {members})")
+        lines.append(f"{macro}({name}, {mode}, {min_blocks}, {members})")
     source = tmp / "budget.cu"
     source.write_text("\n".join(lines) + "\n")
     return source
@@ -320,8 +339,9 @@ def main() -> None:
     for arch in archs:
         print(f"building the budget entry points for {arch} ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            source = budget_source(AFTER_WRAPPER, Path(tmp))
-            result.setdefault(arch, {})["after"] = measure(source, ROOT / "ffi", arch, quantize_entries(AFTER_ELEMENTS))
+            source = budget_source(AFTER_WRAPPER, Path(tmp), tie_safe=True)
+            entries = quantize_entries(AFTER_ELEMENTS, tie_safe=True)
+            result.setdefault(arch, {})["after"] = measure(source, ROOT / "ffi", arch, entries)
         tiled_before = False  # REV has today's tile kernel (its hook budget_tile), not the stripe kernel
         if args.before:
             print(f"building {args.before}'s kernel for {arch} ...", flush=True)
@@ -343,8 +363,8 @@ def main() -> None:
     plain = "rowwise_columnwise"  # "+": has a loop, the count is a lower bound
     for arch, tables in result.items():
         print(f"\n{arch}: SASS instructions per input element (registers, spill bytes)")
-        print(f"{'spec':26} " + " ".join(f"{k:>22}" for k in tables) + "  x plain")
-        for name in list(SPECS) + list(OTHER_KERNELS):
+        print(f"{'spec':34} " + " ".join(f"{k:>22}" for k in tables) + "  x plain")
+        for name in list(SPECS) + list(TIE_SAFE_SPECS) + list(OTHER_KERNELS):
             cells = []
             for table in tables.values():
                 row = table.get(name)
@@ -356,7 +376,7 @@ def main() -> None:
                 )
             after = tables["after"]
             ratio = after[name]["instructions_per_element"] / after[plain]["instructions_per_element"]
-            print(f"{name:26} " + " ".join(f"{c:>22}" for c in cells) + f"  {ratio:6.2f}")
+            print(f"{name:34} " + " ".join(f"{c:>22}" for c in cells) + f"  {ratio:6.2f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         print(f"\nwrote {args.json}")

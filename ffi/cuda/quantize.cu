@@ -1396,10 +1396,11 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 // The hook of benchmarks/sass_budget.py, which builds this file with its entry points: the
 // persistent tile loop of quantize_tiles in the steady state (an input of whole tiles and even
 // sizes, the copies the spec names, the entry's tables ready, the fast code index unless
-// row-scaled) with the spec's flags as constants, so that the loop body holds just that path. The
-// script counts the loop body: what a thread issues per tile.
+// row-scaled or kTieSafe: the index of a copy whose products can be round-down ties) with the
+// spec's flags as constants, so that the loop body holds just that path. The script counts the
+// loop body: what a thread issues per tile.
 namespace nvfp4::cuda {
-template <typename L, Mode kMode>
+template <typename L, Mode kMode, bool kTieSafe = false>
 __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, QuantizeSpec spec) {
   __shared__ SharedOf<kMode> sh;
   p.spec = spec;
@@ -1411,9 +1412,10 @@ __device__ __forceinline__ void budget_tile(const typename L::T* x, Params p, Qu
   if (!spec.rowwise) p.o.data = nullptr;
   if (!spec.columnwise) p.o.data_t = nullptr;
   // As prepare_entry leaves them: row-scaled copies have no table and a tie-safe index (the
-  // class table's, where there is one: 16-bit nearest rounding without the convert).
+  // class table's, where there is one: 16-bit nearest rounding without the convert), as do copies
+  // whose amax lets a product be a round-down tie (kTieSafe).
   const bool per_row = spec.row_scaled;
-  const Index index = !per_row ? Index::kFast
+  const Index index = !per_row && !kTieSafe ? Index::kFast
                       : kPacked<L> && kMode != Mode::kStochastic && !NVFP4_HAS_FP4_CVT()
                           ? Index::kClassSafe
                           : Index::kLutSafe;
