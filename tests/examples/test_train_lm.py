@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import eqns_named
+from helpers import eqns_named, needs_8_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,6 +49,7 @@ def _loss_and_grad(args, mesh, run: str):
     return jax.jit(jax.value_and_grad(functools.partial(next_byte_loss, model))), params, batch
 
 
+@needs_8_devices
 def test_sharded_step_gathers_the_nvfp4_weights_as_packed_bytes():
     args = _args("data=2,fsdp=2,tensor=2")
     step, params, batch = _loss_and_grad(args, make_mesh(args.mesh, args), "full")
@@ -65,6 +66,7 @@ def test_sharded_step_gathers_the_nvfp4_weights_as_packed_bytes():
     assert all(len(c.shape) == 1 for c in gathers if any(s in c.op_name for s in layers) and c not in in_gemms)
 
 
+@needs_8_devices
 @pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=4"])
 def test_data_and_fsdp_sharding_give_the_unsharded_step(mesh, monkeypatch):
     """In float32 (no bf16 fusion differences) data and FSDP sharding change no value: each NVFP4 GEMM sees the

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_bytes, examples
+from helpers import CPUS, assert_same_bytes, examples, needs_8_cpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -254,6 +254,7 @@ def test_errors():
         jax.jit(jax.grad(lambda x: jnp.sum(jax_nvfp4.ragged_dot(x, w, sizes).astype(jnp.float32))))(x)
 
 
+@needs_8_cpus
 def test_expert_and_data_sharding_equals_unsharded_and_moves_no_weights():
     """Experts over "expert", tokens over "data" (8 CPU devices): the unsharded results, the weights stay put.
 
@@ -261,12 +262,12 @@ def test_expert_and_data_sharding_equals_unsharded_and_moves_no_weights():
     once each; nothing else of their size or of the weights' crosses devices: the other collectives are
     the float32 GEMM results' reductions, the amaxes and the group sizes.
     """
-    mesh = jax.make_mesh((2, 4), ("expert", "data"), devices=jax.devices()[:8], axis_types=(AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((2, 4), ("expert", "data"), devices=CPUS[:8], axis_types=(AxisType.Auto,) * 2)
     m, k, n, groups = 256, 64, 128, 4
     x, w, dy = _problem(m, k, n, groups)
     sizes = jnp.array([50, 0, 130, 60], jnp.int32)
     grads = jax.jit(functools.partial(_vjp, recipe=NO_SR))
-    want = grads(x, w, sizes, dy)
+    want = grads(*jax.device_put((x, w, sizes, dy), CPUS[0]))  # on the CPU as the mesh, also on a GPU machine
     named = functools.partial(NamedSharding, mesh)
     args = (
         jax.device_put(x, named(P("data"))),

@@ -15,7 +15,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_same_bytes, needs_8_cpus, raw_bytes
+from helpers import assert_same_bytes, needs_8_devices, raw_bytes
 from helpers.multiprocess_fsdp import flat_host, run_fsdp_steps
 
 from examples.lm.distributed import launch
@@ -26,7 +26,7 @@ CHILD = pathlib.Path(__file__).resolve().parents[1] / "helpers" / "multiprocess_
 PROCESS_TIMEOUT = 300
 
 pytestmark = [
-    needs_8_cpus,
+    needs_8_devices,  # this process's step is the example's, on jax.devices() (the children's are CPUs)
     pytest.mark.skipif(
         "jax_cpu_collectives_implementation" not in jax.config.values,
         reason=f"jax {jax.__version__} has no jax_cpu_collectives_implementation (gloo) option",
