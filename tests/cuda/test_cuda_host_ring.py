@@ -22,6 +22,7 @@ from helpers import (
     option_cases,
     random_normal,
     sr_cases,
+    sr_vector_run,
 )
 from helpers.counters import Launch, only, quantize_launches, run_traced
 from helpers.cuda_host import needs_module
@@ -96,14 +97,9 @@ def test_the_ring_gives_the_golden_bytes(name, sm, monkeypatch):
 @pytest.mark.parametrize("name", RING_SR_VECTORS)
 def test_the_ring_gives_the_stochastic_rounding_vectors(name, sm, monkeypatch):
     g, x, amax, amax_t, seed, spec = load_sr(name)
-
-    def run(x, amax, amax_t, seed):
-        amaxes = cuda_host.BACKEND.amax(x, amax_mesh_axes=None, rht_amax=spec.rht, per_row=False)
-        return amaxes, cuda_host.BACKEND.quantize(x, amax, amax_t, seed, spec=spec)
-
     monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
     with cuda_host.emulating(sm):
-        (amaxes, outs), launches = run_traced(run, x, amax, amax_t, seed)
+        (amaxes, outs), launches = run_traced(sr_vector_run(cuda_host.BACKEND, spec), x, amax, amax_t, seed)
     assert "quantize_ring_kernel" in only(launches, "quantize").kernel
     assert_sr_vector(g, amaxes, outs)
 

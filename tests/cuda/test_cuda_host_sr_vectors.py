@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 import pytest
-from helpers import assert_sr_vector, cuda_host, load_sr, sr_cases
+from helpers import assert_sr_vector, cuda_host, load_sr, sr_cases, sr_vector_run
 from helpers.cuda_host import needs_module
 
 pytestmark = needs_module
@@ -16,11 +16,6 @@ pytestmark = needs_module
 @pytest.mark.parametrize("name", sr_cases())
 def test_sr_vector_on_the_cuda_kernels(name, sm):
     g, x, amax, amax_t, seed, spec = load_sr(name)
-
-    def run(x, amax, amax_t, seed):
-        amaxes = cuda_host.BACKEND.amax(x, amax_mesh_axes=None, rht_amax=spec.rht, per_row=False)
-        return amaxes, cuda_host.BACKEND.quantize(x, amax, amax_t, seed, spec=spec)
-
     with cuda_host.emulating(sm):
-        amaxes, outs = jax.jit(run)(x, amax, amax_t, seed)
+        amaxes, outs = jax.jit(sr_vector_run(cuda_host.BACKEND, spec))(x, amax, amax_t, seed)
     assert_sr_vector(g, amaxes, outs)

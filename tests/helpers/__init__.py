@@ -50,6 +50,7 @@ from .golden import (
     one_per_family,
     option_cases,
     sr_cases,
+    sr_vector_run,
 )
 from .kernel_cases import (
     COMBINATION_IDS,
@@ -120,6 +121,7 @@ __all__ = [
     "reference_quantize",
     "rel_err",
     "sr_cases",
+    "sr_vector_run",
     "stablehlo_functions",
     "tensor_of_codes",
     "tensors",

@@ -110,6 +110,18 @@ def load_sr(name: str):
     return g, x, jnp.asarray(g["amax"]), jnp.asarray(g["amax_t"]), jnp.asarray(g["seed"]), spec
 
 
+def sr_vector_run(backend, spec: QuantizeSpec):
+    """(x, amax, amax_t, seed) -> (``backend``'s amaxes of x, its quantize of x with the given amaxes and seed),
+    for a vector's arguments (``load_sr``) and a backend (``core.backend.Backend``): what ``assert_sr_vector``
+    checks."""
+
+    def run(x, amax, amax_t, seed):
+        amaxes = backend.amax(x, amax_mesh_axes=None, rht_amax=spec.rht, per_row=False)
+        return amaxes, backend.quantize(x, amax, amax_t, seed, spec=spec)
+
+    return run
+
+
 def assert_sr_vector(g, amaxes, outs):
     """A backend's amaxes (``amax(x, rht_amax=spec.rht)``) and quantize outputs are vector ``g``'s, byte for byte."""
     assert np.asarray(amaxes[0]).tobytes() == g["amax"].tobytes()

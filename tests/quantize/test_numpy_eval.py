@@ -19,6 +19,7 @@ from helpers import (
     option_cases,
     random_tensor,
     sr_cases,
+    sr_vector_run,
 )
 from helpers.numpy_eval import evaluate
 
@@ -37,12 +38,7 @@ def test_golden_files(name):
 @pytest.mark.parametrize("name", sr_cases())
 def test_stochastic_rounding_vectors(name):
     g, x, amax, amax_t, seed, spec = load_sr(name)
-
-    def run(x, amax, amax_t, seed):
-        amaxes = REFERENCE.amax(x, amax_mesh_axes=None, rht_amax=spec.rht, per_row=False)
-        return amaxes, REFERENCE.quantize(x, amax, amax_t, seed, spec=spec)
-
-    assert_sr_vector(g, *evaluate(run, x, amax, amax_t, seed))
+    assert_sr_vector(g, *evaluate(sr_vector_run(REFERENCE, spec), x, amax, amax_t, seed))
 
 
 # One case of each option family the golden files lack or cover thinly, on values with every special.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import GOLDEN_DIR, assert_sr_vector, load_sr, sr_cases
+from helpers import GOLDEN_DIR, assert_sr_vector, load_sr, sr_cases, sr_vector_run
 
 from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.reference import kernels
@@ -39,13 +39,7 @@ CASES = [(name, "kernel") for name in sr_cases()] + [
 def test_sr_vector(name, impl):
     """The backend's amaxes and quantize on the kernels' contract [B, M, N] give the stored bytes."""
     g, x, amax, amax_t, seed, spec = load_sr(name)
-    backend = BACKENDS[impl]
-
-    @jax.jit
-    def run(x, amax, amax_t, seed):
-        amaxes = backend.amax(x, amax_mesh_axes=None, rht_amax=spec.rht, per_row=False)
-        return amaxes, backend.quantize(x, amax, amax_t, seed, spec=spec)
-
+    run = jax.jit(sr_vector_run(BACKENDS[impl], spec))
     amaxes, outs = run(x, amax, amax_t, seed)
     assert_sr_vector(g, amaxes, outs)
     # Another seed moves codes (the vectors do depend on it), never scales.
