@@ -47,13 +47,14 @@ README_ROWS = {
 }
 
 
+def table_cells(text: str) -> list[list[str]]:
+    """The cells of every markdown table row in ``text``, stripped."""
+    lines = (line.strip() for line in text.splitlines())
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("|")]
+
+
 def _table_rows(text: str) -> dict[str, str]:
-    rows = {}
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.strip().startswith("|") and len(cells) >= 2:
-            rows[cells[0]] = cells[1]
-    return rows
+    return {cells[0]: cells[1] for cells in table_cells(text) if len(cells) >= 2}
 
 
 def test_the_readme_training_table_quotes_its_records():
@@ -112,8 +113,7 @@ def breakdown(record: str) -> dict[str, tuple[int, float, float]]:
     """A benchmarks.layer_breakdown record's summary table: its row's label (``NVFP4 dequantize``, ``NVFP4``,
     ``bf16``, ...) -> (kernels, MB in all, x bf16's)."""
     rows = {}
-    for line in (RESULTS / record).read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    for cells in table_cells((RESULTS / record).read_text()):
         if len(cells) >= 6 and cells[0].strip("*").startswith(("NVFP4", "bf16")) and cells[1].isdigit():
             rows[cells[0].strip("*")] = (int(cells[1]), float(cells[4]), float(cells[5]))
     return rows
@@ -193,10 +193,8 @@ def test_the_width_figures_quoted_are_their_records():
 def test_the_options_figures_quoted_are_their_record():
     """The README's one-seed options line: 4over6 and per-token scales against the plain recipe, each's
     validation loss against bf16's in the options record's table."""
-    record = (RESULTS / "train-lm-options-cpu-amd-epyc-2core.md").read_text()
     val = {}
-    for line in record.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    for cells in table_cells((RESULTS / "train-lm-options-cpu-amd-epyc-2core.md").read_text()):
         if len(cells) == 6 and cells[0] in ("plain", "4o6", "per-token", "bf16"):
             val[cells[0]] = float(cells[3])
     gap = {run: f"{100 * (val[run] / val['bf16'] - 1):.1f}%" for run in ("plain", "4o6", "per-token")}
@@ -223,8 +221,7 @@ def test_the_default_run_on_jax_0_12_is_quoted_as_recorded():
 def test_the_residuals_quoted_are_their_record():
     """One layer's backward-pass residuals (benchmarks.residuals) in the README."""
     mb = {}
-    for line in (RESULTS / "residuals-8192x4096x4096.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    for cells in table_cells((RESULTS / "residuals-8192x4096x4096.md").read_text()):
         if len(cells) == 3 and cells[0].startswith(("bf16 (", "NVFP4 (", "NVFP4 with")):
             mb[cells[0].split(" ")[0] + (" both" if "kept too" in cells[0] else "")] = cells[1]
     quoted = (
