@@ -58,6 +58,7 @@ class Kernel:
     read: float
     written: float
     shape: str = ""  # its result's HLO shape
+    seconds: float = 0.0  # its time in a traced run (--time)
 
 
 def kernels(hlo: str) -> list[Kernel]:
@@ -163,12 +164,13 @@ def main() -> None:
     bf16_dot = lambda x, w: lax.dot_general(x, w, DENSE)  # noqa: E731
     bf16_step = compiled_step(bf16_dot, shape, args.target, args.producer)
     bf16 = kernels(bf16_step.as_text())
-    seconds: dict[int, float] = {}  # by id(kernel): the two programs' instruction names can coincide
     if args.time:
         inputs = step_inputs(shape)
-        nvfp4_s, bf16_s = instruction_seconds(nvfp4_step, *inputs), instruction_seconds(bf16_step, *inputs)
-        seconds = {id(k): nvfp4_s.get(k.name, 0.0) for k in nvfp4} | {id(k): bf16_s.get(k.name, 0.0) for k in bf16}
-    ms = (lambda ks: f" | {sum(seconds[id(k)] for k in ks) * 1e3:.3f}") if args.time else (lambda ks: "")
+        for step, found in ((nvfp4_step, nvfp4), (bf16_step, bf16)):
+            seconds = instruction_seconds(step, *inputs)
+            for k in found:
+                k.seconds = seconds.get(k.name, 0.0)
+    ms = (lambda ks: f" | {sum(k.seconds for k in ks) * 1e3:.3f}") if args.time else (lambda ks: "")
     ms_head, ms_rule = (" ms |", "---:|") if args.time else ("", "")
     if args.target == "h100":
         from benchmarks.offline_gpu import H100

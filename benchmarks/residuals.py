@@ -20,9 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import jax_nvfp4
+from benchmarks.layer_breakdown import DENSE
 from benchmarks.timing import Report
-
-DENSE = (((1,), (0,)), ((), ()))
 
 
 def residuals(dot, shape: tuple[int, int, int]) -> list[jax.ShapeDtypeStruct]:
