@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import eqns_named, needs_8_devices
+from helpers import eqns_named, needs_8_cpus, needs_8_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,7 +27,7 @@ from examples.lm.model import RECIPES, RUNS, build_model, describe, next_byte_lo
 from examples.lm.training import LOAD_BALANCE
 from jax_nvfp4.sharding.hlo import collectives
 
-pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (set in conftest.py)")
+pytestmark = needs_8_cpus
 
 
 def _args(mesh: str) -> argparse.Namespace:
