@@ -711,6 +711,40 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
   }
 }
 
+// 4over6's rowwise 1x16 copy. Step i takes rows i and i + 8: the even lane computes row i's
+// candidates, the odd lane row i + 8's, and each hands the other its own, so that only one step's
+// candidates are live (a lane's 8 rows of them at once spilled: 456 bytes for bfloat16 on sm_90).
+// The copy's index is read at run time: one instantiation of this pass per dtype (build time).
+template <typename L>
+__device__ __forceinline__ void four_over_six_rows(const Params& p, const FourOverSixShared& sh,
+                                                   Staging& st, const Values<L>& w,
+                                                   const uint32_t (&row_mag)[kBlock],
+                                                   const Copy& kr, const GlobalScales& lane_g) {
+  const QuantizeSpec& spec = p.spec;
+  const int own = own_rows();
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) {
+    FastCandidate c6, c4;  // of row own + i
+    fast_candidates(
+        own_magnitude<L>(row_mag, i), spec.row_scaled ? row_scales_of(lane_g, own + i) : kr.g,
+        spec.row_scaled ? nullptr : kr.enc, sh.scale_value, spec.four_over_six().fast_math, c6, c4);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = i + half * (kBlock / 2);
+      const bool mine = (half == 1) == (own != 0);  // this lane stages row r's scale
+      float v[kCols];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) v[c] = value<L>(w, r, c);
+      const GlobalScales g = spec.row_scaled ? row_scales_of(lane_g, r) : kr.g;
+      const Candidate chosen =
+          row_choice(sh.class_value, v, pick_candidate(mine, c6), pick_candidate(mine, c4), g,
+                     spec.four_over_six(), kr.exact, kr.index != Index::kFast);
+      stage_row(st, r, nearest8(sh.lut, kr.index, chosen.enc, [&](int k) { return v[k]; }));
+      if (mine) stage_row_scale(st, r, fix_nan_scales(chosen.scale));
+    }
+  }
+}
+
 // 1x16 blocks, one pass over the rows: the rowwise copy's words and scales, and with `fused`
 // the columnwise copy's codes (nearest rounding of the values themselves: no rht) from the same
 // unpacked values. kIndex: how both copies find their codes (nearest rounding; stochastic
@@ -730,19 +764,11 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
   GlobalScales lane_g{};
   if (spec.row_scaled && rows_on)
     lane_g = lane_row_scales(spec, p.amax + at.b * p.rows + at.m0, at.nrows);
-  // 4over6: the candidates of this lane's own 8 rows (its partner takes them by shuffles).
-  FastCandidate own_c6[kBlock / 2], own_c4[kBlock / 2];
-  if constexpr (kMode == Mode::kFourOverSix) {
-    if (rows_on) {
-#pragma unroll
-      for (int i = 0; i < kBlock / 2; ++i)
-        fast_candidates(own_magnitude<L>(row_mag, i),
-                        spec.row_scaled ? row_scales_of(lane_g, own + i) : kr.g,
-                        spec.row_scaled ? nullptr : kr.enc, sh.scale_value,
-                        spec.four_over_six().fast_math, own_c6[i], own_c4[i]);
-    }
+  if constexpr (kMode == Mode::kFourOverSix) {  // no fused columnwise copy
+    if (rows_on) four_over_six_rows<L>(p, sh, st, w, row_mag, kr, lane_g);
+    return;
   }
-  if (kMode != Mode::kFourOverSix && rows_on) {
+  if (rows_on) {
     float enc_own[kBlock / 2];
 #pragma unroll
     for (int i = 0; i < kBlock / 2; i += 2) {
@@ -799,19 +825,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
       for (int j = 0; j < 2; ++j) {
         const auto get = [&](int k) { return v[j][k]; };
         uint32_t word;
-        if constexpr (kMode == Mode::kFourOverSix) {
-          const GlobalScales g = spec.row_scaled ? row_scales_of(lane_g, r + j) : kr.g;
-          // Row r + j's candidates, computed by the lane that stages its scale (own_c6, own_c4).
-          const int i = (r + j) % (kBlock / 2);
-          const bool mine = (r + j >= kBlock / 2) == (own != 0);
-          const FastCandidate c6 = pick_candidate(mine, own_c6[i]);
-          const FastCandidate c4 = pick_candidate(mine, own_c4[i]);
-          // The copy's index at run time: one instantiation of this pass per dtype (build time).
-          const Candidate chosen = row_choice(sh.class_value, v[j], c6, c4, g, spec.four_over_six(),
-                                              kr.exact, kr.index != Index::kFast);
-          word = nearest8(sh.lut, kr.index, chosen.enc, get);
-          if (mine) stage_row_scale(st, r + j, fix_nan_scales(chosen.scale));
-        } else if constexpr (kMode == Mode::kStochastic) {
+        if constexpr (kMode == Mode::kStochastic) {
           word = stochastic8<kIndex == Index::kFast>(enc_r[r + j], rw[r + j].x, rw[r + j].y, get);
         } else {
           word = nearest8<kIndex>(sh.lut, enc_r[r + j], get);
