@@ -530,20 +530,23 @@ __device__ __forceinline__ int own_rows() { return (threadIdx.x & 1u) ? kBlock /
 // The random words of the thread's 8 values in each of its 16 rows (rows m0.. of batch entry b,
 // their 1x16 block j, the rowwise stream: Stream::row_block): w[r] = words 0-1 of the block's hash
 // (even lane, values 0-7) or 2-3 (odd lane). Each lane hashes 8 of the pair's 16 row blocks (the
-// even lane rows i, the odd lane rows i + 8) and hands its partner the half it needs.
+// even lane rows i, the odd lane rows i + 8) and hands its partner the half it needs; step i
+// (row_random_step) gives the words of rows i (lo) and i + 8 (hi).
+__device__ __forceinline__ void row_random_step(const Stream& seed, uint32_t j, uint32_t m0,
+                                                uint32_t b, int i, uint2& lo, uint2& hi) {
+  const bool odd = threadIdx.x & 1u;
+  uint32_t h[4];
+  seed.row_block(j, m0 + uint32_t(i + (odd ? kBlock / 2 : 0)), b, h);
+  const uint2 keep = odd ? uint2{h[2], h[3]} : uint2{h[0], h[1]};
+  const uint2 give = odd ? uint2{h[0], h[1]} : uint2{h[2], h[3]};
+  const uint2 got{__shfl_xor_sync(~0u, give.x, 1), __shfl_xor_sync(~0u, give.y, 1)};
+  lo = odd ? got : keep;
+  hi = odd ? keep : got;
+}
 __device__ __forceinline__ void row_random(const Stream& seed, uint32_t j, uint32_t m0, uint32_t b,
                                            uint2 (&w)[kBlock]) {
-  const bool odd = threadIdx.x & 1u;
 #pragma unroll
-  for (int i = 0; i < kBlock / 2; ++i) {
-    uint32_t h[4];
-    seed.row_block(j, m0 + uint32_t(i + (odd ? kBlock / 2 : 0)), b, h);
-    const uint2 keep = odd ? uint2{h[2], h[3]} : uint2{h[0], h[1]};
-    const uint2 give = odd ? uint2{h[0], h[1]} : uint2{h[2], h[3]};
-    const uint2 got{__shfl_xor_sync(~0u, give.x, 1), __shfl_xor_sync(~0u, give.y, 1)};
-    w[i] = odd ? got : keep;
-    w[i + kBlock / 2] = odd ? keep : got;
-  }
+  for (int i = 0; i < kBlock / 2; ++i) row_random_step(seed, j, m0, b, i, w[i], w[i + kBlock / 2]);
 }
 
 // The magnitude maximum of own row own_rows() + i from load_tile's row maxima (packed dtypes:
@@ -711,6 +714,28 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
   }
 }
 
+// Stochastic rounding's rowwise 1x16 copy (block n0 / 16 of row m draws counter (n0 / 16, m, b,
+// 0)) under encode scales enc_r. Step i takes rows i and i + 8, whose random words the even and
+// the odd lane hash (row_random_step), so that one step's words are live, not all 16 rows'.
+template <typename L, bool kFast>
+__device__ __forceinline__ void stochastic_rows(Staging& st, const Place& at, const Values<L>& w,
+                                                const float (&enc_r)[kBlock], const Stream& seed) {
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) {
+    uint2 rw[2];
+    row_random_step(seed, at.n0 / kBlock, at.m0, at.b, i, rw[0], rw[1]);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = i + half * (kBlock / 2);
+      float v[kCols];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) v[c] = value<L>(w, r, c);
+      stage_row(st, r,
+                stochastic8<kFast>(enc_r[r], rw[half].x, rw[half].y, [&](int k) { return v[k]; }));
+    }
+  }
+}
+
 // 4over6's rowwise 1x16 copy. Step i takes rows i and i + 8: the even lane computes row i's
 // candidates, the odd lane row i + 8's, and each hands the other its own, so that only one step's
 // candidates are live (a lane's 8 rows of them at once spilled: 456 bytes for bfloat16 on sm_90).
@@ -790,6 +815,10 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
       enc_r[i + kBlock / 2] = own ? enc_own[i] : other;
     }
   }
+  if constexpr (kMode == Mode::kStochastic) {  // no fused columnwise copy
+    if (rows_on) stochastic_rows<L, kIndex == Index::kFast>(st, at, w, enc_r, seed);
+    return;
+  }
   // Fused columnwise scales.
   float enc_c[kCols];
   uint32_t scale_c[kCols / 2];
@@ -809,9 +838,6 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
   uint32_t acc[kCols][2];  // fused: column c's codes of rows 0-7 and 8-15
 #pragma unroll
   for (int c = 0; c < kCols; ++c) acc[c][0] = acc[c][1] = 0;
-  // Stochastic rounding: block n0 / 16 of row m draws counter (n0 / 16, m, b, 0).
-  uint2 rw[kBlock];
-  if (kMode == Mode::kStochastic && rows_on) row_random(seed, at.n0 / kBlock, at.m0, at.b, rw);
 #pragma unroll
   for (int r = 0; r < kBlock; r += 2) {
     float v[2][kCols];
@@ -823,14 +849,8 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
     if (rows_on) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const auto get = [&](int k) { return v[j][k]; };
-        uint32_t word;
-        if constexpr (kMode == Mode::kStochastic) {
-          word = stochastic8<kIndex == Index::kFast>(enc_r[r + j], rw[r + j].x, rw[r + j].y, get);
-        } else {
-          word = nearest8<kIndex>(sh.lut, enc_r[r + j], get);
-        }
-        stage_row(st, r + j, word);
+        stage_row(st, r + j,
+                  nearest8<kIndex>(sh.lut, enc_r[r + j], [&](int k) { return v[j][k]; }));
       }
     }
     if (kMode == Mode::kNearest && fused) {
