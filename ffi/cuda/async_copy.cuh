@@ -3,6 +3,10 @@
 // model its emulation of them (cuda/host/runtime.h), which checks their use.
 #pragma once
 
+#if !defined(NVFP4_CUDA_HOST)
+#include <cuda.h>  // CUtensorMap and its encoder's types only: the driver is found at run time
+#endif
+
 #include "cuda/common.cuh"
 
 namespace nvfp4::cuda {
@@ -93,6 +97,78 @@ __device__ __forceinline__ void warp_bulk_load_rows(T* dst, int64_t dst_stride, 
   fence_proxy_async();
   for (uint32_t r = lane; r < rows; r += 32)
     bulk_load(dst + r * dst_stride, src + r * src_stride, bytes, bar NVFP4_CALLER_ARGS);
+}
+
+// ---- bulk tensor copies (a tiled tensor map; cp.async.bulk.tensor) ----
+
+#if defined(NVFP4_CUDA_HOST)
+using TensorMap = host::TensorMap;
+#define NVFP4_GRID_CONSTANT
+#else
+using TensorMap = CUtensorMap;
+// A kernel parameter whose address a tensor copy takes: it stays in parameter space.
+#define NVFP4_GRID_CONSTANT __grid_constant__
+#endif
+
+// Copies the box of the 3-d tensor `map` describes at element coordinates (x, y, z) (innermost
+// first) into shared dst (128-byte aligned), the box's elements densely, innermost first, and
+// elements outside the tensor as zeros; the whole box's bytes complete on bar (announced by an
+// expect_tx of them). `map` is a NVFP4_GRID_CONSTANT kernel parameter.
+__device__ __forceinline__ void tensor_load_3d(void* dst, const TensorMap* map, int32_t x,
+                                               int32_t y, int32_t z, Mbarrier* bar NVFP4_CALLER) {
+#if defined(NVFP4_CUDA_HOST)
+  const int32_t at[3] = {x, y, z};
+  host::tensor_load(dst, map, at, bar, NVFP4_CALLER_SITE);
+#else
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(shared_address(bar))
+      : "memory");
+#endif
+}
+
+// Encodes `map` for the [batch, rows, cols] tensor of `element_bytes`-byte elements at base, rows
+// cols elements apart, whose copies move boxes of box_rows x box_cols (of one batch entry): no
+// interleave, no swizzle, zeros outside the tensor. False where the driver refuses it (a base not
+// 16-byte aligned, rows not whole 16-byte chunks, ...) or has no encoder (CUDA runtime before
+// 12.5): the caller then copies rows.
+inline bool encode_tensor_map_3d(TensorMap& map, const void* base, uint32_t element_bytes,
+                                 uint64_t cols, uint64_t rows, uint64_t batch, uint32_t box_cols,
+                                 uint32_t box_rows) {
+  const uint64_t dims[3] = {cols, rows, batch};
+  const uint64_t strides[2] = {cols * element_bytes, rows * cols * element_bytes};
+  const uint32_t box[3] = {box_cols, box_rows, 1};
+#if defined(NVFP4_CUDA_HOST)
+  return host::encode_tensor_map(&map, base, 3, element_bytes, dims, strides, box).empty();
+#elif CUDART_VERSION >= 12050
+  using Encode =
+      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static const Encode encode = [] {  // the driver's, once a process
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // not left for the next launch's check
+      return Encode(nullptr);
+    }
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const uint32_t ones[3] = {1, 1, 1};
+  const CUtensorMapDataType type = element_bytes == 4   ? CU_TENSOR_MAP_DATA_TYPE_UINT32
+                                   : element_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16
+                                                        : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  return encode(&map, type, 3, const_cast<void*>(base), dims, strides, box, ones,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+#else
+  return false;
+#endif
 }
 
 // Returns once the phase of parity `parity` of bar has completed (its arrivals and bytes).

@@ -62,13 +62,19 @@ inline ffi::Error zero(void* ptr, int64_t bytes, cudaStream_t stream) {
   return ffi::Error::Success();
 }
 
-// Whether the environment asks for the kernels that load through a ring of bulk copies
-// (NVFP4_QUANTIZE_LOAD=ring; default direct loads): quantize's and the grouped quantize's, a switch
-// for measuring both on a GPU (benchmarks/gpu_quantize.py), read on every call.
-inline bool ring_asked() {
+// Whether the environment asks for the kernels that load through a ring of asynchronous copies
+// (quantize's and the grouped quantize's), a switch for measuring them on a GPU
+// (benchmarks/gpu_quantize.py), read on every call. NVFP4_QUANTIZE_LOAD unset: the direct
+// kernels; "ring": the ring, the quantize kernel's filled by tensor copies where the input's
+// tensor map encodes; "ring-rows": the ring filled by a bulk copy a row.
+enum class RingLoad { kNone, kTensor, kRows };
+inline RingLoad ring_load() {
   const char* load = std::getenv("NVFP4_QUANTIZE_LOAD");
-  return load != nullptr && std::string_view(load) == "ring";
+  if (load == nullptr) return RingLoad::kNone;
+  const std::string_view v(load);
+  return v == "ring" ? RingLoad::kTensor : v == "ring-rows" ? RingLoad::kRows : RingLoad::kNone;
 }
+inline bool ring_asked() { return ring_load() != RingLoad::kNone; }
 
 // Blocks for a grid-stride loop over n items: enough to fill the GPU, no more.
 inline unsigned grid_stride_blocks(int64_t n, int threads) {
@@ -130,7 +136,7 @@ __device__ __forceinline__ unsigned char* dynamic_shared() {
 #if defined(NVFP4_CUDA_HOST)
   return host::dynamic_shared();
 #else
-  extern __shared__ __align__(16) unsigned char bytes[];
+  extern __shared__ __align__(128) unsigned char bytes[];  // 128: tensor copies land there
   return bytes;
 #endif
 }

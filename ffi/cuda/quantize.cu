@@ -68,6 +68,7 @@ struct Params {
   bool vec_in;        // N % 8 == 0: a thread's 8 columns are one 16-byte load
   bool vec_rows;      // the rowwise data and scale rows of a tile are whole 16-byte chunks
   bool vec_cols;      // the columnwise data rows are whole 16-byte chunks, scales 4-byte
+  bool mapped;        // kRing: the kernel's tensor map of x is encoded (tensor copies)
   QuantizeSpec spec;  // its rht applies as columnwise_rht(): a columnwise 1x16 copy
   QuantizeOutputs o;
 };
@@ -1110,18 +1111,31 @@ __device__ __forceinline__ bool build_dynamic_table(Shared& sh, uint32_t tail) {
   }
 }
 
-// kRing: the bulk copies of tile t's rows into ring stage s (warp 0; lane 0 announces their bytes
-// on the stage's mbarrier first). Rows past the input are not copied, nor columns past its end
-// (p.vec_in: a row's part is whole 16-byte chunks), as load_tile reads neither.
+// kRing: tile t's values into ring stage s (warp 0), completing on the stage's mbarrier. With a
+// tensor map (`map`: x as [batch, rows, cols], boxes of one tile), one tensor copy of the tile,
+// values past the input zero; without, a bulk copy a row (lane 0 announcing their bytes first),
+// rows past the input not copied, nor columns past its end (p.vec_in: a row's part is whole
+// 16-byte chunks). load_tile reads neither.
 template <typename L>
 __device__ __forceinline__ void load_stage(const typename L::T* x, const Params& p, Shared& sh,
-                                           typename L::T* stage, int s, TilePos t) {
+                                           typename L::T* stage, int s, TilePos t,
+                                           const TensorMap* map) {
   if (threadIdx.x >= 32) return;
   const uint32_t rows = uint32_t(p.rows), cols = uint32_t(p.cols);
   const uint32_t m0 = t.tr * kTileRows, n0 = t.tc * kTileCols;
+  // The block read this stage last, before the barrier that led here.
+  if (map != nullptr) {
+    NVFP4_PATH("stage fill: a tensor copy a tile");
+    if (threadIdx.x == 0) {
+      mbarrier_arrive_expect_tx(&sh.full[s], kStageBytes<L>);
+      fence_proxy_async();
+      tensor_load_3d(stage, map, int32_t(n0), int32_t(m0), int32_t(t.b), &sh.full[s]);
+    }
+    return;
+  }
+  NVFP4_PATH("stage fill: a bulk copy a row");
   const uint32_t nrows = min(uint32_t(kTileRows), rows - m0);
   const uint32_t bytes = min(uint32_t(kTileCols), cols - n0) * uint32_t(sizeof(typename L::T));
-  // The block read this stage last, before the barrier that led here.
   warp_bulk_load_rows(stage, kTileCols, x + (uint64_t(t.b) * rows + m0) * cols + n0, cols, nrows,
                       bytes, &sh.full[s]);
 }
@@ -1154,8 +1168,10 @@ __device__ __forceinline__ Staging* staged_tiles(const Params& p) {
          p.staged;
 }
 
+// `map`: kRing's tensor map of x, or null (bulk copies a row).
 template <typename L, Mode kMode, Load kLoad = Load::kDirect>
-__device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p) {
+__device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Params& p,
+                                               const TensorMap* map = nullptr) {
   __shared__ SharedOf<kMode> sh;
   const uint32_t ring_size = ring_bytes<L, kLoad>(p.stages);
   using T = typename L::T;
@@ -1172,7 +1188,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
     }
     __syncthreads();
     for (uint32_t s = 0; s + 1 < p.stages; ++s, advance(ahead, p))
-      if (ahead.b < p.batch) load_stage<L>(x, p, sh, ring + s * kStageValues, int(s), ahead);
+      if (ahead.b < p.batch) load_stage<L>(x, p, sh, ring + s * kStageValues, int(s), ahead, map);
   }
   build_code_tables<kMode>(sh);
   const bool classes = build_dynamic_table<L, kMode>(sh, ring_size + p.staged * sizeof(Staging));
@@ -1193,7 +1209,7 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
       // for the (k / stages)-th time.
       const uint32_t s = k % p.stages, s_ahead = (k + p.stages - 1) % p.stages;
       if (ahead.b < p.batch)
-        load_stage<L>(x, p, sh, ring + s_ahead * kStageValues, int(s_ahead), ahead);
+        load_stage<L>(x, p, sh, ring + s_ahead * kStageValues, int(s_ahead), ahead, map);
       advance(ahead, p);
       mbarrier_wait(&sh.full[s], (k / p.stages) & 1u);
       stage = ring + s * kStageValues;
@@ -1214,8 +1230,9 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const typename L::T*
 // besides the tables, so one block fits an SM: ptxas may use the registers.
 template <typename L, Mode kMode>
 __global__ void __launch_bounds__(kThreads, 1)
-    quantize_ring_kernel(const typename L::T* x, Params p) {
-  quantize_tiles<L, kMode, Load::kRing>(x, p);
+    quantize_ring_kernel(const typename L::T* x, Params p,
+                         const NVFP4_GRID_CONSTANT TensorMap map) {
+  quantize_tiles<L, kMode, Load::kRing>(x, p, p.mapped ? &map : nullptr);
 }
 
 // 4over6 keeps two candidates per block live: one block per SM lets ptxas use the
@@ -1315,9 +1332,10 @@ ffi::Error dynamic_shared_of(DynamicShared& out) {
 
 // Launches kernel K (dtype L, mode kMode, load kLoad) as a persistent grid over the tiles; where K
 // does not fit the device, `fits` (if given) turns false and nothing launches.
+// kRing: `map` is x's tensor map, or null (bulk copies a row).
 template <auto K, typename L, Mode kMode, Load kLoad = Load::kDirect>
-ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p,
-                        bool* fits = nullptr) {
+ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p, bool* fits = nullptr,
+                        const TensorMap* map = nullptr) {
   DynamicShared shared{};
   if (auto e = dynamic_shared_of<K, L, kMode, kLoad>(shared); e.failure()) return e;
   if (fits != nullptr) *fits = shared.staged != 0;
@@ -1331,7 +1349,13 @@ ffi::Error launch_tiles(cudaStream_t stream, const typename L::T* x, Params p,
   p.step = tile_pos(blocks, p.row_tiles, p.col_tiles);
   p.staged = shared.staged;
   p.stages = shared.stages;
-  return launch<K>("quantize", blocks, kThreads, shared.bytes, stream, x, p);
+  if constexpr (kLoad == Load::kRing) {
+    p.mapped = map != nullptr;
+    return launch<K>("quantize", blocks, kThreads, shared.bytes, stream, x, p,
+                     p.mapped ? *map : TensorMap{});
+  } else {
+    return launch<K>("quantize", blocks, kThreads, shared.bytes, stream, x, p);
+  }
 }
 
 // The spec's rounding mode.
@@ -1344,11 +1368,13 @@ inline Mode mode_of(const QuantizeSpec& spec) {
 // Launches dtype L's kernel of rounding mode M, its input loaded by kLoad (kRing: where its ring
 // fits the device, else the direct kernel).
 template <typename L, Mode M, Load kLoad>
-ffi::Error launch_mode(cudaStream_t stream, const typename L::T* x, const Params& p) {
+ffi::Error launch_mode(cudaStream_t stream, const typename L::T* x, const Params& p,
+                       const TensorMap* map) {
   if constexpr (kLoad == Load::kRing) {
     bool fits = false;
-    auto e = launch_tiles<quantize_ring_kernel<L, M>, L, M, kLoad>(stream, x, p, &fits);
-    return e.failure() || fits ? std::move(e) : launch_mode<L, M, Load::kDirect>(stream, x, p);
+    auto e = launch_tiles<quantize_ring_kernel<L, M>, L, M, kLoad>(stream, x, p, &fits, map);
+    return e.failure() || fits ? std::move(e)
+                               : launch_mode<L, M, Load::kDirect>(stream, x, p, nullptr);
   } else if constexpr (M == Mode::kFourOverSix)
     return launch_tiles<quantize_4over6_kernel<L>, L, M>(stream, x, p);
   else
@@ -1356,24 +1382,32 @@ ffi::Error launch_mode(cudaStream_t stream, const typename L::T* x, const Params
 }
 
 template <typename L, Load kLoad>
-ffi::Error launch_loaded(cudaStream_t stream, const typename L::T* x, const Params& p) {
+ffi::Error launch_loaded(cudaStream_t stream, const typename L::T* x, const Params& p,
+                         const TensorMap* map = nullptr) {
   switch (mode_of(p.spec)) {
     case Mode::kStochastic:
-      return launch_mode<L, Mode::kStochastic, kLoad>(stream, x, p);
+      return launch_mode<L, Mode::kStochastic, kLoad>(stream, x, p, map);
     case Mode::kFourOverSix:  // compute-bound (5x nearest rounding): its loads wait on nothing
-      return launch_mode<L, Mode::kFourOverSix, Load::kDirect>(stream, x, p);
+      return launch_mode<L, Mode::kFourOverSix, Load::kDirect>(stream, x, p, nullptr);
     default:
-      return launch_mode<L, Mode::kNearest, kLoad>(stream, x, p);
+      return launch_mode<L, Mode::kNearest, kLoad>(stream, x, p, map);
   }
 }
 
 template <typename L>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p) {
   // The ring takes 16-bit inputs (float32 keeps its values in shared memory already); its bulk
-  // copies need 16-byte rows (vec_in) and a 16-byte aligned input.
+  // copies need 16-byte rows (vec_in) and a 16-byte aligned input, as a tensor map does. Tensor
+  // copies where the map encodes (and NVFP4_QUANTIZE_LOAD is not ring-rows), else a copy a row.
   if constexpr (kPacked<L>)
-    if (p.vec_in && reinterpret_cast<uintptr_t>(x) % 16 == 0 && ring_asked())
-      return launch_loaded<L, Load::kRing>(stream, x, p);
+    if (const RingLoad ring = ring_load();
+        ring != RingLoad::kNone && p.vec_in && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+      TensorMap map{};
+      const bool mapped = ring == RingLoad::kTensor &&
+                          encode_tensor_map_3d(map, x, sizeof(typename L::T), uint64_t(p.cols),
+                                               uint64_t(p.rows), p.batch, kTileCols, kTileRows);
+      return launch_loaded<L, Load::kRing>(stream, x, p, mapped ? &map : nullptr);
+    }
   return launch_loaded<L, Load::kDirect>(stream, x, p);
 }
 
@@ -1409,6 +1443,7 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                  cols % kCols == 0,
                  packed_size(cols) % 16 == 0 && num_blocks(cols) % 16 == 0,
                  packed_size(rows) % 16 == 0 && num_blocks(rows) % 4 == 0,
+                 false,  // launch_tiles sets mapped
                  spec,
                  o};
   ffi::Error launched = ffi::Error::Success();

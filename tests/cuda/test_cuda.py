@@ -211,12 +211,14 @@ RING_SPECS = {
 @pytest.mark.parametrize(
     ("shape", "dtype"), [((4096, 4096), jnp.bfloat16), ((3, 208, 520), jnp.float16), ((1008, 4104), jnp.bfloat16)]
 )
-def test_the_quantize_ring_gpu_equals_cpu(shape, dtype, name, monkeypatch):
-    """NVFP4_QUANTIZE_LOAD=ring's pipelined quantize (bulk copies into a ring of mbarrier stages: rows of whole
-    16-byte chunks, as these shapes have) on the GPU: the CPU kernels' bytes, on many tiles a block (the ring turns
-    over), ragged tiles and batch entries. The host model checks its copies and waits on the CPU
-    (tests/cuda/test_cuda_host_ring.py); this is the same check on a GPU's own bulk copies and barriers."""
-    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+@pytest.mark.parametrize("fill", ["ring", "ring-rows"])
+def test_the_quantize_ring_gpu_equals_cpu(fill, shape, dtype, name, monkeypatch):
+    """NVFP4_QUANTIZE_LOAD=ring's pipelined quantize (its stages filled by a tensor copy a tile through the input's
+    tensor map, zeros past its edges; ring-rows: by a bulk copy a row; rows of whole 16-byte chunks, as these shapes
+    have) on the GPU: the CPU kernels' bytes, on many tiles a block (the ring turns over), ragged tiles and batch
+    entries. The host model checks its copies and waits on the CPU (tests/cuda/test_cuda_host_ring.py); this is
+    the same check on a GPU's own tensor maps, copies and barriers."""
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", fill)
     options = RING_SPECS[name]
     x = (np.random.default_rng(len(name)).standard_normal(shape) * 3).astype(dtype)
     quantize = functools.partial(jax_nvfp4.quantize, **options)

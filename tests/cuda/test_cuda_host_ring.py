@@ -1,8 +1,10 @@
-"""The quantize kernel's pipelined variant (ffi/cuda/quantize.cu, Load::kRing: bulk copies of the next
-tile into a ring of shared-memory stages, completing on mbarriers) gives the CPU kernels' bytes, on the
+"""The quantize kernel's pipelined variant (ffi/cuda/quantize.cu, Load::kRing: asynchronous copies of the next
+tiles into a ring of shared-memory stages, completing on mbarriers) gives the CPU kernels' bytes, on the
 host model, which also checks every copy and wait (ffi/cuda/host/runtime.h). The environment switch
 NVFP4_QUANTIZE_LOAD=ring picks it where it applies (16-bit inputs with rows of whole 16-byte chunks, nearest and
-stochastic rounding); elsewhere (float32, other rows, 4over6, which is compute-bound) the direct kernel runs."""
+stochastic rounding), its stages filled by one tensor copy a tile (a tensor map of the input, zeros past its
+edges); NVFP4_QUANTIZE_LOAD=ring-rows fills them by a bulk copy a row. Elsewhere (float32, other rows, 4over6,
+which is compute-bound) the direct kernel runs."""
 
 from __future__ import annotations
 
@@ -44,11 +46,17 @@ OPTIONS = {
 SHAPES = [(256, 1024), (200, 520), (3, 72, 264), (16, 8)]
 
 
-def quantize_asking_for_the_ring(x, sm, monkeypatch, **options):
-    """cuda_host.quantize(x) with NVFP4_QUANTIZE_LOAD=ring: (result, the quantize kernel's launch)."""
-    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+# NVFP4_QUANTIZE_LOAD's values for the ring and how each fills its stages (the kernel's path).
+FILLS = {"ring": "stage fill: a tensor copy a tile", "ring-rows": "stage fill: a bulk copy a row"}
+
+
+def quantize_asking_for_the_ring(x, sm, monkeypatch, fill="ring", **options):
+    """cuda_host.quantize(x) with NVFP4_QUANTIZE_LOAD=fill: (result, the quantize kernel's launch)."""
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", fill)
     got, launches = quantize_launches(x, sm, **options)
     (launch,) = [launch for launch in launches if "quantize" in launch.kernel]
+    if "ring" in launch.kernel:
+        assert {p for p in launch.paths if p.startswith("stage fill: ")} == {FILLS[fill]}
     return got, launch
 
 
@@ -56,12 +64,15 @@ def quantize_asking_for_the_ring(x, sm, monkeypatch, **options):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", list(OPTIONS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_the_ring_gives_the_cpu_bytes(name, shape, dtype, sm, monkeypatch):
+@pytest.mark.parametrize("fill", list(FILLS))
+def test_the_ring_gives_the_cpu_bytes(fill, name, shape, dtype, sm, monkeypatch):
     options = OPTIONS[name]
     if options.get("rht") and shape[-2] % 16:
         pytest.skip("the RHT needs rows in whole 16-row blocks")
+    if fill == "ring-rows" and (sm != 90 or dtype != jnp.bfloat16):
+        pytest.skip("the fill by rows: sm_90 and bfloat16 (the fill is the same on every target)")
     x = random_normal(shape, 11, dtype)
-    got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
+    got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, fill, **options)
     assert "quantize_ring_kernel" in launch.kernel
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
@@ -86,21 +97,24 @@ def test_the_ring_takes_most_golden_files():
 
 @pytest.mark.parametrize("sm", [90, 100])
 @pytest.mark.parametrize("name", RING_GOLDEN)
-def test_the_ring_gives_the_golden_bytes(name, sm, monkeypatch):
+@pytest.mark.parametrize("fill", list(FILLS))
+def test_the_ring_gives_the_golden_bytes(fill, name, sm, monkeypatch):
     g, x, options = load(name)
-    t, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
+    t, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, fill, **options)
     assert "quantize_ring_kernel" in launch.kernel
     assert_golden(g, options["columnwise"], t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)
 
 
 @pytest.mark.parametrize("sm", [90, 100])
 @pytest.mark.parametrize("name", RING_SR_VECTORS)
-def test_the_ring_gives_the_stochastic_rounding_vectors(name, sm, monkeypatch):
+@pytest.mark.parametrize("fill", list(FILLS))
+def test_the_ring_gives_the_stochastic_rounding_vectors(fill, name, sm, monkeypatch):
     g, x, amax, amax_t, seed, spec = load_sr(name)
-    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", fill)
     with cuda_host.emulating(sm):
         (amaxes, outs), launches = run_traced(sr_vector_run(cuda_host.BACKEND, spec), x, amax, amax_t, seed)
-    assert "quantize_ring_kernel" in only(launches, "quantize").kernel
+    launch = only(launches, "quantize")
+    assert "quantize_ring_kernel" in launch.kernel and FILLS[fill] in launch.paths
     assert_sr_vector(g, amaxes, outs)
 
 
@@ -169,12 +183,15 @@ def test_where_the_ring_does_not_apply_the_direct_kernel_runs(dtype, shape, opti
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
 
-def test_the_ring_reads_each_input_byte_once(monkeypatch):
-    """Its bulk copies read the input once (no thread loads it from global memory), in whole sectors."""
+@pytest.mark.parametrize("fill", list(FILLS))
+def test_the_ring_reads_each_input_byte_once(fill, monkeypatch):
+    """Its copies read the input once (no thread loads it from global memory), in whole sectors: a tensor copy's
+    box row by row (the host model's record of it), or a bulk copy a row."""
     x = random_normal((256, 1024), 13)
-    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", fill)
     _, launches = quantize_launches(x, columnwise=True, amax=jnp.float32(4.0))
-    loads = only(launches, "quantize_ring_kernel").select("global", "load", size=512)
+    launch = only(launches, "quantize_ring_kernel")
+    loads = launch.select("global", "load", size=512)
     assert sum(s.bytes for s in loads) == x.nbytes
     assert sum(s.transactions for s in loads) == sum(s.ideal for s in loads) == x.nbytes // 32
 

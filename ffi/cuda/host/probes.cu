@@ -148,6 +148,69 @@ __global__ void bulk_ring(int mode, int* buf) {
   }
 }
 
+// Tensor copies (cuda/async_copy.cuh) from the [2, 5, 24] int tensor buf[0, 240) in boxes of 4
+// rows x 8 columns, box k (of kTensorBoxes) at coordinates kBoxAt[k] (column, row, entry: some
+// past an edge, whose elements arrive as zeros) into out[32 k, 32 k + 32). `mode` plants one
+// mistake the host model must catch (TensorMistake).
+enum TensorMistake { kTensorNone, kUnencoded, kUnaligned, kBoxTxShort };
+constexpr int kTensorBoxes = 6;
+constexpr int32_t kBoxAt[kTensorBoxes][3] = {{0, 0, 0},   {16, 1, 0}, {20, 3, 1},
+                                             {-4, -2, 1}, {8, 4, 0},  {0, 0, 2}};
+
+__global__ void tensor_boxes(int mode, int* out, const NVFP4_GRID_CONSTANT TensorMap map) {
+  struct alignas(128) Stage {  // where tensor copies land
+    int v[64];
+  };
+  __shared__ Stage staged;
+  int* stage = staged.v;
+  __shared__ Mbarrier full;
+  const int t = int(threadIdx.x);
+  if (t == 0) {
+    mbarrier_init(&full, 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  for (int k = 0; k < kTensorBoxes; ++k) {
+    if (t == 0) {
+      mbarrier_arrive_expect_tx(&full, mode == kBoxTxShort ? 64 : 128);
+      const int* at = kBoxAt[k];
+      tensor_load_3d(stage + (mode == kUnaligned ? 4 : 0), &map, at[0], at[1], at[2], &full);
+    }
+    mbarrier_wait(&full, uint32_t(k) & 1u);
+    out[32 * k + t] = NVFP4_LDS(stage + t);
+    __syncthreads();
+  }
+}
+
+// The first requirement of cuTensorMapEncodeTiled that case `which` breaks (TensorMap), or "".
+std::string tensor_map_refusal(int which, const int* buf) {
+  uint64_t dims[3] = {24, 5, 2}, strides[2] = {96, 480};
+  uint32_t box[3] = {8, 4, 1};
+  const void* base = buf;
+  switch (which) {
+    case 1:
+      base = buf + 1;
+      break;
+    case 2:
+      dims[1] = 0;
+      break;
+    case 3:
+      strides[0] = 100;
+      break;
+    case 4:
+      strides[1] = 96 * 4;  // under the 5 rows of 96 bytes it spans
+      break;
+    case 5:
+      box[1] = 257;
+      break;
+    case 6:
+      box[0] = 3;  // 12 bytes
+      break;
+  }
+  host::TensorMap map{};
+  return host::encode_tensor_map(&map, base, 3, 4, dims, strides, box);
+}
+
 ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int c, unsigned mask) {
   const cudaStream_t s = host::xla_stream();
   int* o = out.data();
@@ -179,6 +242,20 @@ ffi::Error run(const std::string& name, std::vector<int>& out, int a, int b, int
   if (name == "bulk_ring") {
     for (int i = 0; i < 256; ++i) o[i] = i;
     return launch<bulk_ring>("probe", 1, 32, 0, s, a, o);
+  }
+  if (name == "tensor_boxes") {
+    std::vector<int> tensor(240);
+    for (int i = 0; i < 240; ++i) tensor[size_t(i)] = i + 1;
+    TensorMap map{};
+    if (a != kUnencoded && !encode_tensor_map_3d(map, tensor.data(), 4, 24, 5, 2, 8, 4))
+      throw std::logic_error("the probe's tensor map did not encode");
+    return launch<tensor_boxes>("probe", 1, 32, 0, s, a, o, map);
+  }
+  if (name == "tensor_map_refusal") {
+    const std::vector<int> tensor(256);
+    const std::string refused = tensor_map_refusal(a, tensor.data());
+    if (!refused.empty()) throw std::runtime_error(refused);
+    return ffi::Error::Success();
   }
   if (name == "access_pattern") {  // into a 128-byte aligned buffer: sectors counted from its start
     struct alignas(128) Line {

@@ -112,7 +112,8 @@ struct Fiber {
 #endif
 };
 
-// An asynchronous bulk copy into shared memory: issued in its mbarrier's phase `phase`.
+// An asynchronous bulk copy into shared memory: issued in its mbarrier's phase `phase`. A tensor
+// copy (`tensor`) gathers map's box at `at` when it completes; a plain one copies src.
 struct BulkCopy {
   unsigned char* dst;
   const unsigned char* src;
@@ -121,7 +122,32 @@ struct BulkCopy {
   uint32_t phase;
   bool done;
   const char* site;
+  bool tensor = false;
+  TensorMap map{};
+  int64_t at[kMaxTensorRank]{};
 };
+
+// The bytes of map's box at `at` into dst (densely, innermost first), zeros outside the tensor.
+void gather_box(unsigned char* dst, const TensorMap& map, const int64_t* at) {
+  const uint32_t e = map.element_bytes;
+  uint32_t count[kMaxTensorRank] = {1, 1, 1};
+  for (uint32_t d = 0; d < map.rank; ++d) count[d] = map.box[d];
+  for (uint32_t z = 0; z < count[2]; ++z)
+    for (uint32_t y = 0; y < count[1]; ++y)
+      for (uint32_t x = 0; x < count[0]; ++x, dst += e) {
+        const int64_t i[kMaxTensorRank] = {at[0] + x, at[1] + y, at[2] + z};
+        bool inside = true;
+        uint64_t offset = 0;
+        for (uint32_t d = 0; d < map.rank; ++d) {
+          inside = inside && i[d] >= 0 && uint64_t(i[d]) < map.dims[d];
+          offset += uint64_t(i[d]) * map.strides[d];
+        }
+        if (inside)
+          std::memcpy(dst, map.base + offset, e);
+        else
+          std::memset(dst, 0, e);
+      }
+}
 
 // One worker's block: its threads as fibers, run in turn until each waits or exits.
 class Block {
@@ -237,6 +263,22 @@ class Block {
     std::memset(d, kInFlight, bytes);
     copies_.emplace(d, BulkCopy{d, static_cast<const unsigned char*>(src), bytes, bar, bar->phase,
                                 false, site});
+  }
+
+  void tensor_load(void* dst, const TensorMap* map, const int32_t* at, Mbarrier* bar,
+                   const char* site) {
+    if (!map->encoded)
+      fail(current_, std::string("tensor copy at ") + site + " through a map never encoded");
+    if (reinterpret_cast<uintptr_t>(dst) % 128)
+      fail(current_, std::string("tensor copy at ") + site +
+                         ": its shared-memory destination must be 128-byte aligned");
+    uint32_t bytes = map->element_bytes;
+    for (uint32_t d = 0; d < map->rank; ++d) bytes *= map->box[d];
+    bulk_load(dst, map->base, bytes, bar, site);  // the same checks and in-flight bytes
+    BulkCopy& c = copies_.at(static_cast<unsigned char*>(dst));
+    c.tensor = true;
+    c.map = *map;
+    for (uint32_t d = 0; d < map->rank; ++d) c.at[d] = at[d];
   }
 
   void mbarrier_wait(Mbarrier* bar, uint32_t parity, const char* site) {
@@ -425,7 +467,10 @@ class Block {
   void complete_copies(Mbarrier* bar, const char* site) {
     for (auto& [at, c] : copies_) {
       if (c.bar != bar || c.done) continue;
-      std::memcpy(c.dst, c.src, c.bytes);
+      if (c.tensor)
+        gather_box(c.dst, c.map, c.at);
+      else
+        std::memcpy(c.dst, c.src, c.bytes);
       c.done = true;
       bar->tx -= c.bytes;
     }
@@ -675,11 +720,22 @@ void set_emulated_sm(int value) { emulated_sm_value.store(value); }
 cudaStream_t xla_stream() { return kXlaStream; }
 
 namespace {
-thread_local std::vector<unsigned char> worker_shared;  // the block's dynamic shared memory
+// The block's dynamic shared memory: `shared_size` bytes from `shared_base`, 128-byte aligned in
+// `shared_storage` as the kernels declare it (cuda/common.cuh; tensor copies land there).
+thread_local std::vector<unsigned char> shared_storage;
+thread_local unsigned char* shared_base = nullptr;
+thread_local size_t shared_size = 0;
+
+void reset_dynamic_shared(size_t bytes) {
+  shared_storage.assign(bytes + 128, 0xA5);  // garbage, as a kernel finds it on a GPU
+  const uintptr_t at = reinterpret_cast<uintptr_t>(shared_storage.data());
+  shared_base = shared_storage.data() + (128 - at % 128) % 128;
+  shared_size = bytes;
+}
 }  // namespace
 
-unsigned char* dynamic_shared() { return worker_shared.data(); }
-size_t dynamic_shared_size() { return worker_shared.size(); }
+unsigned char* dynamic_shared() { return shared_base; }
+size_t dynamic_shared_size() { return shared_size; }
 
 int blocks_per_multiprocessor(int threads, size_t shared) {
   constexpr size_t kSharedPerMultiprocessor = 228 * 1024, kReserved = 1024, kStatic = 48 * 1024;
@@ -719,7 +775,7 @@ cudaError_t launch(const std::string& name, const void* kernel, dim3 grid, dim3 
         ieee;  // the GPU kernels keep subnormals (nvcc -ftz=false); fibers inherit it
     block_dim = block;
     grid_dim = grid;
-    worker_shared.assign(shared, 0xA5);  // garbage, as a kernel finds it on a GPU
+    reset_dynamic_shared(shared);
     Block b(kernel_name, block, thread, state);
     Block::active() = &b;
     trace_worker_begin(trace, int(block.x * block.y * block.z));
@@ -771,6 +827,56 @@ void bulk_load(void* dst, const void* src, uint32_t bytes, Mbarrier* bar, const 
 }
 void mbarrier_wait(Mbarrier* bar, uint32_t parity, const char* site) {
   active_block("mbarrier wait").mbarrier_wait(bar, parity, site);
+}
+
+std::string encode_tensor_map(TensorMap* map, const void* base, uint32_t rank,
+                              uint32_t element_bytes, const uint64_t* dims, const uint64_t* strides,
+                              const uint32_t* box) {
+  *map = TensorMap{};
+  if (rank == 0 || rank > kMaxTensorRank) return "a rank the model does not take";
+  if (reinterpret_cast<uintptr_t>(base) % 16) return "the base is not 16-byte aligned";
+  map->base = static_cast<const unsigned char*>(base);
+  map->rank = rank;
+  map->element_bytes = element_bytes;
+  map->strides[0] = element_bytes;
+  for (uint32_t d = 0; d < rank; ++d) {
+    if (dims[d] == 0 || dims[d] > (uint64_t(1) << 32)) return "a dimension outside 1..2^32";
+    if (box[d] == 0 || box[d] > 256) return "a box size outside 1..256";
+    if (d > 0) {
+      const uint64_t stride = strides[d - 1];
+      if (stride % 16 || stride >= (uint64_t(1) << 40))
+        return "a stride not a multiple of 16 below 2^40";
+      if (stride < dims[d - 1] * map->strides[d - 1])
+        return "a stride below the extent of the dimension under it";
+      map->strides[d] = stride;
+    }
+    map->dims[d] = dims[d];
+    map->box[d] = box[d];
+  }
+  if (box[0] * element_bytes % 16) return "the box's innermost size is not a multiple of 16 bytes";
+  map->encoded = true;
+  return "";
+}
+
+void tensor_load(void* dst, const TensorMap* map, const int32_t* at, Mbarrier* bar,
+                 const char* site) {
+  active_block("tensor copy").tensor_load(dst, map, at, bar, site);
+  // What the copy reads of the tensor, row by row of the box (the profiler's global sectors).
+  const uint32_t e = map->element_bytes;
+  const uint32_t rows = map->rank > 1 ? map->box[1] : 1, planes = map->rank > 2 ? map->box[2] : 1;
+  const int64_t x0 = std::max<int64_t>(at[0], 0);
+  const int64_t x1 = std::min<int64_t>(int64_t(at[0]) + map->box[0], int64_t(map->dims[0]));
+  for (uint32_t z = 0; z < planes && x1 > x0; ++z)
+    for (uint32_t y = 0; y < rows; ++y) {
+      const int64_t iy = map->rank > 1 ? int64_t(at[1]) + y : 0;
+      const int64_t iz = map->rank > 2 ? int64_t(at[2]) + z : 0;
+      if (iy < 0 || (map->rank > 1 && uint64_t(iy) >= map->dims[1]) || iz < 0 ||
+          (map->rank > 2 && uint64_t(iz) >= map->dims[2]))
+        continue;
+      const unsigned char* row = map->base + uint64_t(x0) * e + uint64_t(iy) * map->strides[1] +
+                                 uint64_t(iz) * map->strides[2];
+      trace_access(site, Space::kGlobal, Access::kLoad, row, uint32_t((x1 - x0) * e), true);
+    }
 }
 void check_shared_access(const void* p, size_t bytes, bool store, const char* site) {
   if (Block* b = Block::active()) b->check_shared_access(p, bytes, store, site);

@@ -137,6 +137,34 @@ void mbarrier_arrive_expect_tx(Mbarrier* bar, uint32_t bytes, const char* site);
 void bulk_load(void* dst, const void* src, uint32_t bytes, Mbarrier* bar, const char* site);
 // Returns once the phase of parity `parity` of bar has completed.
 void mbarrier_wait(Mbarrier* bar, uint32_t parity, const char* site);
+
+// ---- tensor maps and the bulk tensor copies through them (sm_90: cuTensorMapEncodeTiled, then
+// cp.async.bulk.tensor in tile mode, no interleave, no swizzle, zero fill) ----
+//
+// A tiled tensor map as the model holds it (a GPU's is an opaque 128-byte object): the tensor's
+// base, its dimensions (elements, innermost first), the byte strides of dimensions 1.., and the box
+// a copy moves. A copy's box lands in shared memory densely, innermost dimension first; elements
+// outside the tensor arrive as zeros, and the copy completes the whole box's bytes.
+constexpr uint32_t kMaxTensorRank = 3;  // the model's (the driver's: 5)
+struct TensorMap {
+  const unsigned char* base;
+  uint32_t rank, element_bytes;
+  uint64_t dims[kMaxTensorRank], strides[kMaxTensorRank];  // strides[0]: element_bytes
+  uint32_t box[kMaxTensorRank];
+  bool encoded;  // by encode_tensor_map
+};
+// Encodes map as cuTensorMapEncodeTiled does, checking what its documentation requires (a base
+// 16-byte aligned; dimensions 1..2^32; strides multiples of 16 below 2^40, each at least the
+// extent of the dimension below it; box sizes 1..256, the innermost of a multiple of 16 bytes).
+// Returns the first requirement broken, or "" (encoded).
+std::string encode_tensor_map(TensorMap* map, const void* base, uint32_t rank,
+                              uint32_t element_bytes, const uint64_t* dims, const uint64_t* strides,
+                              const uint32_t* box);
+// Copies map's box at element coordinates `at` (rank of them, innermost first) into shared dst,
+// completing on bar. Fails the launch as bulk_load does, and where the map was never encoded or
+// dst is not 128-byte aligned.
+void tensor_load(void* dst, const TensorMap* map, const int32_t* at, Mbarrier* bar,
+                 const char* site);
 // Fails the launch where the running thread's shared-memory access of [p, p + bytes) touches an
 // asynchronous copy's destination before it completed, or (a load) before this thread waited for
 // it.
