@@ -60,17 +60,20 @@ def quantize_asking_for_the_ring(x, sm, monkeypatch, fill="ring", **options):
     return got, launch
 
 
-@pytest.mark.parametrize("sm", [90, 100])
+# (fill, dtype, sm): the tensor copies on both targets and dtypes; the fill by rows, the same on every target and
+# dtype, on sm_90 and bfloat16.
+FILL_CASES = [("ring", dtype, sm) for dtype in (jnp.bfloat16, jnp.float16) for sm in (90, 100)] + [
+    ("ring-rows", jnp.bfloat16, 90)
+]
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", list(OPTIONS))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("fill", list(FILLS))
-def test_the_ring_gives_the_cpu_bytes(fill, name, shape, dtype, sm, monkeypatch):
+@pytest.mark.parametrize(("fill", "dtype", "sm"), FILL_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_the_ring_gives_the_cpu_bytes(fill, dtype, sm, name, shape, monkeypatch):
     options = OPTIONS[name]
     if options.get("rht") and shape[-2] % 16:
         pytest.skip("the RHT needs rows in whole 16-row blocks")
-    if fill == "ring-rows" and (sm != 90 or dtype != jnp.bfloat16):
-        pytest.skip("the fill by rows: sm_90 and bfloat16 (the fill is the same on every target)")
     x = random_normal(shape, 11, dtype)
     got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, fill, **options)
     assert "quantize_ring_kernel" in launch.kernel
