@@ -61,7 +61,12 @@ NB_MODULE(NVFP4_MODULE_NAME, m) {
   m.def("registrations", &registrations);
   m.def("build_config", &nvfp4::build_config,
         "What this module was built with (CMake's settings).");
-#if !defined(NVFP4_CUDA_MODULE)
+#if defined(NVFP4_CUDA_MODULE)
+  m.def("quantize_tensor_map_encodes", &nvfp4::cuda::quantize_tensor_map_encodes, nb::arg("base"),
+        nb::arg("batch"), nb::arg("rows"), nb::arg("cols"), nb::arg("element_bytes"),
+        "Whether the driver encodes the tensor map NVFP4_QUANTIZE_LOAD=ring's quantize takes for "
+        "this device array (else its ring is filled by a bulk copy a row).");
+#else
   m.def("e2m1_code_mismatches", &e2m1_code_mismatches,
         "Exhaustive check of the CPU kernels' E2M1 encode against float_to_e2m1: the number of "
         "float32 bit patterns on which they differ.");

@@ -1,6 +1,7 @@
 // The CUDA FFI handlers registered by ffi/module.cc.
 #pragma once
 
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -15,6 +16,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(Nvfp4GroupedQuantizeCuda);
 namespace nvfp4::cuda {
 
 using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
+
+// Whether the driver encodes the quantize ring's tensor map of the [batch, rows, cols] tensor of
+// element_bytes-byte elements at device address `base`: where it does, NVFP4_QUANTIZE_LOAD=ring
+// fills the ring's stages by tensor copies, else by a bulk copy a row (quantize.cu).
+bool quantize_tensor_map_encodes(uintptr_t base, int64_t batch, int64_t rows, int64_t cols,
+                                 int element_bytes);
 
 // FFI target name -> handler, for every op with a CUDA kernel.
 inline std::vector<std::pair<const char*, Handler*>> handlers() {

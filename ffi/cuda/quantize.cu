@@ -1526,4 +1526,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Nvfp4QuantizeCuda, nvfp4::cuda::quantize_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingRets()
                                   .Attrs<nvfp4::QuantizeSpec>());
+
+bool nvfp4::cuda::quantize_tensor_map_encodes(uintptr_t base, int64_t batch, int64_t rows,
+                                              int64_t cols, int element_bytes) {
+  TensorMap map{};
+  return encode_tensor_map_3d(map, reinterpret_cast<const void*>(base), uint32_t(element_bytes),
+                              uint64_t(cols), uint64_t(rows), uint64_t(batch), kTileCols,
+                              kTileRows);
+}
 #endif  // NVFP4_SASS_BUDGET

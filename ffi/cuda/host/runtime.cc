@@ -878,6 +878,7 @@ void tensor_load(void* dst, const TensorMap* map, const int32_t* at, Mbarrier* b
       trace_access(site, Space::kGlobal, Access::kLoad, row, uint32_t((x1 - x0) * e), true);
     }
 }
+
 void check_shared_access(const void* p, size_t bytes, bool store, const char* site) {
   if (Block* b = Block::active()) b->check_shared_access(p, bytes, store, site);
 }
