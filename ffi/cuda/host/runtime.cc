@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -113,7 +114,7 @@ struct Fiber {
 };
 
 // An asynchronous bulk copy into shared memory: issued in its mbarrier's phase `phase`. A tensor
-// copy (`tensor`) gathers map's box at `at` when it completes; a plain one copies src.
+// copy (`tensor`) gathers map's box at `origin` when it completes; a plain one copies src.
 struct BulkCopy {
   unsigned char* dst;
   const unsigned char* src;
@@ -124,29 +125,46 @@ struct BulkCopy {
   const char* site;
   bool tensor = false;
   TensorMap map{};
-  int64_t at[kMaxTensorRank]{};
+  std::array<int64_t, kMaxTensorRank> origin{};
 };
 
-// The bytes of map's box at `at` into dst (densely, innermost first), zeros outside the tensor.
-void gather_box(unsigned char* dst, const TensorMap& map, const int64_t* at) {
-  const uint32_t e = map.element_bytes;
-  uint32_t count[kMaxTensorRank] = {1, 1, 1};
-  for (uint32_t d = 0; d < map.rank; ++d) count[d] = map.box[d];
-  for (uint32_t z = 0; z < count[2]; ++z)
-    for (uint32_t y = 0; y < count[1]; ++y)
-      for (uint32_t x = 0; x < count[0]; ++x, dst += e) {
-        const int64_t i[kMaxTensorRank] = {at[0] + x, at[1] + y, at[2] + z};
-        bool inside = true;
-        uint64_t offset = 0;
-        for (uint32_t d = 0; d < map.rank; ++d) {
-          inside = inside && i[d] >= 0 && uint64_t(i[d]) < map.dims[d];
-          offset += uint64_t(i[d]) * map.strides[d];
-        }
-        if (inside)
-          std::memcpy(dst, map.base + offset, e);
-        else
-          std::memset(dst, 0, e);
-      }
+// The box origin of a copy at `at` (map.rank coordinates) in all kMaxTensorRank dimensions.
+std::array<int64_t, kMaxTensorRank> box_origin(const TensorMap& map, const int32_t* at) {
+  std::array<int64_t, kMaxTensorRank> origin{};
+  for (uint32_t d = 0; d < map.rank; ++d) origin[d] = at[d];
+  return origin;
+}
+
+// Calls f(k, row, x, n) for each row k of map's box at `origin` (box[1] x box[2] rows; dimensions
+// past the rank are 1): `row` is the tensor's first element of it inside the tensor, at element x
+// of the box row, and n its elements inside; null (n 0) where the row lies outside the tensor.
+template <typename F>
+void for_each_box_row(const TensorMap& map, const std::array<int64_t, kMaxTensorRank>& origin,
+                      F f) {
+  const int64_t x0 = std::max<int64_t>(origin[0], 0);
+  const int64_t x1 = std::min<int64_t>(origin[0] + map.box[0], int64_t(map.dims[0]));
+  for (uint32_t z = 0; z < map.box[2]; ++z)
+    for (uint32_t y = 0; y < map.box[1]; ++y) {
+      const int64_t iy = origin[1] + y, iz = origin[2] + z;
+      const bool inside =
+          x1 > x0 && iy >= 0 && uint64_t(iy) < map.dims[1] && iz >= 0 && uint64_t(iz) < map.dims[2];
+      const unsigned char* row = inside ? map.base + uint64_t(x0) * map.element_bytes +
+                                              uint64_t(iy) * map.strides[1] +
+                                              uint64_t(iz) * map.strides[2]
+                                        : nullptr;
+      f(z * map.box[1] + y, row, uint32_t(x0 - origin[0]), inside ? uint32_t(x1 - x0) : 0u);
+    }
+}
+
+// The bytes of map's box at `origin` into dst (densely, innermost first), zeros outside the tensor.
+void gather_box(unsigned char* dst, const TensorMap& map,
+                const std::array<int64_t, kMaxTensorRank>& origin) {
+  const uint32_t e = map.element_bytes, row_bytes = map.box[0] * e;
+  for_each_box_row(map, origin, [&](uint32_t k, const unsigned char* row, uint32_t x, uint32_t n) {
+    unsigned char* out = dst + size_t(k) * row_bytes;
+    std::memset(out, 0, row_bytes);
+    if (row != nullptr) std::memcpy(out + size_t(x) * e, row, size_t(n) * e);
+  });
 }
 
 // One worker's block: its threads as fibers, run in turn until each waits or exits.
@@ -272,13 +290,12 @@ class Block {
     if (reinterpret_cast<uintptr_t>(dst) % 128)
       fail(current_, std::string("tensor copy at ") + site +
                          ": its shared-memory destination must be 128-byte aligned");
-    uint32_t bytes = map->element_bytes;
-    for (uint32_t d = 0; d < map->rank; ++d) bytes *= map->box[d];
+    const uint32_t bytes = map->element_bytes * map->box[0] * map->box[1] * map->box[2];
     bulk_load(dst, map->base, bytes, bar, site);  // the same checks and in-flight bytes
     BulkCopy& c = copies_.at(static_cast<unsigned char*>(dst));
     c.tensor = true;
     c.map = *map;
-    for (uint32_t d = 0; d < map->rank; ++d) c.at[d] = at[d];
+    c.origin = box_origin(*map, at);
   }
 
   void mbarrier_wait(Mbarrier* bar, uint32_t parity, const char* site) {
@@ -468,7 +485,7 @@ class Block {
     for (auto& [at, c] : copies_) {
       if (c.bar != bar || c.done) continue;
       if (c.tensor)
-        gather_box(c.dst, c.map, c.at);
+        gather_box(c.dst, c.map, c.origin);
       else
         std::memcpy(c.dst, c.src, c.bytes);
       c.done = true;
@@ -839,6 +856,7 @@ std::string encode_tensor_map(TensorMap* map, const void* base, uint32_t rank,
   map->rank = rank;
   map->element_bytes = element_bytes;
   map->strides[0] = element_bytes;
+  for (uint32_t d = rank; d < kMaxTensorRank; ++d) map->dims[d] = map->box[d] = 1;
   for (uint32_t d = 0; d < rank; ++d) {
     if (dims[d] == 0 || dims[d] > (uint64_t(1) << 32)) return "a dimension outside 1..2^32";
     if (box[d] == 0 || box[d] > 256) return "a box size outside 1..256";
@@ -862,21 +880,11 @@ void tensor_load(void* dst, const TensorMap* map, const int32_t* at, Mbarrier* b
                  const char* site) {
   active_block("tensor copy").tensor_load(dst, map, at, bar, site);
   // What the copy reads of the tensor, row by row of the box (the profiler's global sectors).
-  const uint32_t e = map->element_bytes;
-  const uint32_t rows = map->rank > 1 ? map->box[1] : 1, planes = map->rank > 2 ? map->box[2] : 1;
-  const int64_t x0 = std::max<int64_t>(at[0], 0);
-  const int64_t x1 = std::min<int64_t>(int64_t(at[0]) + map->box[0], int64_t(map->dims[0]));
-  for (uint32_t z = 0; z < planes && x1 > x0; ++z)
-    for (uint32_t y = 0; y < rows; ++y) {
-      const int64_t iy = map->rank > 1 ? int64_t(at[1]) + y : 0;
-      const int64_t iz = map->rank > 2 ? int64_t(at[2]) + z : 0;
-      if (iy < 0 || (map->rank > 1 && uint64_t(iy) >= map->dims[1]) || iz < 0 ||
-          (map->rank > 2 && uint64_t(iz) >= map->dims[2]))
-        continue;
-      const unsigned char* row = map->base + uint64_t(x0) * e + uint64_t(iy) * map->strides[1] +
-                                 uint64_t(iz) * map->strides[2];
-      trace_access(site, Space::kGlobal, Access::kLoad, row, uint32_t((x1 - x0) * e), true);
-    }
+  for_each_box_row(
+      *map, box_origin(*map, at), [&](uint32_t, const unsigned char* row, uint32_t, uint32_t n) {
+        if (row != nullptr)
+          trace_access(site, Space::kGlobal, Access::kLoad, row, n * map->element_bytes, true);
+      });
 }
 
 void check_shared_access(const void* p, size_t bytes, bool store, const char* site) {

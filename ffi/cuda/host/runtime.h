@@ -149,6 +149,7 @@ constexpr uint32_t kMaxTensorRank = 3;  // the model's (the driver's: 5)
 struct TensorMap {
   const unsigned char* base;
   uint32_t rank, element_bytes;
+  // Dimensions past the rank: dims and box 1.
   uint64_t dims[kMaxTensorRank], strides[kMaxTensorRank];  // strides[0]: element_bytes
   uint32_t box[kMaxTensorRank];
   bool encoded;  // by encode_tensor_map
