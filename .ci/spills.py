@@ -53,14 +53,13 @@ MODES = {"0": "nearest", "1": "stochastic", "2": "4over6"}
 def short_name(demangled: str) -> str:
     """`void nvfp4::cuda::(anon)::quantize_kernel<nvfp4::LoadBF16, (...::Mode)0>(...)` ->
     `quantize_kernel<bf16, nearest>`."""
-    head = demangled.split("(nvfp4::LoadF", 1)[0].split(">(", 1)[0]
-    name = re.sub(r"^void ", "", head)
-    name = re.sub(r"[\w:]*\(anonymous namespace\)::", "", name)
+    name = re.sub(r"[\w:]*\(anonymous namespace\)::", "", demangled.removeprefix("void "))
+    name = name.split(">(", 1)[0] + ">" if ">(" in name else name.split("(", 1)[0]
     name = re.sub(r"nvfp4::(cuda::)?", "", name)
-    name = re.sub(r"\((?:[\w:]*::)?Mode\)(\d)", lambda m: MODES[m.group(1)], name)
+    name = re.sub(r"\(Mode\)(\d)", lambda m: MODES[m.group(1)], name)
     for load, dtype in DTYPES.items():
         name = name.replace(load, dtype)
-    return name + (">" if "<" in name and not name.endswith(">") else "")
+    return name
 
 
 def spilled_kernels(log: str) -> list[tuple[str, int]]:

@@ -784,9 +784,6 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
   const QuantizeSpec& spec = p.spec;
   const bool rows_on = p.o.data != nullptr;
   const int own = own_rows();
-  // Rowwise scales (4over6 chooses them row by row below): each lane of the pair computes those
-  // of its own 8 rows and takes the other 8 from its partner.
-  float enc_r[kBlock];
   GlobalScales lane_g{};
   if (spec.row_scaled && rows_on)
     lane_g = lane_row_scales(spec, p.amax + at.b * p.rows + at.m0, at.nrows);
@@ -794,6 +791,9 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
     if (rows_on) four_over_six_rows<L>(p, sh, st, w, row_mag, kr, lane_g);
     return;
   }
+  // Rowwise scales (4over6 chooses its own in four_over_six_rows): each lane of the pair computes
+  // those of its own 8 rows and takes the other 8 from its partner.
+  float enc_r[kBlock];
   if (rows_on) {
     float enc_own[kBlock / 2];
 #pragma unroll
@@ -820,7 +820,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
     if (rows_on) stochastic_rows<L, kIndex == Index::kFast>(st, at, w, enc_r, seed);
     return;
   }
-  // Fused columnwise scales.
+  // Nearest rounding from here on. Fused columnwise scales.
   float enc_c[kCols];
   uint32_t scale_c[kCols / 2];
   if (fused) {
@@ -854,13 +854,13 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
                   nearest8<kIndex>(sh.lut, enc_r[r + j], [&](int k) { return v[j][k]; }));
       }
     }
-    if (kMode == Mode::kNearest && fused) {
+    if (fused) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c)
         acc[c][r / 8] += nearest2<kIndex>(sh.lut, enc_c[c], v[0][c], v[1][c]) << (4 * (r % 8));
     }
   }
-  if (kMode == Mode::kNearest && fused) {
+  if (fused) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       if (NVFP4_HAS_FP4_CVT() && enc_c[c] != enc_c[c]) acc[c][0] = acc[c][1] = 0;
