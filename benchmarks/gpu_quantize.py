@@ -99,6 +99,12 @@ def table_ops(x: jax.Array) -> list[tuple[str, object, tuple, int]]:
         ("row+col 1x16, amax given", lambda x, a: q(x, amax=a, columnwise=True), (x, amax), both),
         ("row only 1x16, amax given", lambda x, a: q(x, amax=a), (x, amax), output_bytes(m, n, True, False) + x.nbytes),
         ("row+col 16x16, amax given", lambda x, a: q(x, amax=a, columnwise=True, block_2d=True), (x, amax), both),
+        (  # the recipe's weight quantize (linear/dot_general.py: W as stored, W^T's copy)
+            "col only 16x16, amax given",
+            lambda x, a: q(x, amax=a, rowwise=False, columnwise=True, block_2d=True),
+            (x, amax),
+            output_bytes(m, n, False, True) + x.nbytes,
+        ),
         ("+ stochastic rounding", lambda x, a, k: q(x, amax=a, columnwise=True, rng_key=k), (x, amax, key), both),
         ("+ RHT on the columnwise copy, own amax", lambda x: q(x, columnwise=True, rht=True), (x,), both),
         ("per-token scales", lambda x: q(x, columnwise=True, row_scaled=True), (x,), both),
@@ -121,7 +127,12 @@ def table_ops(x: jax.Array) -> list[tuple[str, object, tuple, int]]:
     ]
 
 
-RING_OPS = ("row+col 1x16, amax given", "row only 1x16, amax given", "row+col 16x16, amax given")
+RING_OPS = (
+    "row+col 1x16, amax given",
+    "row only 1x16, amax given",
+    "row+col 16x16, amax given",
+    "col only 16x16, amax given",
+)
 GROUPS = 8  # the grouped quantize's: x's rows as the tokens of 8 experts, equal shares
 
 

@@ -1,16 +1,21 @@
 """``jax_nvfp4.dot_general``: a drop-in ``lax.dot_general`` whose GEMMs run in NVFP4.
 
 For y = x W (lhs = activations x, rhs = weights W) the custom VJP follows the
-NVFP4 training recipe on the canonical problem x [B, M, K], W^T [B, N, K]
-(M may be several row axes, e.g. batch and sequence):
+NVFP4 training recipe on the canonical problem x [B, M, K], W [B, K, N] (M may
+be several row axes, e.g. batch and sequence; W as a kernel [*in, *out] is
+stored, so that neither it nor its gradient is transposed in bf16):
 
-  fprop  y  = x  . W^T    x in 1x16 blocks along K, W in 16x16 blocks
-  dgrad  dx = dy . W      dy in 1x16 blocks along N; W's columnwise copy, which
+  fprop  y  = x  . W^T    x in 1x16 blocks along K, W in 16x16 blocks: W^T's rowwise
+                          copy [B, N, K], which is W's columnwise copy (the same
+                          bytes: W is quantized as it is stored)
+  dgrad  dx = dy . W      dy in 1x16 blocks along N; W^T's columnwise copy, which
                           for 16x16 blocks holds the same codes and scales transposed:
                           then only the rowwise copy is made, and the backward pass
                           transposes its bytes
-  wgrad  dW = dy^T . x    the columnwise 1x16 copies of dy and x (blocked along M),
-                          both of the Random Hadamard Transform along M (the recipe's default)
+  wgrad  dW = x^T . dy    the columnwise 1x16 copies of x and dy (blocked along M),
+                          both of the Random Hadamard Transform along M (the recipe's
+                          default): [B, K, N], W's layout (dW^T = dy^T . x, transposed,
+                          where a copy is row-scaled, whose epilogue order it keeps)
 
 dy's codes are rounded stochastically (the recipe's default). Each
 operand is quantized once, with one global amax per tensor, or per token for
@@ -68,6 +73,19 @@ def _quantize(
     return quantize_batch(KERNELS, x, spec, rng_key=key)
 
 
+def _weight(w: jax.Array, recipe: Recipe, *, rowwise: bool = True, columnwise: bool) -> NVFP4Tensor:
+    """W [B, K, N], as dot_general's rhs comes in, quantized as W^T [B, N, K], the operand the GEMMs read: the
+    copies of W^T asked for (its rowwise one, blocked along K, for the forward GEMM; its columnwise one, along N,
+    for dgrad). Each is W's other copy, byte for byte (a weight's blocks are not transformed or row-scaled; in
+    16x16 blocks both copies hold the same blocks: core/transpose.py), so W is quantized as it is stored and no
+    transposed bf16 copy of it is written."""
+    q = _quantize(w, recipe, "w", columnwise=rowwise, rowwise=columnwise)
+    b, k, n = w.shape
+    spec = dataclasses.replace(q.spec, rowwise=rowwise, columnwise=columnwise)
+    amax, amax_t = (q.amax_t if rowwise else q.amax), (q.amax if columnwise else None)
+    return NVFP4Tensor(q.data_t, q.scale_t, amax, q.data, q.scale, amax_t, (b, n, k), w.dtype, spec, batched=True)
+
+
 def columnwise_only(t: NVFP4Tensor) -> NVFP4Tensor:
     """The residual for the backward pass: the columnwise copy alone."""
     return NVFP4Tensor(None, None, t.amax, t.data_t, t.scale_t, t.amax_t, t.shape, t.dtype, t.spec, t.batched)
@@ -91,9 +109,9 @@ def _fprop(x: jax.Array, qw: NVFP4Tensor, recipe: Recipe, out_dtype: np.dtype) -
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: DotConfig) -> jax.Array:
-    """x [B, *M, K], w [B, N, K] -> y [B, *M, N] (M: one or more row axes)."""
+    """x [B, *M, K], w [B, K, N] -> y [B, *M, N] (M: one or more row axes)."""
     del key
-    return _fprop(x, _quantize(w, config.recipe, "w", columnwise=False), config.recipe, config.out_dtype)
+    return _fprop(x, _weight(w, config.recipe, columnwise=False), config.recipe, config.out_dtype)
 
 
 def _forward(x, w, qw: NVFP4Tensor | None, key, config: DotConfig):
@@ -104,15 +122,15 @@ def _forward(x, w, qw: NVFP4Tensor | None, key, config: DotConfig):
     qx = named(_quantize(x, recipe, "x", columnwise=True), ACTIVATION)
     if recipe.weight_block_2d:
         # One copy: the backward pass transposes the bytes of the one the forward GEMM read (and gathered).
-        qw = named(_quantize(w, recipe, "w", columnwise=False), WEIGHT) if qw is None else qw
+        qw = named(_weight(w, recipe, columnwise=False), WEIGHT) if qw is None else qw
         y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl, keep_c=True)
         kept = named(kept, OUTPUT)  # the copy of W the GEMM read: saved with its output, or made again with it
     elif qw is None:
-        qw = named(_quantize(w, recipe, "w", columnwise=True), WEIGHT)
+        qw = named(_weight(w, recipe, columnwise=True), WEIGHT)
         y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl), columnwise_only(qw)
     else:  # 1x16 blocks: the columnwise copy holds other blocks, quantized here
         y = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl)
-        kept = named(_quantize(w, recipe, "w", columnwise=True, rowwise=False), WEIGHT)
+        kept = named(_weight(w, recipe, rowwise=False, columnwise=True), WEIGHT)
     return named(y, OUTPUT), (columnwise_only(qx), kept, key)
 
 
@@ -127,10 +145,14 @@ def _matmul_bwd(config: DotConfig, residuals, dy):
     qdy = _quantize(dy, config.recipe, "dy", columnwise=True, key=key)
     impl = config.recipe.impl
     dx = batched_gemm(qdy, qw, config.x_dtype, c_columnwise=True, impl=impl)  # [B, *M, N] . [B, K, N] -> [B, *M, K]
-    # [B, N, *M] . [B, K, *M] -> [B, N, K], contracting all row axes (tokens); transformed, both operands carry
-    # the same orthogonal transform along them, which cancels in the product.
-    dw = batched_gemm(qdy, qx, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=impl)
-    return dx, dw, None
+    # Contracting all row axes (tokens); transformed, both operands carry the same orthogonal transform along
+    # them, which cancels in the product. [B, K, *M] . [B, N, *M] -> [B, K, N], w's layout: no pass over dW. With
+    # row scales dW^T = [B, N, *M] . [B, K, *M] transposed, whose epilogue scales by dy's first (linear/gemm.py),
+    # as it always has.
+    if qx.row_scaled or qdy.row_scaled:
+        dw_t = batched_gemm(qdy, qx, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=impl)
+        return dx, jnp.swapaxes(dw_t, 1, 2), None
+    return dx, batched_gemm(qx, qdy, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=impl), None
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -174,14 +196,13 @@ def quantize_weight(kernel: jax.Array, recipe: Recipe | None = None, *, contract
         raise TypeError(f"quantize_weight takes a bfloat16, float16 or float32 kernel, got {kernel.dtype}")
     if not 1 <= contract_ndim < kernel.ndim:
         raise ValueError(f"contract_ndim must be in [1, {kernel.ndim - 1}] for a kernel of shape {kernel.shape}")
-    k = math.prod(kernel.shape[:contract_ndim])
-    w = kernel.reshape(k, -1).T[None]  # [1, N, K]
+    w = kernel.reshape(1, math.prod(kernel.shape[:contract_ndim]), -1)  # W [1, K, N]
     return QuantizedWeight(_jitted_weight(w, recipe), tuple(kernel.shape), contract_ndim)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _jitted_weight(w: jax.Array, recipe: Recipe) -> NVFP4Tensor:
-    return _quantize(w, recipe, "w", columnwise=False)
+    return _weight(w, recipe, columnwise=False)
 
 
 _dequantize = dequantize_fn(KERNELS)
@@ -255,7 +276,7 @@ def _apply_cached(lhs, rhs: CachedWeight, dims, preferred_element_type, recipe: 
         )
     check_operands("NVFP4 dot_general", rhs=rhs.kernel)
     x, out = _weight_problem(lhs, rhs, dims, preferred_element_type)
-    w = rhs.kernel.reshape(math.prod(rhs.shape[: q.contract_ndim]), -1).T[None]  # W^T [1, N, K]
+    w = rhs.kernel.reshape(1, math.prod(rhs.shape[: q.contract_ndim]), -1)  # W [1, K, N]
     config = DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)
     return _jitted_cached_matmul(x, w, q.tensor, rng_key, config).reshape(out.shape)
 
@@ -405,9 +426,10 @@ def dot_general(
     # Row axes (e.g. batch and sequence) stay apart where x's columnwise blocks allow it.
     rows = row_axes(tuple(lhs.shape[d] for d in lf), blocked_rows=True)
     x = lhs.transpose(*lb, *lf, *lc).reshape(batch, *rows, k)
-    w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)
     if isinstance(recipe, MXFP8):
+        w = rhs.transpose(*rb, *rf, *rc).reshape(batch, -1, k)  # W^T [B, N, K]
         y = _jitted_mxfp8_matmul(x, w, recipe, (out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
     else:
+        w = rhs.transpose(*rb, *rc, *rf).reshape(batch, k, -1)  # W [B, K, N]: a kernel [*in, *out] as it is
         y = _jitted_matmul(x, w, rng_key, DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
     return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)

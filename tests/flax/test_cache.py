@@ -87,9 +87,9 @@ def test_nnx_cached_weights_give_the_same_gradients_quantizing_each_weight_once(
 
 def test_linen_remat_with_the_policy_quantizes_each_weight_once():
     """nn.remat recomputes the layers in the backward pass, their weights' quantizes with them, unless its policy
-    is jax_nvfp4.remat_policy() (the weights' copies saved). Counted in the traced step (W^T [1, N, K])."""
+    is jax_nvfp4.remat_policy() (the weights' copies saved). Counted in the traced step (W [1, K, N])."""
     x = normal((4, 4, 32), 1)  # 16 tokens: no activation or gradient has a weight's shape
-    weights = {(1, 32, 32), (1, 48, 32)}  # W^T of qkv and out, and of mlp (1x16 blocks: both copies in one call)
+    weights = {(1, 32, 32), (1, 32, 48)}  # W of qkv and out, and of mlp (1x16 blocks: both copies in one call)
     counts = []
     for policy in (jax.checkpoint_policies.nothing_saveable, remat_policy()):
         model = flax_nn.remat(_Model, policy=policy)()

@@ -83,10 +83,11 @@ def test_gradient_accumulation_quantizes_the_weight_once_per_step():
         return lax.scan(micro_batch, jnp.zeros(w.shape, jnp.float32), jnp.arange(xs.shape[0]))[0]
 
     plain, cached = (functools.partial(step, cached=c) for c in (False, True))
-    # What we emit: W^T [1, 48, 64] quantized in the loop body, or not at all there.
-    assert _scan_quantizes(jax.make_jaxpr(plain)(w, xs), (1, 48, 64)) == 1
-    assert _scan_quantizes(jax.make_jaxpr(cached)(w, xs), (1, 48, 64)) == 0
-    # What runs: one quantize of W (its codes u8[1, 48, 32]), outside the loop. Without the cache XLA's
+    # What we emit: W [1, 64, 48] quantized in the loop body (its columnwise copy, W^T's rowwise one), or not at
+    # all there.
+    assert _scan_quantizes(jax.make_jaxpr(plain)(w, xs), (1, 64, 48)) == 1
+    assert _scan_quantizes(jax.make_jaxpr(cached)(w, xs), (1, 64, 48)) == 0
+    # What runs: one quantize of W (W^T's codes u8[1, 48, 32]), outside the loop. Without the cache XLA's
     # loop-invariant code motion may hoist it too (it does on the CPU); with it, that is by construction.
     compiled = jax.jit(cached).lower(w, xs).compile()
     assert _weight_quantizes(compiled.as_text(), "u8[1,48,32]") == [False]

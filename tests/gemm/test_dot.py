@@ -41,8 +41,8 @@ def test_forward_and_backward_are_exactly_the_recipe_gemms():
     assert_same_bytes(y, gemm(quantize(x), quantize(w.T, block_2d=True), y.dtype))
     # dgrad: dy along N against W [K, N], the same 16x16 blocks seen transposed.
     assert_same_bytes(dx, gemm(quantize(dy), quantize(w, block_2d=True), x.dtype))
-    # wgrad: dW^T [N, K] = dy^T . x, both blocked along the M tokens.
-    assert_same_bytes(dw, gemm(quantize(dy.T), quantize(x.T), w.dtype).T)
+    # wgrad: dW [K, N] = x^T . dy, both blocked along the M tokens.
+    assert_same_bytes(dw, gemm(quantize(x.T), quantize(dy.T), w.dtype))
     assert y.dtype == jnp.bfloat16 and dx.dtype == x.dtype and dw.dtype == w.dtype
     # ...and they really are quantized: bf16 GEMMs give different numbers.
     y16, dx16, dw16 = dense_grads(lax.dot_general, x, w, dy)
@@ -133,7 +133,7 @@ def test_any_shape_differentiates(m, k, n, seed):
     y, dx, dw = dense_grads(plain_dot, x, w, dy)
     assert_same_bytes(y, gemm(quantize(x), quantize(w.T, block_2d=True), y.dtype))
     assert_same_bytes(dx, gemm(quantize(dy), quantize(w, block_2d=True), x.dtype))
-    assert_same_bytes(dw, gemm(quantize(dy.T), quantize(x.T), w.dtype).T)
+    assert_same_bytes(dw, gemm(quantize(x.T), quantize(dy.T), w.dtype))
 
 
 def test_jit_grad_vmap_compose():

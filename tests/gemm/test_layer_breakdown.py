@@ -32,6 +32,20 @@ def test_the_recipe_layer_runs_its_quantizer_kernels_once_per_operand():
     assert not [k for k in bf16 if category(k) in ("amax", "quantize", "dequantize")]
 
 
+def test_neither_w_nor_its_gradient_is_copied_in_bf16():
+    """W is quantized as it is stored and dW made in its layout: besides the GEMMs (whose epilogue writes dW), no
+    kernel writes as many bytes as a bf16 copy of W (a transpose of W, or of dW, would); W's codes' transpose for
+    dgrad writes a quarter of that."""
+    shape, key = (64, 256, 256), jax.random.key(0)  # whole tiles of the fused GEMM's: no padded output to slice
+    _, k, n = shape
+    for impl in ("emulated", "fused"):
+        recipe = jax_nvfp4.Recipe(impl=impl)
+        dot = lambda x, w, recipe=recipe: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key)  # noqa: E731
+        found = kernels(compiled_step(dot, shape).as_text())
+        copies = [(c.name, c.shape) for c in found if category(c) == "other" and c.written >= 2 * k * n]
+        assert not copies, (impl, copies)
+
+
 def test_the_offline_hopper_target_names_what_it_needs():
     """--target h100 compiles with jax's CUDA plugin; where it is not installed, the error says how to get it."""
     import pytest
