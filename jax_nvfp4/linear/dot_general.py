@@ -73,17 +73,23 @@ def _quantize(
     return quantize_batch(KERNELS, x, spec, rng_key=key)
 
 
-def _weight(w: jax.Array, recipe: Recipe, *, rowwise: bool = True, columnwise: bool) -> NVFP4Tensor:
-    """W [B, K, N], as dot_general's rhs comes in, quantized as W^T [B, N, K], the operand the GEMMs read: the
-    copies of W^T asked for (its rowwise one, blocked along K, for the forward GEMM; its columnwise one, along N,
-    for dgrad). Each is W's other copy, byte for byte (a weight's blocks are not transformed or row-scaled; in
-    16x16 blocks both copies hold the same blocks: core/transpose.py), so W is quantized as it is stored and no
-    transposed bf16 copy of it is written."""
-    q = _quantize(w, recipe, "w", columnwise=rowwise, rowwise=columnwise)
-    b, k, n = w.shape
-    spec = dataclasses.replace(q.spec, rowwise=rowwise, columnwise=columnwise)
-    amax, amax_t = (q.amax_t if rowwise else q.amax), (q.amax if columnwise else None)
-    return NVFP4Tensor(q.data_t, q.scale_t, amax, q.data, q.scale, amax_t, (b, n, k), w.dtype, spec, batched=True)
+def transposed_weight(q: NVFP4Tensor) -> NVFP4Tensor:
+    """A quantized W [B, K, N] as W^T [B, N, K], the operand the GEMMs read: its two copies swapped, each the
+    other's of the transpose, byte for byte (a weight's blocks are not transformed or row-scaled; in 16x16
+    blocks both copies hold the same blocks: core/transpose.py)."""
+    b, k, n = q.shape
+    rows, cols = q.data_t is not None, q.data is not None
+    spec = dataclasses.replace(q.spec, rowwise=rows, columnwise=cols)
+    amax, amax_t = (q.amax_t if rows else q.amax), (q.amax if cols else None)
+    return NVFP4Tensor(q.data_t, q.scale_t, amax, q.data, q.scale, amax_t, (b, n, k), q.dtype, spec, batched=True)
+
+
+def weight_copies(w: jax.Array, recipe: Recipe, *, rowwise: bool = True, columnwise: bool) -> NVFP4Tensor:
+    """W [B, K, N], as dot_general's rhs comes in, quantized as W^T [B, N, K]: the copies of W^T asked for (its
+    rowwise one, blocked along K, for the forward GEMM; its columnwise one, along N, for dgrad), made as W's
+    other copies (``transposed_weight``), so W is quantized as it is stored and no transposed bf16 copy of it is
+    written."""
+    return transposed_weight(_quantize(w, recipe, "w", columnwise=rowwise, rowwise=columnwise))
 
 
 def columnwise_only(t: NVFP4Tensor) -> NVFP4Tensor:
@@ -111,7 +117,7 @@ def _fprop(x: jax.Array, qw: NVFP4Tensor, recipe: Recipe, out_dtype: np.dtype) -
 def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: DotConfig) -> jax.Array:
     """x [B, *M, K], w [B, K, N] -> y [B, *M, N] (M: one or more row axes)."""
     del key
-    return _fprop(x, _weight(w, config.recipe, columnwise=False), config.recipe, config.out_dtype)
+    return _fprop(x, weight_copies(w, config.recipe, columnwise=False), config.recipe, config.out_dtype)
 
 
 def _forward(x, w, qw: NVFP4Tensor | None, key, config: DotConfig):
@@ -122,15 +128,15 @@ def _forward(x, w, qw: NVFP4Tensor | None, key, config: DotConfig):
     qx = named(_quantize(x, recipe, "x", columnwise=True), ACTIVATION)
     if recipe.weight_block_2d:
         # One copy: the backward pass transposes the bytes of the one the forward GEMM read (and gathered).
-        qw = named(_weight(w, recipe, columnwise=False), WEIGHT) if qw is None else qw
+        qw = named(weight_copies(w, recipe, columnwise=False), WEIGHT) if qw is None else qw
         y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl, keep_c=True)
         kept = named(kept, OUTPUT)  # the copy of W the GEMM read: saved with its output, or made again with it
     elif qw is None:
-        qw = named(_weight(w, recipe, columnwise=True), WEIGHT)
+        qw = named(weight_copies(w, recipe, columnwise=True), WEIGHT)
         y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl), columnwise_only(qw)
     else:  # 1x16 blocks: the columnwise copy holds other blocks, quantized here
         y = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl)
-        kept = named(_weight(w, recipe, rowwise=False, columnwise=True), WEIGHT)
+        kept = named(weight_copies(w, recipe, rowwise=False, columnwise=True), WEIGHT)
     return named(y, OUTPUT), (columnwise_only(qx), kept, key)
 
 
@@ -202,7 +208,7 @@ def quantize_weight(kernel: jax.Array, recipe: Recipe | None = None, *, contract
 
 @functools.partial(jax.jit, static_argnums=1)
 def _jitted_weight(w: jax.Array, recipe: Recipe) -> NVFP4Tensor:
-    return _weight(w, recipe, columnwise=False)
+    return weight_copies(w, recipe, columnwise=False)
 
 
 _dequantize = dequantize_fn(KERNELS)

@@ -63,6 +63,7 @@ second float32 all-reduce of the kernels' size). Not supported: ``Recipe(row_sca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -75,7 +76,7 @@ from jax.sharding import PartitionSpec
 
 from jax_nvfp4.core.pipeline import max_entry
 from jax_nvfp4.core.tensor import NVFP4Tensor
-from jax_nvfp4.linear.dot_general import columnwise_only, dgrad_weight, weight_residual
+from jax_nvfp4.linear.dot_general import columnwise_only, dgrad_weight, transposed_weight, weight_residual
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.moe.dispatch import (
@@ -99,11 +100,12 @@ def _pmax_bits(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def _quantize(
-    x: jax.Array, recipe: Recipe, operand: str, columnwise: bool, axes: tuple[str, ...], key=None
+    x: jax.Array, recipe: Recipe, operand: str, columnwise: bool, axes: tuple[str, ...], key=None, *, rowwise=True
 ) -> NVFP4Tensor:
     """``dot._quantize`` of a shard x [B, *R, L] of a tensor sharded over ``axes`` (B or R): one amax (and
     transform amax) for the whole global tensor, the pmax of the shards', as the unsharded operand's."""
     spec = recipe.spec(operand, columnwise=columnwise, tokens=math.prod(x.shape[1:-1]))
+    spec = spec if rowwise else dataclasses.replace(spec, rowwise=False)
     spec.check_rows(math.prod(x.shape[1:-1]))
     b = x.shape[0]
     seed = jnp.zeros(2, jnp.uint32)
@@ -114,11 +116,17 @@ def _quantize(
     outs = [jnp.broadcast_to(_pmax_bits(a, axes), (b,)) for a in outs]
     amax, amax_t = outs[0], spec.columnwise_amax(outs[-1])
     q = list(KERNELS.quantize(x, amax, amax_t, seed, spec=spec))
-    data, scale = q[0], q[1]
-    data_t, scale_t = (q[2], q[3]) if columnwise else (None, None)
+    data, scale = (q.pop(0), q.pop(0)) if rowwise else (None, None)
+    data_t, scale_t = (q[0], q[1]) if columnwise else (None, None)
     return NVFP4Tensor(
         data, scale, amax, data_t, scale_t, amax_t if columnwise else None, x.shape, x.dtype, spec, batched=True
     )
+
+
+def _weight(w: jax.Array, recipe: Recipe, columnwise: bool, axes: tuple[str, ...]) -> NVFP4Tensor:
+    """The shard's W [E/D, K, N], quantized as it is stored, as the GEMMs' W^T [E/D, N, K]: its rowwise copy and,
+    where asked, its columnwise one (``dot_general``'s ``weight_copies``)."""
+    return transposed_weight(_quantize(w, recipe, "w", True, axes, rowwise=columnwise))
 
 
 def _exchange(a: jax.Array, axis: str, split: int, concat: int) -> jax.Array:
@@ -180,14 +188,14 @@ def _shard_key(key: jax.Array | None, mesh: _Mesh) -> jax.Array | None:
 
 
 def _weight_grad(qdy: NVFP4Tensor, qx: NVFP4Tensor, dtype, recipe: Recipe, mesh: _Mesh) -> jax.Array:
-    """dW = dy^T x over this shard's slots, summed over the data axes in float32, then rounded once.
+    """dW = x^T dy [E/D, K, N] over this shard's slots, summed over the data axes in float32, then rounded once.
 
     shard_map's transpose sums the kernels' cotangents over the data axes (they are replicated there), after
     the cast back to the kernels' dtype: so the sum is taken here, in float32, and only the first data shard
     returns it (the others return zeros, which that sum adds exactly)."""
     if not mesh.data:
-        return batched_gemm(qdy, qx, dtype, a_columnwise=True, c_columnwise=True, impl=recipe.impl)
-    dw = batched_gemm(qdy, qx, jnp.float32, a_columnwise=True, c_columnwise=True, impl=recipe.impl)
+        return batched_gemm(qx, qdy, dtype, a_columnwise=True, c_columnwise=True, impl=recipe.impl)
+    dw = batched_gemm(qx, qdy, jnp.float32, a_columnwise=True, c_columnwise=True, impl=recipe.impl)
     first = functools.reduce(jnp.logical_and, [lax.axis_index(name) == 0 for name in mesh.data])
     return jnp.where(first, lax.psum(dw, mesh.data), 0).astype(dtype)
 
@@ -206,17 +214,16 @@ def _combine(out: jax.Array, gates: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dispatch_dot(buffer, w, key, recipe: Recipe, mesh: _Mesh):
-    """Token-side buffer [E, R, K], the shard's W^T [E/D, N, K] -> expert-side y [E/D, D R, N]: the buffer
+    """Token-side buffer [E, R, K], the shard's W [E/D, K, N] -> expert-side y [E/D, D R, N]: the buffer
     quantized (global amax) and moved as codes, then the fprop GEMM."""
     del key
     qx = _to_experts(_quantize(buffer, recipe, "x", False, mesh.tokens), mesh.expert, mesh.world)
-    qw = _quantize(w, recipe, "w", False, mesh.tokens)
-    return batched_gemm(qx, qw, buffer.dtype, impl=recipe.impl)
+    return batched_gemm(qx, _weight(w, recipe, False, mesh.tokens), buffer.dtype, impl=recipe.impl)
 
 
 def _dispatch_fwd(buffer, w, key, recipe: Recipe, mesh: _Mesh):
     qx = _to_experts(_quantize(buffer, recipe, "x", True, mesh.tokens), mesh.expert, mesh.world)
-    qw = _quantize(w, recipe, "w", not recipe.weight_block_2d, mesh.tokens)  # 16x16: one copy
+    qw = _weight(w, recipe, not recipe.weight_block_2d, mesh.tokens)  # 16x16: one copy
     y = batched_gemm(qx, qw, buffer.dtype, impl=recipe.impl)
     return y, (columnwise_only(qx), weight_residual(qw), key, jnp.zeros((0,), w.dtype))
 
@@ -236,12 +243,12 @@ _dispatch_dot.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _combine_dot(h, w, key, recipe: Recipe, mesh: _Mesh):
-    """Expert-side h [E/D, D R, K], the shard's W^T [E/D, N, K] -> token-side out [E, R, N]: the GEMM at the
+    """Expert-side h [E/D, D R, K], the shard's W [E/D, K, N] -> token-side out [E, R, N]: the GEMM at the
     experts, its output moved back in h's dtype."""
     del key
     y = batched_gemm(
         _quantize(h, recipe, "x", False, mesh.tokens),
-        _quantize(w, recipe, "w", False, mesh.tokens),
+        _weight(w, recipe, False, mesh.tokens),
         h.dtype,
         impl=recipe.impl,
     )
@@ -250,7 +257,7 @@ def _combine_dot(h, w, key, recipe: Recipe, mesh: _Mesh):
 
 def _combine_fwd(h, w, key, recipe: Recipe, mesh: _Mesh):
     qh = _quantize(h, recipe, "x", True, mesh.tokens)
-    qw = _quantize(w, recipe, "w", not recipe.weight_block_2d, mesh.tokens)  # 16x16: one copy
+    qw = _weight(w, recipe, not recipe.weight_block_2d, mesh.tokens)  # 16x16: one copy
     y = batched_gemm(qh, qw, h.dtype, impl=recipe.impl)
     return _to_tokens(y, mesh.expert), (columnwise_only(qh), weight_residual(qw), key, jnp.zeros((0,), w.dtype))
 
@@ -268,12 +275,6 @@ _combine_dot.defvjp(_combine_fwd, _combine_bwd)
 
 
 # ---- The layer's computation.
-
-
-def _transposed(kernel: jax.Array, dtype) -> jax.Array:
-    """A kernel [E, in, out] as the GEMM's W^T [E, out, in] in ``dtype`` (as ``dot_general`` casts and
-    transposes it)."""
-    return kernel.astype(dtype).transpose(0, 2, 1)
 
 
 def _global_balance(routing: Routing, logits: jax.Array, mesh: _Mesh) -> jax.Array:
@@ -322,9 +323,9 @@ def _local_mlp(x, logits, chosen, gates, up, down, keys, *, top_k, recipe, activ
         h = jnp.where(mask, h, 0)
         out = _to_tokens(lax.dot_general(h, down.astype(x.dtype), BATCHED_DIMS), mesh.expert)
     else:
-        h = activation(_dispatch_dot(buffer, _transposed(up, x.dtype), keys[0], recipe, mesh))
+        h = activation(_dispatch_dot(buffer, up.astype(x.dtype), keys[0], recipe, mesh))
         h = jnp.where(mask, h, 0)  # empty slots stay zero whatever activation(0) is
-        out = _combine_dot(h, _transposed(down, x.dtype), keys[1], recipe, mesh)
+        out = _combine_dot(h, down.astype(x.dtype), keys[1], recipe, mesh)
     out = out.reshape(num_experts * rows, d).at[slots.index].get(mode="fill", fill_value=0)
     y = _combine(out.reshape(tokens, top_k, d), routing.gates)
     dropped = lax.psum(slots.dropped, mesh.tokens)

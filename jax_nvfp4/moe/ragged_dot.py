@@ -5,9 +5,10 @@ lhs x [M, K] holds the tokens sorted by expert, rhs W [G, K, N] one weight per e
 The custom VJP follows ``dot_general``'s recipe, group by group:
 
   fprop  y  = x . W_g     x in 1x16 blocks along K (one amax for all tokens), each W_g in 16x16
-                          blocks with its own amax
+                          blocks with its own amax, quantized as it is stored (``dot_general``'s)
   dgrad  dx = dy . W_g^T  dy in 1x16 blocks along N, W_g's columnwise copy (its codes transposed)
-  wgrad  dW_g = dy_g^T x_g  the columnwise copies of group g's tokens alone, blocked along the tokens
+  wgrad  dW_g = x_g^T dy_g  the columnwise copies of group g's tokens alone, blocked along the tokens,
+                          in W's layout [G, K, N] (dW_g^T transposed where a copy is row-scaled)
 
 **Group boundaries in the wgrad copies.** The token blocks of the columnwise copies lie on the
 global grid of 16 rows (rows 16j..16j+15). Each group is quantized as its own tensor: a block that a
@@ -59,6 +60,7 @@ from jax_nvfp4.linear.dot_general import (
     check_options,
     check_result,
     dgrad_weight,
+    weight_copies,
     weight_residual,
 )
 from jax_nvfp4.linear.recipe import Recipe
@@ -72,7 +74,7 @@ from jax_nvfp4.sharding.explicit import explicit_sharding, spec_of
 _WGRAD = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
 )
-"""[N, Mp] . [K, Mp] -> [G, N, K], each group contracting its segment of the tokens."""
+"""[K, Mp] . [N, Mp] -> [G, K, N], each group contracting its segment of the tokens."""
 
 
 def check_group_sizes(group_sizes, rows: int) -> None:
@@ -104,9 +106,9 @@ def _cut_sizes(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 def _experts(w: jax.Array, recipe: Recipe, columnwise: bool) -> NVFP4Tensor:
-    """W^T [G, N, K], each expert quantized on its own (own amax): [G, N, K], with the columnwise copy if asked."""
-    spec = recipe.spec("w", columnwise=columnwise, tokens=w.shape[1])
-    t = jax.vmap(lambda wg: quantize_batch(KERNELS, wg[None], spec))(w)
+    """W [G, K, N], each expert quantized on its own (own amax) as it is stored, as W^T [G, N, K] (its rowwise
+    copy, and the columnwise one if asked: ``weight_copies``)."""
+    t = jax.vmap(lambda wg: weight_copies(wg[None], recipe, columnwise=columnwise))(w)
     squeeze = lambda a: None if a is None else a.reshape(a.shape[0], *a.shape[2:])  # noqa: E731
     arrays = [squeeze(a) for a in (t.data, t.scale, t.amax, t.data_t, t.scale_t, t.amax_t)]
     return NVFP4Tensor(*arrays, (w.shape[0], *t.shape[1:]), t.dtype, t.spec, batched=True)
@@ -152,7 +154,8 @@ def _token_gemm(tokens: Scaled, experts: Scaled, sizes: jax.Array, ids: jax.Arra
 
 
 def _weight_gemm(a: Scaled, c: Scaled, segments: jax.Array, out_dtype) -> jax.Array:
-    """Each group's columnwise copies [N, Mp] and [K, Mp] contracted over its segment -> [G, N, K] (wgrad)."""
+    """Each group's columnwise copies [K, Mp] and [N, Mp] contracted over its segment -> [G, K, N] (wgrad; a's
+    row scales apply first, as in ``gemm``)."""
     acc = lax.ragged_dot_general(a.values, c.values, segments, _WGRAD, preferred_element_type=jnp.float32)
     sa, sc = _decode(a), _decode(c)
     per_tensor = [s[:, None, None] for s, op in ((sa, a), (sc, c)) if not op.per_row]
@@ -180,7 +183,7 @@ def _fprop(qx: Scaled, qw: NVFP4Tensor, sizes, ids, config: DotConfig) -> jax.Ar
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: DotConfig) -> jax.Array:
-    """x [M, K], W^T [G, N, K], group_sizes [G] -> y [M, N]. Without a backward pass: x's rowwise copy alone."""
+    """x [M, K], W [G, K, N], group_sizes [G] -> y [M, N]. Without a backward pass: x's rowwise copy alone."""
     del key
     groups, rows = w.shape[0], x.shape[0]
     ids = group_ids(group_sizes, rows)
@@ -209,7 +212,12 @@ def _ragged_bwd(config: DotConfig, residuals, dy):
     spec = recipe.spec("dy", columnwise=True, tokens=rows)
     qdy = quantize_grouped(dy, group_sizes, spec, row_key=row_key, group_keys=group_keys)
     dx = _token_gemm(qdy.rows(), _expert_values(dgrad_weight(qw), columnwise=True), sizes, ids, config.x_dtype)
-    dw = _weight_gemm(qdy.columns(), qx.columns(), segment_sizes(group_sizes, rows), config.w_dtype)
+    segments, cx, cdy = segment_sizes(group_sizes, rows), qx.columns(), qdy.columns()
+    # dW [G, K, N], W's layout; with row scales dW^T, transposed, whose epilogue scales by dy's first.
+    if cx.per_row or cdy.per_row:
+        dw = jnp.swapaxes(_weight_gemm(cdy, cx, segments, config.w_dtype), 1, 2)
+    else:
+        dw = _weight_gemm(cx, cdy, segments, config.w_dtype)
     return dx, dw, None, None
 
 
@@ -287,4 +295,4 @@ def ragged_dot(
     if out.size == 0 or lhs.size == 0 or rhs.size == 0:
         return ragged(lhs, rhs, group_sizes)
     config = DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)
-    return _jitted_ragged(lhs, rhs.transpose(0, 2, 1), group_sizes.astype(jnp.int32), rng_key, config)
+    return _jitted_ragged(lhs, rhs, group_sizes.astype(jnp.int32), rng_key, config)

@@ -81,8 +81,8 @@ def test_a_remat_ragged_dot_quantizes_its_experts_once():
     experts = []
     for policy in (jax.checkpoint_policies.nothing_saveable, remat_policy()):
         jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(layer, policy=policy), argnums=(0, 1)))(x, w)
-        # The experts' W^T [G, N, K], each quantized on its own (one batched quantize).
-        experts.append(sum(s == (3, D_HIDDEN, D_IN) for s in quantized_shapes(jaxpr)))
+        # The experts' W [G, K, N], each quantized on its own (one batched quantize).
+        experts.append(sum(s == (3, D_IN, D_HIDDEN) for s in quantized_shapes(jaxpr)))
     assert experts == [2, 1]
 
 
