@@ -3,8 +3,10 @@
 With 16x16 blocks both copies quantize the same blocks of 256 values with the same global amax, so
 the columnwise copy (the quantization of x^T) holds the rowwise codes nibble-transposed and the
 block scales transposed: no value is quantized again. A weight's quantized copy is therefore made,
-kept and all-gathered once, and its other copy is this local transpose of the bytes (byte-equal to
-what quantizing with ``columnwise=True`` makes: tests/gemm/test_weight_copy.py).
+kept and all-gathered once; the dgrad GEMM reads it transposed (``ops.gemm``'s ``c_packed_rows``), and
+where a columnwise copy is wanted in memory (a restored checkpoint, ``lax.scaled_dot``'s operand) it is
+this local transpose of the bytes (byte-equal to what quantizing with ``columnwise=True`` makes:
+tests/gemm/test_weight_copy.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.core.tensor import NVFP4Tensor
 
 
-def _transpose_codes(data: jax.Array, rows: int, cols: int) -> jax.Array:
+def transpose_codes(data: jax.Array, rows: int, cols: int) -> jax.Array:
     """Packed codes [B, rows, ceil(cols/2)] -> [B, cols, ceil(rows/2)] (a padding nibble is 0).
 
     Output row 2j holds the low nibbles of input byte column j, row 2j + 1 the high ones; each output byte
@@ -39,14 +41,15 @@ def _transpose_codes(data: jax.Array, rows: int, cols: int) -> jax.Array:
     return lax.optimization_barrier(pairs).transpose(0, 2, 1)
 
 
-def _transpose_scales(scale: jax.Array, rows: int, cols: int) -> jax.Array:
-    """Block scales [B, rows, ceil(cols/16)], each block's repeated on its 16 rows -> [B, cols, ceil(rows/16)]."""
+def transpose_scales(scale: jax.Array, rows: int, cols: int) -> jax.Array:
+    """Block scales [B, rows, ceil(cols/16)], each block's repeated on its 16 rows -> [B, cols, ceil(rows/16)]
+    (E4M3, or their bytes: the dtype they come in)."""
     b, blocks = scale.shape[0], -(-rows // BLOCK)
     s = lax.bitcast_convert_type(scale, jnp.uint8)
     s = jnp.pad(s, ((0, 0), (0, blocks * BLOCK - rows), (0, 0)))
     s = s.reshape(b, blocks, BLOCK, -1)[:, :, 0].transpose(0, 2, 1)  # one row per block: [B, cols/16, blocks]
     s = jnp.repeat(s, BLOCK, axis=1)[:, :cols]
-    return lax.bitcast_convert_type(s, jnp.float8_e4m3fn)
+    return lax.bitcast_convert_type(s, scale.dtype)
 
 
 def with_columnwise_copy(t: NVFP4Tensor) -> NVFP4Tensor:
@@ -65,7 +68,7 @@ def with_columnwise_copy(t: NVFP4Tensor) -> NVFP4Tensor:
     rows, cols = (t.shape[1], t.shape[2]) if t.batched else (t.rows, t.cols)
     data = t.data.reshape(-1, rows, t.data.shape[-1])
     scale = t.scale.reshape(-1, rows, t.scale.shape[-1])
-    data_t, scale_t = _transpose_codes(data, rows, cols), _transpose_scales(scale, rows, cols)
+    data_t, scale_t = transpose_codes(data, rows, cols), transpose_scales(scale, rows, cols)
     if not t.batched:
         data_t, scale_t = data_t[0], scale_t[0]
     return dataclasses.replace(

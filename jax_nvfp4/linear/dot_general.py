@@ -10,8 +10,8 @@ stored, so that neither it nor its gradient is transposed in bf16):
                           bytes: W is quantized as it is stored)
   dgrad  dx = dy . W      dy in 1x16 blocks along N; W^T's columnwise copy, which
                           for 16x16 blocks holds the same codes and scales transposed:
-                          then only the rowwise copy is made, and the backward pass
-                          transposes its bytes
+                          then only the rowwise copy is made, and the dgrad GEMM reads
+                          it transposed (no copy of its bytes)
   wgrad  dW = x^T . dy    the columnwise 1x16 copies of x and dy (blocked along M),
                           both of the Random Hadamard Transform along M (the recipe's
                           default): [B, K, N], W's layout (dW^T = dy^T . x, transposed,
@@ -46,7 +46,6 @@ from jax_nvfp4.core.checks import check_key, check_out_dtype, mesh_axis_names, u
 from jax_nvfp4.core.formats import INPUT_DTYPES
 from jax_nvfp4.core.pipeline import dequantize_fn, quantize_batch, row_axes
 from jax_nvfp4.core.tensor import CachedWeight, NVFP4Tensor, QuantizedWeight
-from jax_nvfp4.core.transpose import with_columnwise_copy
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.linear.remat import ACTIVATION, OUTPUT, WEIGHT, named
@@ -103,9 +102,11 @@ def weight_residual(qw: NVFP4Tensor) -> NVFP4Tensor:
     return qw if qw.data_t is None else columnwise_only(qw)
 
 
-def dgrad_weight(qw: NVFP4Tensor) -> NVFP4Tensor:
-    """W's columnwise copy from its residual (``weight_residual``): as kept, or transposed from the rowwise one."""
-    return with_columnwise_copy(qw) if qw.data_t is None else qw
+def dgrad(qdy: NVFP4Tensor, qw: NVFP4Tensor, out_dtype: DTypeLike, impl: str) -> jax.Array:
+    """dx = dy . W [B, *M, K] from dy's rowwise copy [B, *M, N] and W^T's residual (``weight_residual``): its
+    columnwise copy as kept, or, in 16x16 blocks, its rowwise copy [B, N, K] read transposed by the GEMM (the
+    same blocks: no transposed copy of its bytes is made)."""
+    return batched_gemm(qdy, qw, out_dtype, c_columnwise=True, c_transposed=qw.data_t is None, impl=impl)
 
 
 def _fprop(x: jax.Array, qw: NVFP4Tensor, recipe: Recipe, out_dtype: np.dtype) -> jax.Array:
@@ -127,7 +128,7 @@ def _forward(x, w, qw: NVFP4Tensor | None, key, config: DotConfig):
     # quantized once a step under rematerialization.
     qx = named(_quantize(x, recipe, "x", columnwise=True), ACTIVATION)
     if recipe.weight_block_2d:
-        # One copy: the backward pass transposes the bytes of the one the forward GEMM read (and gathered).
+        # One copy: the dgrad GEMM reads the one the forward GEMM read (and gathered), transposed.
         qw = named(weight_copies(w, recipe, columnwise=False), WEIGHT) if qw is None else qw
         y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl, keep_c=True)
         kept = named(kept, OUTPUT)  # the copy of W the GEMM read: saved with its output, or made again with it
@@ -146,11 +147,10 @@ def _matmul_fwd(x, w, key, config: DotConfig):
 
 def _matmul_bwd(config: DotConfig, residuals, dy):
     qx, qw, key = residuals  # x^T [B, K, *M] columnwise; W's columnwise copy [B, K, N], or its rowwise [B, N, K]
-    qw = dgrad_weight(qw)
     config.recipe.check_rng_key(key)
     qdy = _quantize(dy, config.recipe, "dy", columnwise=True, key=key)
     impl = config.recipe.impl
-    dx = batched_gemm(qdy, qw, config.x_dtype, c_columnwise=True, impl=impl)  # [B, *M, N] . [B, K, N] -> [B, *M, K]
+    dx = dgrad(qdy, qw, config.x_dtype, impl)  # [B, *M, N] . W [B, K, N] -> [B, *M, K]
     # Contracting all row axes (tokens); transformed, both operands carry the same orthogonal transform along
     # them, which cancels in the product. [B, K, *M] . [B, N, *M] -> [B, K, N], w's layout: no pass over dW. With
     # row scales dW^T = [B, N, *M] . [B, K, *M] transposed, whose epilogue scales by dy's first (linear/gemm.py),

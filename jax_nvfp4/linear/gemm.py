@@ -48,14 +48,16 @@ from jax_nvfp4.ops.gemm import decode_scale, gemm_p, scale_product, split
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["data", "scale", "amax"],
-    meta_fields=["contract_ndim", "length", "per_row", "e4m3_max"],
+    meta_fields=["contract_ndim", "length", "per_row", "e4m3_max", "packed_rows"],
 )
 @dataclasses.dataclass(frozen=True)
 class _Copy:
     """One copy of a batched tensor as a GEMM operand: [B, *R, *L] blocked along the last axis.
 
     The rowwise copy of [B, *R, N] contracts N; the columnwise one, [B, N, *R[:-1], ceil(R[-1]/2)],
-    contracts the R axes. Only what the GEMM reads, so that its jit cache does not split on the rest of a spec.
+    contracts the R axes; or, in 16x16 blocks, the rowwise copy of [B, R, N] does, read transposed
+    (``packed_rows`` N: ``ops.gemm``'s ``c_packed_rows``). Only what the GEMM reads, so that its jit cache does
+    not split on the rest of a spec.
     """
 
     data: jax.Array
@@ -65,9 +67,14 @@ class _Copy:
     length: int
     per_row: bool
     e4m3_max: int
+    packed_rows: int = 0
 
     @classmethod
-    def of(cls, t: NVFP4Tensor, columnwise: bool) -> _Copy:
+    def of(cls, t: NVFP4Tensor, columnwise: bool, transposed: bool = False) -> _Copy:
+        if transposed:
+            if not (columnwise and t.block_2d and t.batched and len(t.shape) == 3 and t.data is not None):
+                raise ValueError("a GEMM reads transposed only the rowwise copy of a [B, R, L] tensor in 16x16 blocks")
+            return cls(t.data, t.scale, t.amax, 1, t.shape[1], False, t.spec.e4m3_max, t.shape[2])
         if columnwise:
             arrays, contract_ndim, length = (t.data_t, t.scale_t, t.amax_t), len(t.shape) - 2, t.shape[-2]
         else:
@@ -78,7 +85,7 @@ class _Copy:
 
     @property
     def rows(self) -> tuple[int, ...]:
-        return split(self.data.shape, self.contract_ndim)[0]
+        return (self.packed_rows,) if self.packed_rows else split(self.data.shape, self.contract_ndim)[0]
 
 
 def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype, impl: str, keep_c: bool) -> tuple[jax.Array, ...]:
@@ -97,6 +104,7 @@ def _bind(a: _Copy, c: _Copy, amax_a, amax_c, out_dtype, impl: str, keep_c: bool
         out_dtype=jnp.dtype(out_dtype),
         impl=impl,
         keep_c=keep_c,
+        c_packed_rows=c.packed_rows,
     )
 
 
@@ -119,6 +127,7 @@ def batched_gemm(
     *,
     a_columnwise: bool = False,
     c_columnwise: bool = False,
+    c_transposed: bool = False,
     bias: jax.Array | None = None,
     impl: GemmImpl = "auto",
     keep_c: bool = False,
@@ -128,11 +137,15 @@ def batched_gemm(
     The rowwise copy of [B, *R, L] contracts L (its rows R); the columnwise
     copy contracts R (its rows are L). Both copies contract the same axes. The
     global decode scales, then ``bias`` (float32, broadcast against the
-    output), apply in the order of the module docstring. ``impl``: see ``gemm``.
+    output), apply in the order of the module docstring. ``impl``: see ``gemm``. ``c_transposed`` (with
+    ``c_columnwise``): c [B, R, L] in 16x16 blocks, whose columnwise copy holds its rowwise copy's blocks, is
+    read from its rowwise copy, transposed by the GEMM: no transposed copy of its bytes is made.
     ``keep_c``: also return c with the copy the GEMM read (alone) in the layout the GEMM
     gathered it to on a mesh, for another GEMM to reuse without gathering it again.
     """
-    ca, cc = _Copy.of(a, a_columnwise), _Copy.of(c, c_columnwise)
+    if c_transposed and keep_c:
+        raise ValueError("a GEMM keeps c as it read it, not transposed")
+    ca, cc = _Copy.of(a, a_columnwise), _Copy.of(c, c_columnwise, c_transposed)
     if ca.contract_ndim != cc.contract_ndim or ca.length != cc.length:
         raise ValueError("the two GEMM operands contract different axes")
     y, *kept = _gemm(ca, cc, jnp.dtype(out_dtype), bias, resolve_impl(impl, "the GEMM's impl"), keep_c)

@@ -76,7 +76,7 @@ from jax.sharding import PartitionSpec
 
 from jax_nvfp4.core.pipeline import max_entry
 from jax_nvfp4.core.tensor import NVFP4Tensor
-from jax_nvfp4.linear.dot_general import columnwise_only, dgrad_weight, transposed_weight, weight_residual
+from jax_nvfp4.linear.dot_general import columnwise_only, dgrad, transposed_weight, weight_residual
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.moe.dispatch import (
@@ -233,7 +233,7 @@ def _dispatch_bwd(recipe: Recipe, mesh: _Mesh, residuals, dy):
     recipe.check_rng_key(key)
     # dy [E/D, D R, N] is made at the experts' side: quantized there (global amax).
     qdy = _quantize(dy, recipe, "dy", True, mesh.tokens, _shard_key(key, mesh))
-    dx = batched_gemm(qdy, dgrad_weight(qw), qx.dtype, c_columnwise=True, impl=recipe.impl)
+    dx = dgrad(qdy, qw, qx.dtype, recipe.impl)
     dw = _weight_grad(qdy, qx, w_like.dtype, recipe, mesh)
     return _to_tokens(dx, mesh.expert), dw, None
 
@@ -267,7 +267,7 @@ def _combine_bwd(recipe: Recipe, mesh: _Mesh, residuals, dout):
     recipe.check_rng_key(key)
     # dout [E, R, N] is at the token side: quantized there (global amax, both copies), moved as codes.
     qdy = _to_experts(_quantize(dout, recipe, "dy", True, mesh.tokens, _shard_key(key, mesh)), mesh.expert, mesh.world)
-    dh = batched_gemm(qdy, dgrad_weight(qw), qh.dtype, c_columnwise=True, impl=recipe.impl)
+    dh = dgrad(qdy, qw, qh.dtype, recipe.impl)
     return dh, _weight_grad(qdy, qh, w_like.dtype, recipe, mesh), None
 
 

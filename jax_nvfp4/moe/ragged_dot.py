@@ -59,7 +59,6 @@ from jax_nvfp4.linear.dot_general import (
     check_operands,
     check_options,
     check_result,
-    dgrad_weight,
     weight_copies,
     weight_residual,
 )
@@ -120,6 +119,16 @@ def _expert_values(qw: NVFP4Tensor, columnwise: bool) -> Scaled:
     data, scale, amax = (qw.data_t, qw.scale_t, qw.amax_t) if columnwise else (qw.data, qw.scale, qw.amax)
     values = block_values(data, scale, qw.shape[1] if columnwise else qw.shape[2])
     return Scaled(jnp.swapaxes(values, 1, 2), amax, qw.spec.row_scaled, qw.spec.e4m3_max)
+
+
+def _dgrad_values(qw: NVFP4Tensor) -> Scaled:
+    """W^T's values as the dgrad GEMM's rhs [G, N, K]: from its columnwise copy, or where only the rowwise one is
+    kept (16x16 blocks, which both copies share) from that: no transposed copy of its bytes. The barrier keeps this
+    decode apart from the forward GEMM's, which XLA would share (a bf16 copy of W held from forward to backward)."""
+    if qw.data_t is not None:
+        return _expert_values(qw, columnwise=True)
+    values = block_values(lax.optimization_barrier(qw.data), qw.scale, qw.shape[2])
+    return Scaled(values, qw.amax, qw.spec.row_scaled, qw.spec.e4m3_max)
 
 
 def _scaled(acc: jax.Array, per_tensor: list[jax.Array], per_row: list[jax.Array], out_dtype) -> jax.Array:
@@ -196,7 +205,7 @@ def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: Dot
 def _ragged_fwd(x, w, group_sizes, key, config: DotConfig):
     rows = x.shape[0]
     ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
-    # 16x16 blocks: the rowwise copy alone, transposed in the backward pass.
+    # 16x16 blocks: the rowwise copy alone, which the backward pass reads as W^T's columnwise one.
     qw = named(_experts(w, config.recipe, columnwise=not config.recipe.weight_block_2d), WEIGHT)
     qx = named(quantize_grouped(x, group_sizes, config.recipe.spec("x", columnwise=True, tokens=rows)), ACTIVATION)
     y = named(_fprop(qx.rows(), qw, sizes, ids, config), OUTPUT)
@@ -211,7 +220,7 @@ def _ragged_bwd(config: DotConfig, residuals, dy):
     ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
     spec = recipe.spec("dy", columnwise=True, tokens=rows)
     qdy = quantize_grouped(dy, group_sizes, spec, row_key=row_key, group_keys=group_keys)
-    dx = _token_gemm(qdy.rows(), _expert_values(dgrad_weight(qw), columnwise=True), sizes, ids, config.x_dtype)
+    dx = _token_gemm(qdy.rows(), _dgrad_values(qw), sizes, ids, config.x_dtype)
     segments, cx, cdy = segment_sizes(group_sizes, rows), qx.columns(), qdy.columns()
     # dW [G, K, N], W's layout; with row scales dW^T, transposed, whose epilogue scales by dy's first.
     if cx.per_row or cdy.per_row:

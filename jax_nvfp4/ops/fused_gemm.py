@@ -116,6 +116,34 @@ def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps
     out_ref[...] = (acc * _UNSCALE * scale_ref[...]).astype(out_ref.dtype)
 
 
+_NIBBLE = tuple(p // 2 + 4 * (p % 2) for p in range(8))
+"""The nibble of each word that ``_quarters``'s array p holds."""
+
+
+def _kernel_transposed(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps: int, tile_words: int):
+    """``_kernel`` with c packed along its rows (the output's columns) and contracted along its other axis.
+
+    c's words come as [L / 8, 8, tile_n / 8] (row w, sub-row i: contraction row 8w + i) and its scales likewise.
+    a's quarter p holds contraction rows 8w + _NIBBLE[p]: sub-row _NIBBLE[p] of c's step, decoded in quarters
+    along the output columns, so quarter s of it adds to the output columns 8v + _NIBBLE[s]: eight accumulators,
+    stored to their columns (``out_ref`` [tile_m, tile_n / 8, 8]).
+    """
+
+    def step(k, accs):
+        tile_scales = tile_words // _WORDS_PER_SCALE
+        words, scales = pl.ds(k * tile_words, tile_words), pl.ds(k * tile_scales, tile_scales)
+        accs = list(accs)
+        for x, nibble in zip(_quarters(a_ref[:, words], a_scale_ref[:, scales]), _NIBBLE, strict=True):
+            for s, y in enumerate(_quarters(c_ref[words, nibble, :], c_scale_ref[words, nibble, :])):
+                accs[s] = accs[s] + lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return tuple(accs)
+
+    zero = jnp.zeros(out_ref.shape[:2], jnp.float32)
+    accs = lax.fori_loop(0, steps, step, (zero,) * 8)
+    for acc, nibble in zip(accs, _NIBBLE, strict=True):
+        out_ref[:, :, nibble] = (acc * _UNSCALE * scale_ref[...]).astype(out_ref.dtype)
+
+
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     extra = -x.shape[axis] % multiple
     if not extra:
@@ -149,6 +177,46 @@ def _call(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: bool, tiles: T
     )(a, a_scale, c, c_scale, scale)
 
 
+def _call_transposed(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: bool, tiles: Tiles):
+    """Padded operands [B, M, Kb], [B, M, Kb / 8] and c packed along its rows, [B, 2 Kb, Nb], [B, 2 Kb, Nb / 8],
+    scales [B, 1, 1] -> [B, M, 2 Nb]."""
+    batch, m, kb = a.shape
+    n = 2 * c.shape[2]
+    kernel = functools.partial(_kernel_transposed, steps=kb // tiles.k_bytes, tile_words=tiles.k_bytes // 4)
+    a = lax.bitcast_convert_type(a.reshape(batch, m, kb // 4, 4), jnp.uint32)
+    # c's rows in groups of 8, one group a word of a's codes: [B, Kb / 4, 8, Nb / 4] words, [B, Kb / 4, 8, Nb / 8].
+    c = lax.bitcast_convert_type(c.reshape(batch, kb // 4, 8, n // 8, 4), jnp.uint32)
+    c_scale = c_scale.reshape(batch, kb // 4, 8, -1)
+    tile_words = tiles.n // 8
+    in_specs = [
+        pl.BlockSpec((None, tiles.m, kb // 4), lambda b, i, j: (b, i, 0)),
+        pl.BlockSpec((None, tiles.m, kb // _BYTES_PER_SCALE), lambda b, i, j: (b, i, 0)),
+        pl.BlockSpec((None, kb // 4, 8, tile_words), lambda b, i, j: (b, 0, 0, j)),
+        pl.BlockSpec((None, kb // 4, 8, tile_words // 2), lambda b, i, j: (b, 0, 0, j)),
+        pl.BlockSpec((None, 1, 1), lambda b, i, j: (b, 0, 0)),
+    ]
+    y = pl.pallas_call(
+        kernel,
+        grid=(batch, m // tiles.m, n // tiles.n),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, tiles.m, tile_words, 8), lambda b, i, j: (b, i, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, m, n // 8, 8), out_dtype),
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=tiles.num_warps),
+        name="nvfp4_fused_gemm_transposed",
+    )(a, a_scale, c, c_scale, scale)
+    return y.reshape(batch, m, n)
+
+
+def _transposed_operand(data: jax.Array, scale: jax.Array, length: int, tile_rows: int):
+    """c packed along its rows: codes [B, L, ceil(rows / 2)] and E4M3 bytes [B, L, ceil(rows / 16)] -> the same,
+    rows padded with zero codes and scales to whole tiles, L to ``length`` rows (zeros: exact zeros in the sums).
+    A byte past an odd row count holds an output column past ``rows``, which is dropped."""
+    data, scale = _pad_to(data, 2, tile_rows // 2), _pad_to(scale, 2, tile_rows // BLOCK)
+    pad = [(0, 0), (0, length - data.shape[1]), (0, 0)]
+    return jnp.pad(data, pad), jnp.pad(scale, pad)
+
+
 def _operand(data: jax.Array, scale: jax.Array, rows: int, length: int, tile_rows: int, tile_k: int):
     """Packed codes [B, *R, *L] and E4M3 bytes (``length`` values a row of the last L axis) -> [B, R', K'] each.
 
@@ -176,6 +244,7 @@ def fused_gemm(
     rows_c: int,
     length: int,
     out_dtype,
+    c_transposed: bool = False,
     interpret: bool | None = None,
     tiles: Tiles | None = None,
 ) -> jax.Array:
@@ -184,9 +253,12 @@ def fused_gemm(
     The sums run over the merged contracting axes: ``a_data`` [B, *R, *L] uint8 (``rows_a`` = prod(R)) and
     ``a_scale`` its E4M3 bytes (uint8), likewise ``c``; ``length`` values in each row of the last, packed axis.
     ``scale`` [B] float32: the global decode scale each sum is multiplied by, in the kernel, before the cast
-    (so the float32 sums never go through memory). ``interpret``: Pallas's interpret mode; by default the
-    kernel is compiled where it is lowered for a GPU (CUDA or ROCm) and interpreted elsewhere. ``tiles``:
-    the blocking (default: ``TILES`` compiled, ``INTERPRET_TILES`` interpreted); it changes no result.
+    (so the float32 sums never go through memory). ``c_transposed``: c is packed along its rows instead,
+    ``c_data`` [B, length, ceil(rows_c / 2)] and ``c_scale`` [B, length, ceil(rows_c / 16)] (a 16x16-block
+    copy read as its transpose: a weight's for dgrad), contracted along its axis 1. ``interpret``: Pallas's
+    interpret mode; by default the kernel is compiled where it is lowered for a GPU (CUDA or ROCm) and
+    interpreted elsewhere. ``tiles``: the blocking (default: ``TILES`` compiled, ``INTERPRET_TILES``
+    interpreted); it changes no result.
     """
     scale = jnp.asarray(scale, jnp.float32).reshape(-1, 1, 1)
 
@@ -195,8 +267,12 @@ def fused_gemm(
         if not interpret and t.k_bytes % 64:
             raise ValueError(f"compiled for a GPU, k_bytes must be a multiple of 64 (float16 MMAs), got {t.k_bytes}")
         a, sa = _operand(a_data, a_scale, rows_a, length, t.m, t.k_bytes)
-        c, sc = _operand(c_data, c_scale, rows_c, length, t.n, t.k_bytes)
-        y = _call(a, sa, c, sc, scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret, tiles=t)
+        if c_transposed:
+            c, sc = _transposed_operand(c_data, c_scale, 2 * a.shape[2], t.n)
+            y = _call_transposed(a, sa, c, sc, scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret, tiles=t)
+        else:
+            c, sc = _operand(c_data, c_scale, rows_c, length, t.n, t.k_bytes)
+            y = _call(a, sa, c, sc, scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret, tiles=t)
         return y[:, :rows_a, :rows_c]
 
     args = (a_data, a_scale, c_data, c_scale, scale)

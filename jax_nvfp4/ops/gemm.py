@@ -12,6 +12,11 @@ CPU widens float8 collectives to f16.
 
 ``keep_c``: the primitive also returns c's codes and scales as the GEMM read them, in the layout it
 gathered them to, so that a later GEMM (the backward pass's, of a 16x16-block weight) reuses that gather.
+
+``c_packed_rows``: 0, or c is packed along its rows instead: (data, scale) [B, L, ceil(Rc / 2)] and
+[B, L, ceil(Rc / 16)] with Rc = ``c_packed_rows``, contracted along L (``contract_ndim`` 1): a 16x16-block
+copy read as its transpose, whose columnwise copy holds the same blocks (``core.transpose``), so that dgrad
+reads a weight's rowwise copy as it was kept instead of a transposed copy of its bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jax import lax
 
 from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.formats import BLOCK, E2M1_MAX, E4M3_MAX
+from jax_nvfp4.core.transpose import transpose_codes, transpose_scales
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.dequantize import dequantize
 from jax_nvfp4.ops.fused_gemm import fused_gemm
@@ -75,6 +81,8 @@ def global_decode_scale(amax_a: jax.Array, amax_c: jax.Array) -> jax.Array:
 
 _BATCHED_NT = (((2,), (2,)), ((0,), (0,)))
 """[B, M, K] . [B, N, K] -> [B, M, N]."""
+_BATCHED_NN = (((2,), (1,)), ((0,), (0,)))
+"""[B, M, K] . [B, K, N] -> [B, M, N]."""
 
 
 def split(shape, contract_ndim: int) -> tuple[tuple[int, ...], int]:
@@ -82,7 +90,17 @@ def split(shape, contract_ndim: int) -> tuple[tuple[int, ...], int]:
     return tuple(shape[1 : len(shape) - contract_ndim]), math.prod(shape[len(shape) - contract_ndim : -1])
 
 
-def _emulated_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) -> jax.Array:
+def _c_rows(shape, contract_ndim: int, c_packed_rows: int) -> tuple[int, ...]:
+    """c's rows: R of [B, *R, *L], or (Rc,) of [B, L, ceil(Rc / 2)] packed along them."""
+    return (c_packed_rows,) if c_packed_rows else split(shape, contract_ndim)[0]
+
+
+def _check_packed_rows(c_shape, contract_ndim: int, keep_c: bool, c_packed_rows: int) -> None:
+    if c_packed_rows and (contract_ndim != 1 or len(c_shape) != 3 or keep_c):
+        raise ValueError("a GEMM operand packed along its rows is [B, L, ceil(R / 2)], contracted along L, not kept")
+
+
+def _emulated_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length, c_packed_rows=0) -> jax.Array:
     """The float32 sum over L of the blocks' values, dequantized to bf16 (exact) and multiplied by a bf16 dot."""
 
     def values(data, scale):  # [B, *R, *L] -> bf16 [B, prod(R), prod(L)]
@@ -98,7 +116,14 @@ def _emulated_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) ->
     single = a.shape[1] == 1
     if single:
         a = jnp.pad(a, ((0, 0), (0, 1), (0, 0)))
-    acc = lax.dot_general(a, values(c_data, c_scale), _BATCHED_NT, preferred_element_type=jnp.float32)
+    if c_packed_rows:  # c [B, L, Rc]: the dot contracts its axis 1
+        # The barrier keeps this decode apart from the forward GEMM's of the same copy (a weight's), which XLA would
+        # otherwise share: one bf16 copy of each weight held from the forward pass to the backward.
+        c_data = lax.optimization_barrier(c_data)
+        c = block_values(c_data, lax.bitcast_convert_type(c_scale, jnp.float8_e4m3fn), c_packed_rows)
+        acc = lax.dot_general(a, c, _BATCHED_NN, preferred_element_type=jnp.float32)
+    else:
+        acc = lax.dot_general(a, values(c_data, c_scale), _BATCHED_NT, preferred_element_type=jnp.float32)
     return acc[:, :1] if single else acc
 
 
@@ -128,37 +153,59 @@ def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) 
     )
 
 
-def _reference(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl, keep_c):
+def _reference(
+    a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl, keep_c,
+    c_packed_rows=0,
+):  # fmt: skip
+    _check_packed_rows(c_data.shape, contract_ndim, keep_c, c_packed_rows)
+    if c_packed_rows and impl == "scaled_dot":  # a block scale along the contraction: the columnwise copy's bytes
+        c_data = transpose_codes(c_data, length, c_packed_rows)
+        c_scale = transpose_scales(c_scale, length, c_packed_rows)
+        c_packed_rows = 0
     # One product of the two scales keeps a.c^T and c.a^T transposes of each other, bit for bit. The barrier
     # keeps the scales' integer emulation out of the fusion with the output's multiply and cast, where XLA's CPU
     # compiler can loop for minutes (seen with 19 batch entries of one row: its algebraic simplifier cycles).
     scale = lax.optimization_barrier(global_decode_scale(a_amax, c_amax))
-    a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
+    a_rows, c_rows = split(a_data.shape, contract_ndim)[0], _c_rows(c_data.shape, contract_ndim, c_packed_rows)
     if impl == "fused":  # the kernel applies the scale and the cast itself (``ops.fused_gemm``)
-        rows = {"rows_a": math.prod(a_rows), "rows_c": math.prod(c_rows)}
+        rows = {"rows_a": math.prod(a_rows), "rows_c": math.prod(c_rows), "c_transposed": bool(c_packed_rows)}
         y = fused_gemm(a_data, a_scale, c_data, c_scale, scale, **rows, length=length, out_dtype=out_dtype)
+    elif impl == "emulated":
+        acc = _emulated_sum(
+            a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length, c_packed_rows=c_packed_rows
+        )
+        y = (acc * scale[:, None, None]).astype(out_dtype)
     else:
-        sums = {"emulated": _emulated_sum, "scaled_dot": _scaled_dot_sum}[impl]
-        acc = sums(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
+        acc = _scaled_dot_sum(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
         y = (acc * scale[:, None, None]).astype(out_dtype)
     y = y.reshape(a_data.shape[0], *a_rows, *c_rows)
     return (y, c_data, c_scale) if keep_c else (y,)
 
 
-def _abstract(a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl, keep_c):
-    a_rows, c_rows = split(a_data.shape, contract_ndim)[0], split(c_data.shape, contract_ndim)[0]
+def _abstract(
+    a_data, a_scale, a_amax, c_data, c_scale, c_amax, *, contract_ndim, length, out_dtype, impl, keep_c,
+    c_packed_rows=0,
+):  # fmt: skip
+    _check_packed_rows(c_data.shape, contract_ndim, keep_c, c_packed_rows)
+    a_rows, c_rows = split(a_data.shape, contract_ndim)[0], _c_rows(c_data.shape, contract_ndim, c_packed_rows)
     y = shaped((a_data.shape[0], *a_rows, *c_rows), out_dtype)
     return (y, shaped(c_data.shape, c_data.dtype), shaped(c_scale.shape, c_scale.dtype)) if keep_c else (y,)
 
 
-def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype, impl, keep_c):
+def _rule(axis_sizes, in_shapes, out_shapes, *, contract_ndim, length, out_dtype, impl, keep_c, c_packed_rows=0):
     f = Factors(axis_sizes)
-    _, lp, ls = f.dim("l", length, blocked=True)
+    lv, lp, ls = f.dim("l", length, blocked=True)
     lead_l = [f"k{i}" for i in range(contract_ndim - 1)]
     a_rows = [f"a{i}" for i in range(len(in_shapes[0]) - 1 - contract_ndim)]
-    c_rows = [f"c{i}" for i in range(len(in_shapes[3]) - 1 - contract_ndim)]
-    a, c = (" ".join(["b", *rows, *lead_l]) for rows in (a_rows, c_rows))
-    rule = f"{a} {lp}, {a} {ls}, b, {c} {lp}, {c} {ls}, b -> " + " ".join(["b", *a_rows, *c_rows])
+    a = " ".join(["b", *a_rows, *lead_l])
+    if c_packed_rows:  # c [B, L, Rc]: L its values' factor, Rc packed and blocked
+        cv, cp, cs = f.dim("c0", c_packed_rows, blocked=True)
+        c_data, c_scale, c_rows = f"b {lv} {cp}", f"b {lv} {cs}", [cv]
+    else:
+        c_rows = [f"c{i}" for i in range(len(in_shapes[3]) - 1 - contract_ndim)]
+        c = " ".join(["b", *c_rows, *lead_l])
+        c_data, c_scale = f"{c} {lp}", f"{c} {ls}"
+    rule = f"{a} {lp}, {a} {ls}, b, {c_data}, {c_scale}, b -> " + " ".join(["b", *a_rows, *c_rows])
     if keep_c:
         # c as read: factors of their own, not linked to c's (Shardy keeps the reduction's out of results, and a
         # row factor would carry c's sharding before the gather onto it); the partition function gives them
@@ -176,7 +223,9 @@ def _common_prefix(a: tuple[str, ...], c: tuple[str, ...]) -> tuple[str, ...]:
     return a[:n]
 
 
-def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype, impl, keep_c):
+def _partition(
+    mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, length, out_dtype, impl, keep_c, c_packed_rows=0
+):
     """Keep the output sharded as wanted; move the *quantized* operands to fit.
 
     The output takes the sharding propagation asks for (by default a's rows
@@ -189,19 +238,24 @@ def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, len
     k = contract_ndim
     a_shape, c_shape, a_dims, c_dims = in_shapes[0], in_shapes[3], in_dims[0], in_dims[3]
     ra, rc = len(a_shape) - 1 - k, len(c_shape) - 1 - k
-    out_sizes = (a_shape[0], *a_shape[1 : 1 + ra], *c_shape[1 : 1 + rc])
-    want = out_dims[0] if out_dims is not None else (a_dims[0], *a_dims[1 : 1 + ra], *c_dims[1 : 1 + rc])
+    if c_packed_rows:  # c [B, L, Rc]
+        c_sizes, c_row_dims, c_l_dims = (c_packed_rows,), c_dims[2:], c_dims[1:2]
+    else:
+        c_sizes, c_row_dims, c_l_dims = c_shape[1 : 1 + rc], c_dims[1 : 1 + rc], c_dims[1 + rc :]
+    out_sizes = (a_shape[0], *a_shape[1 : 1 + ra], *c_sizes)
+    want = out_dims[0] if out_dims is not None else (a_dims[0], *a_dims[1 : 1 + ra], *c_row_dims)
     b = fits(mesh, a_shape[0], want[0])
     l_sizes = (*a_shape[1 + ra : -1], length)
     contract, used = [], b
     for i, size in enumerate(l_sizes):
-        axes = without(_common_prefix(a_dims[1 + ra + i], c_dims[1 + rc + i]), used)
+        axes = without(_common_prefix(a_dims[1 + ra + i], c_l_dims[i]), used)
         contract.append(fits(mesh, size, axes, BLOCK if i == k - 1 else 1))
         used += contract[-1]
     reduced = used[len(b) :]
     out, rows, scatter = [b], [], {}
     for j in range(1, len(out_sizes)):
-        kept = fits(mesh, out_sizes[j], without(want[j], used))
+        packed = c_packed_rows and j == len(out_sizes) - 1  # c's packed rows: whole blocks a shard
+        kept = fits(mesh, out_sizes[j], without(want[j], used), BLOCK if packed else 1)
         used += kept
         rows.append(kept)
         # Contracting mesh axes this output axis wants as its minor-most ones are reduce-scattered onto it.
@@ -212,16 +266,18 @@ def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, contract_ndim, len
         out.append(kept + scatter.get(j, ()))
     all_reduced = without(reduced, [a for axes in scatter.values() for a in axes])
     local_length = length // mesh_size(mesh, contract[-1])
+    local_rows = {"c_packed_rows": c_packed_rows // mesh_size(mesh, rows[-1])} if c_packed_rows else {}
 
     def local(*args):
-        y, *kept = kernel(*args, length=local_length, out_dtype=jnp.dtype(jnp.float32))
+        y, *kept = kernel(*args, length=local_length, out_dtype=jnp.dtype(jnp.float32), **local_rows)
         if all_reduced:
             y = lax.psum(y, all_reduced)
         for dim, axes in scatter.items():
             y = lax.psum_scatter(y, axes, scatter_dimension=dim, tiled=True)
         return (y.astype(out_dtype), *kept)
 
-    a_op, c_op = (b, *rows[:ra], *contract), (b, *rows[ra:], *contract)
+    a_op = (b, *rows[:ra], *contract)
+    c_op = (b, *contract, *rows[ra:]) if c_packed_rows else (b, *rows[ra:], *contract)
     return [a_op, a_op, (b,), c_op, c_op, (b,)], [tuple(out), *([c_op, c_op] if keep_c else [])], local
 
 

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_nvfp4
+from jax_nvfp4.core.transpose import transpose_codes, transpose_scales
 from jax_nvfp4.ops import fused_gemm
 from jax_nvfp4.ops.gemm import block_values, gemm_p
 
@@ -89,6 +90,57 @@ def test_fused_gemms_equal_the_emulation_bit_for_bit(batch, rows_a, rows_c, lead
     y = run("fused")
     assert y.shape == (batch, *rows_a, *rows_c)
     assert_same_bytes(y + 0, run("emulated") + 0)  # -0 + 0 = +0; every other value unchanged
+
+
+@settings(max_examples=examples(12))
+@given(
+    batch=st.integers(1, 2),
+    rows_a=st.integers(1, 140),
+    rows_c=st.integers(1, 200),
+    length=st.integers(1, 100),
+    out_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_16x16_copy_read_transposed_is_its_columnwise_copy(batch, rows_a, rows_c, length, out_dtype, seed):
+    """c packed along its rows, [B, L, ceil(Rc / 2)] with one scale a 16x16 block (repeated on its 16 rows), read
+    transposed by the GEMM (``c_packed_rows``, dgrad's read of a weight's rowwise copy): every impl gives the
+    emulation of its columnwise copy (core.transpose's bytes), bit for bit; ragged and odd rows and lengths, a
+    byte's high nibble past an odd row count holding a code, past a 128-column tile."""
+    rng = np.random.default_rng(seed)
+    a, sa = _exact_operand(rng, (batch, rows_a), length)
+    c = jnp.asarray(rng.integers(0, 256, (batch, length, -(-rows_c // 2)), dtype=np.uint8))
+    blocks = rng.integers(0x38, 0x40, (batch, -(-length // 16), -(-rows_c // 16)), dtype=np.uint8)
+    sc = jnp.asarray(np.repeat(blocks, 16, axis=1)[:, :length])
+    c_t, sc_t = transpose_codes(c, length, rows_c), transpose_scales(sc, length, rows_c)
+    amax_a, amax_c = jnp.full((batch,), 2688.0), jnp.asarray(rng.uniform(1, 3000, batch), jnp.float32)
+
+    def run(impl, c, sc, c_packed_rows):
+        (y,) = gemm_p.bind(
+            a, sa, amax_a, c, sc, amax_c, contract_ndim=1, length=length, out_dtype=jnp.dtype(out_dtype),
+            impl=impl, keep_c=False, c_packed_rows=c_packed_rows,
+        )  # fmt: skip
+        return y
+
+    want = run("emulated", c_t, sc_t, 0)
+    assert want.shape == (batch, rows_a, rows_c)
+    for impl in ("emulated", "fused", "scaled_dot"):
+        assert_same_bytes(run(impl, c, sc, rows_c) + 0, want + 0)  # -0 + 0 = +0: as above
+
+
+def test_a_copy_read_transposed_is_one_contracted_axis_and_not_kept():
+    a, sa = _exact_operand(np.random.default_rng(0), (1, 4, 2), 16)
+    c, sc = _exact_operand(np.random.default_rng(1), (1, 16), 32)
+    one = jnp.ones((1,), jnp.float32)
+    common = {"length": 16, "out_dtype": jnp.dtype(jnp.float32), "impl": "emulated", "c_packed_rows": 32}
+    with pytest.raises(ValueError, match="packed along its rows"):
+        gemm_p.bind(a, sa, one, c, sc, one, contract_ndim=2, keep_c=False, **common)
+    with pytest.raises(ValueError, match="packed along its rows"):
+        gemm_p.bind(a[:, :, 0], sa[:, :, 0], one, c, sc, one, contract_ndim=1, keep_c=True, **common)
+    q = jax_nvfp4.quantize(jnp.ones((32, 32), jnp.bfloat16))  # 1x16 blocks: its copies hold other blocks
+    from jax_nvfp4.linear.gemm import batched_gemm
+
+    with pytest.raises(ValueError, match="16x16"):
+        batched_gemm(q, q, jnp.float32, c_columnwise=True, c_transposed=True)
 
 
 def test_a_training_step_of_the_full_recipe_is_the_emulated_one():

@@ -192,14 +192,16 @@ def test_the_emulated_cuda_training_step_dequantizes():
 def test_the_fused_cuda_training_step_reads_packed_operands():
     """impl="fused" lowered for Hopper: each of the six GEMMs is one Triton kernel reading the packed
     codes (as uint32 words, eight values a word), E4M3 bytes and the global decode scale (GEMMs of one shape share one
-    lowered function); no block is dequantized and XLA runs no dot."""
+    lowered function), dgrad's the variant that reads W's kept 16x16-block copy transposed; no block is dequantized
+    and XLA runs no dot."""
     with jax.sharding.use_abstract_mesh(HOPPER_MESH):
         gemms, module = _train_step_for_cuda(Recipe(impl="fused"))
     assert gemms == ["fused"] * 6
     calls = re.findall(rf"stablehlo\.custom_call @{re.escape(TRITON)}\((.*?)\n", module)
     assert 1 <= len(calls) <= 6
+    names = {re.search(r'name = "(\w+)"', call).group(1) for call in calls}
+    assert names == {"nvfp4_fused_gemm", "nvfp4_fused_gemm_transposed"}, names
     for call in calls:
-        assert 'name = "nvfp4_fused_gemm"' in call
         operands = re.search(r"\} : \(([^)]*)\) -> ", call).group(1)
         assert re.findall(r"tensor<[\dx]*([a-z]\w*)>", operands) == ["ui32", "ui8"] * 2 + ["f32"], operands
     assert not dequantized_blocks(module)

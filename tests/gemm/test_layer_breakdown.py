@@ -25,7 +25,7 @@ def test_the_recipe_layer_runs_its_quantizer_kernels_once_per_operand():
     quantized = sum(k.written for k in nvfp4 if category(k) == "quantize")
     m, k, n = shape
     # x and dy: rowwise and columnwise copies (a byte for 2 codes, a scale per 16); W: 16x16 blocks, its rowwise
-    # copy alone (the backward pass transposes its bytes).
+    # copy alone (the dgrad GEMM reads it transposed).
     codes = (2 * (m * k + m * n) + k * n) / 2
     assert quantized == codes + 2 * (m * k + m * n) / 16 + k * n / 16
     bf16 = kernels(compiled_step(lambda x, w: lax.dot_general(x, w, DENSE), shape).as_text())
@@ -34,8 +34,7 @@ def test_the_recipe_layer_runs_its_quantizer_kernels_once_per_operand():
 
 def test_neither_w_nor_its_gradient_is_copied_in_bf16():
     """W is quantized as it is stored and dW made in its layout: besides the GEMMs (whose epilogue writes dW), no
-    kernel writes as many bytes as a bf16 copy of W (a transpose of W, or of dW, would); W's codes' transpose for
-    dgrad writes a quarter of that."""
+    kernel writes as many bytes as a bf16 copy of W (a transpose of W, or of dW, would)."""
     shape, key = (64, 256, 256), jax.random.key(0)  # whole tiles of the fused GEMM's: no padded output to slice
     _, k, n = shape
     for impl in ("emulated", "fused"):
@@ -44,6 +43,17 @@ def test_neither_w_nor_its_gradient_is_copied_in_bf16():
         found = kernels(compiled_step(dot, shape).as_text())
         copies = [(c.name, c.shape) for c in found if category(c) == "other" and c.written >= 2 * k * n]
         assert not copies, (impl, copies)
+
+
+def test_dgrad_reads_the_kept_copy_of_w_as_it_is():
+    """With 16x16 blocks one copy of W is quantized and kept; the dgrad GEMM reads it transposed, so no kernel
+    besides the quantize writes as many bytes as W's codes (a transpose of them, two kernels before, would)."""
+    shape, key = (64, 256, 256), jax.random.key(0)
+    _, k, n = shape
+    dot = lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=jax_nvfp4.Recipe(impl="emulated"), rng_key=key)  # noqa: E731
+    found = kernels(compiled_step(dot, shape).as_text())
+    copies = [(c.name, c.shape) for c in found if category(c) == "other" and c.written >= k * n // 2]
+    assert not copies, copies
 
 
 def test_the_offline_hopper_target_names_what_it_needs():
