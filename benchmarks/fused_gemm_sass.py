@@ -32,8 +32,9 @@ TENSOR_FLOPS_PER_CLOCK = 4096  # dense bf16 FLOPs an H100 SM's tensor cores do a
 SHAPE = (8192, 4096, 4096)  # M, K, N of the compiled GEMM: the loop's code does not depend on it
 
 
-def _compile(tiles: dict, dump: str) -> None:
-    """In a fresh process (XLA reads its flags once): compile the fused GEMM for the offline H100, dumping PTX."""
+def _compile(tiles: dict, dump: str, transposed: bool = False) -> None:
+    """In a fresh process (XLA reads its flags once): compile the fused GEMM for the offline H100, dumping PTX;
+    ``transposed``: its variant reading c packed along its rows (dgrad's read of a weight's kept copy)."""
     import jax.numpy as jnp
 
     from benchmarks.offline_gpu import hopper
@@ -43,13 +44,14 @@ def _compile(tiles: dict, dump: str) -> None:
     t = fused_gemm.Tiles(**tiles)
 
     def f(a, sa, c, sc, scale):
-        rows = {"rows_a": m, "rows_c": n, "length": k, "out_dtype": jnp.bfloat16}
+        rows = {"rows_a": m, "rows_c": n, "length": k, "out_dtype": jnp.bfloat16, "c_transposed": transposed}
         return fused_gemm.fused_gemm(a, sa, c, sc, scale, **rows, interpret=False, tiles=t)
 
     import jax
 
     with hopper() as on_h100:
-        shapes = [(1, m, k // 2), (1, m, k // 16), (1, n, k // 2), (1, n, k // 16)]
+        c_shapes = [(1, k, n // 2), (1, k, n // 16)] if transposed else [(1, n, k // 2), (1, n, k // 16)]
+        shapes = [(1, m, k // 2), (1, m, k // 16), *c_shapes]
         args = [on_h100(s, jnp.uint8) for s in shapes] + [on_h100((1,), jnp.float32)]
         jax.jit(f).trace(*args).lower().compile()
 
@@ -72,6 +74,7 @@ def _loop(sass: str) -> list[str]:
 @dataclasses.dataclass
 class Count:
     tiles: dict
+    transposed: bool
     registers: int
     spills: int
     instructions: int
@@ -92,12 +95,12 @@ class Count:
         return 2 * t["m"] * t["n"] * 2 * t["k_bytes"] / TENSOR_FLOPS_PER_CLOCK
 
 
-def count(tiles: dict) -> Count:
+def count(tiles: dict, transposed: bool = False) -> Count:
     from benchmarks.sass_budget import tool
 
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_emitter_re=.*")
-        code = f"from benchmarks.fused_gemm_sass import _compile; _compile({tiles!r}, {dump!r})"
+        code = f"from benchmarks.fused_gemm_sass import _compile; _compile({tiles!r}, {dump!r}, {transposed!r})"
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         [ptx] = Path(dump).glob("*.ptx")
         cubin = Path(dump) / "kernel.cubin"
@@ -110,6 +113,7 @@ def count(tiles: dict) -> Count:
     spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
     return Count(
         tiles,
+        transposed,
         int(re.search(r"Used (\d+) registers", report).group(1)),
         spills,
         len(loop),
@@ -135,7 +139,7 @@ def main() -> None:
 
     import jax_nvfp4.ops.fused_gemm as fused_gemm
 
-    counts = [count(v) for v in VARIANTS]
+    counts = [count(v) for v in VARIANTS] + [count(v, transposed=True) for v in VARIANTS[:3]]
     lines = [
         "# The fused GEMM's main loop on Hopper, counted offline",
         "",
@@ -145,14 +149,18 @@ def main() -> None:
         "max(issue, tensor clocks) a step: the most of the 16-bit tensor peak the loop can reach (latency, shared "
         "memory and the waits between MMAs not counted).",
         "",
-        "| tiles (m x n x values a step, warps) | registers | spills (B) | loop instructions | HGMMA | "
+        "c read transposed: the variant dgrad runs, reading a weight's kept 16x16-block copy (packed along the "
+        "output's columns) as its transpose.",
+        "",
+        "| tiles (m x n x values a step, warps) | c | registers | spills (B) | loop instructions | HGMMA | "
         "values decoded a thread | instructions a value | issue clocks | tensor clocks | bound |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in counts:
         t = c.tiles
         lines.append(
-            f"| {t['m']} x {t['n']} x {2 * t['k_bytes']}, {t['num_warps']} | {c.registers} | {c.spills} | "
+            f"| {t['m']} x {t['n']} x {2 * t['k_bytes']}, {t['num_warps']} | "
+            f"{'transposed' if c.transposed else 'as stored'} | {c.registers} | {c.spills} | "
             f"{c.instructions} | {c.hgmma} | {c.values_per_thread:.0f} | {c.instructions / c.values_per_thread:.1f} | "
             f"{c.issue_clocks:.0f} | {c.tensor_clocks:.0f} | "
             f"{c.tensor_clocks / max(c.issue_clocks, c.tensor_clocks):.0%} |"

@@ -15,6 +15,11 @@ products and sums are the emulation's times 2^-28 (a power of two: the same roun
 the epilogue. The float32 sums equal the emulation's wherever they are exact; elsewhere they differ only
 in the order of accumulation.
 
+A variant (``c_transposed``) reads c packed along its rows instead, contracted along its other axis: a weight's
+kept 16x16-block copy read as its transpose for dgrad, so that no transposed copy of its bytes is made. There a's
+quarters (each holding contraction rows 8 apart) meet c's rows 8 apart, each decoded with its values put back in
+order along the output's columns (``_in_order``): the same eight dots a step.
+
 The kernel uses Pallas's generic operations only: on a GPU it lowers through Triton; elsewhere (the CPU)
 it runs in Pallas's interpret mode, which is how CI tests it.
 """
@@ -120,28 +125,37 @@ _NIBBLE = tuple(p // 2 + 4 * (p % 2) for p in range(8))
 """The nibble of each word that ``_quarters``'s array p holds."""
 
 
+def _in_order(quarters: list[jax.Array]) -> jax.Array:
+    """``_quarters``'s eight arrays [r, w] -> [r, 8 w], each word's values in their nibbles' order.
+
+    Array 2j + h holds nibble j + 4h. Each join (``jnp.stack`` of two, on a new last axis: Triton's join, which
+    moves no data) adds a lower bit of the nibble: (j, j + 4), then (j, j + 2) of those, then (0, 1), so the
+    last three axes count the nibble in order and a reshape merges them with the word's axis."""
+    pairs = [jnp.stack(quarters[2 * j : 2 * j + 2], axis=-1) for j in range(4)]  # nibbles j + 4 b0
+    fours = [jnp.stack([pairs[j], pairs[j + 2]], axis=-1) for j in range(2)]  # nibbles j + 4 b0 + 2 b1
+    eights = jnp.stack(fours, axis=-1)  # nibble 4 b0 + 2 b1 + b2
+    rows, words = quarters[0].shape
+    return eights.reshape(rows, 8 * words)
+
+
 def _kernel_transposed(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps: int, tile_words: int):
     """``_kernel`` with c packed along its rows (the output's columns) and contracted along its other axis.
 
     c's words come as [L / 8, 8, tile_n / 8] (row w, sub-row i: contraction row 8w + i) and its scales likewise.
-    a's quarter p holds contraction rows 8w + _NIBBLE[p]: sub-row _NIBBLE[p] of c's step, decoded in quarters
-    along the output columns, so quarter s of it adds to the output columns 8v + _NIBBLE[s]: eight accumulators,
-    stored to their columns (``out_ref`` [tile_m, tile_n / 8, 8]).
+    a's quarter p holds contraction rows 8w + _NIBBLE[p]: it meets sub-row _NIBBLE[p] of c's step, decoded with
+    its values in order along the output's columns (``_in_order``): eight float16 dots a step, as ``_kernel``'s.
     """
 
-    def step(k, accs):
+    def step(k, acc):
         tile_scales = tile_words // _WORDS_PER_SCALE
         words, scales = pl.ds(k * tile_words, tile_words), pl.ds(k * tile_scales, tile_scales)
-        accs = list(accs)
         for x, nibble in zip(_quarters(a_ref[:, words], a_scale_ref[:, scales]), _NIBBLE, strict=True):
-            for s, y in enumerate(_quarters(c_ref[words, nibble, :], c_scale_ref[words, nibble, :])):
-                accs[s] = accs[s] + lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return tuple(accs)
+            y = _in_order(_quarters(c_ref[words, nibble, :], c_scale_ref[words, nibble, :]))
+            acc = acc + lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc
 
-    zero = jnp.zeros(out_ref.shape[:2], jnp.float32)
-    accs = lax.fori_loop(0, steps, step, (zero,) * 8)
-    for acc, nibble in zip(accs, _NIBBLE, strict=True):
-        out_ref[:, :, nibble] = (acc * _UNSCALE * scale_ref[...]).astype(out_ref.dtype)
+    acc = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
+    out_ref[...] = (acc * _UNSCALE * scale_ref[...]).astype(out_ref.dtype)
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -195,17 +209,16 @@ def _call_transposed(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: boo
         pl.BlockSpec((None, kb // 4, 8, tile_words // 2), lambda b, i, j: (b, 0, 0, j)),
         pl.BlockSpec((None, 1, 1), lambda b, i, j: (b, 0, 0)),
     ]
-    y = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(batch, m // tiles.m, n // tiles.n),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, tiles.m, tile_words, 8), lambda b, i, j: (b, i, j, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, m, n // 8, 8), out_dtype),
+        out_specs=pl.BlockSpec((None, tiles.m, tiles.n), lambda b, i, j: (b, i, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=tiles.num_warps),
         name="nvfp4_fused_gemm_transposed",
     )(a, a_scale, c, c_scale, scale)
-    return y.reshape(batch, m, n)
 
 
 def _transposed_operand(data: jax.Array, scale: jax.Array, length: int, tile_rows: int):

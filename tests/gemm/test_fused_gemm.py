@@ -38,6 +38,9 @@ def test_the_tile_decode_is_block_values_for_every_code_and_scale():
     finite = (np.arange(256) & 0x7F) != 0x7F
     assert_same_bytes(got[finite], want[finite])
     assert np.isnan(got[~finite]).all() and np.isnan(want[~finite]).all()
+    # The transposed variant's decode puts them back in order itself (joins and a reshape).
+    in_order = np.asarray(jax.jit(fused_gemm._in_order)(quarters), np.float32) * np.float32(2.0**14)
+    assert_same_bytes(in_order[finite], want[finite])
 
 
 def test_tiles_take_whole_blocks_and_a_gpu_whole_float16_mmas():
