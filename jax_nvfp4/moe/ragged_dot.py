@@ -6,7 +6,8 @@ The custom VJP follows ``dot_general``'s recipe, group by group:
 
   fprop  y  = x . W_g     x in 1x16 blocks along K (one amax for all tokens), each W_g in 16x16
                           blocks with its own amax, quantized as it is stored (``dot_general``'s)
-  dgrad  dx = dy . W_g^T  dy in 1x16 blocks along N, W_g's columnwise copy (its codes transposed)
+  dgrad  dx = dy . W_g^T  dy in 1x16 blocks along N, W_g's values decoded from its kept rowwise copy
+                          (W_g^T's columnwise copy holds the same 16x16 blocks: no transposed copy)
   wgrad  dW_g = x_g^T dy_g  the columnwise copies of group g's tokens alone, blocked along the tokens,
                           in W's layout [G, K, N] (dW_g^T transposed where a copy is row-scaled)
 
