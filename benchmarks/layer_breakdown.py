@@ -9,10 +9,12 @@ fusions; a GPU build shows the same custom calls and dequantize passes). ``--tar
 (sm_90) on a machine without a GPU (``benchmarks.offline_gpu``: jax's CUDA plugin, and a build with the CUDA
 module for the recipe's kernels), so the table shows XLA's GPU fusions. ``--time`` also runs the step (random
 inputs and cotangent) under ``jax.profiler`` and puts each kernel's time beside its bytes
-(``benchmarks.profile_trace``): device time on a GPU, host time on the CPU.
+(``benchmarks.profile_trace``): device time on a GPU, host time on the CPU. ``--experts G`` makes the layer a
+mixture of experts instead: ``jax_nvfp4.ragged_dot`` of x [M, K] (M / G tokens an expert) and W [G, K, N] against
+``lax.ragged_dot``.
 
     python -m benchmarks.layer_breakdown [--shape 8192,4096,4096] [--impl auto] [--target h100] [--time]
-                                         [--out results.md]
+                                         [--experts G] [--out results.md]
 """
 
 from __future__ import annotations
@@ -92,11 +94,12 @@ CATEGORIES = ("amax", "quantize", "dequantize", "decode scale", "GEMM", "other")
 
 
 def category(k: Kernel) -> str:
-    """What a kernel is for (one of CATEGORIES), by its custom call or name."""
-    if "nvfp4_dequantize" in k.what and DECODE_SCALE.match(k.shape):
+    """What a kernel is for (one of CATEGORIES), by its custom call or name (a grouped op's as the plain op's)."""
+    what = k.what.replace("nvfp4_grouped_", "nvfp4_")
+    if "nvfp4_dequantize" in what and DECODE_SCALE.match(k.shape):
         return "decode scale"
     for key in ("amax", "quantize", "dequantize"):
-        if f"nvfp4_{key}" in k.what:
+        if f"nvfp4_{key}" in what:
             return key
     if "reduce_max" in k.op:  # an amax XLA computes itself (on a GPU), with its producer where it fused
         return "amax"
@@ -106,11 +109,11 @@ def category(k: Kernel) -> str:
     return "other"
 
 
-def compiled_step(dot, shape: tuple[int, int, int], target: str = "default", producer: str = "none"):
-    """The compiled forward and backward of ``dot`` on x [M, K], W [K, N] with a cotangent [M, N]; with
-    ``producer="gelu"`` x is the gelu of the input, computed in the step (as a layer's input is)."""
-    m, k, n = shape
-    shapes = ((m, k), (k, n), (m, n))
+def compiled_step(dot, shape: tuple[int, int, int], target: str = "default", producer: str = "none", experts: int = 0):
+    """The compiled forward and backward of ``dot`` on x [M, K], W [K, N] (``experts``: W [G, K, N]) with a
+    cotangent [M, N]; with ``producer="gelu"`` x is the gelu of the input, computed in the step (as a layer's
+    input is)."""
+    shapes = _shapes(shape, experts)
     make_x = {"none": lambda h: h, "gelu": jax.nn.gelu}[producer]
 
     def step(h, w, dy):
@@ -125,16 +128,36 @@ def compiled_step(dot, shape: tuple[int, int, int], target: str = "default", pro
         return jax.jit(step).trace(*[on_h100(s, jnp.bfloat16) for s in shapes]).lower().compile()
 
 
-def step_inputs(shape: tuple[int, int, int]) -> list[jax.Array]:
-    """Random bf16 x [M, K], W [K, N] (scaled as a layer's) and cotangent dy [M, N]: a GEMM that the gradient
-    of a sum would hand a constant cotangent can skip work."""
+def _shapes(shape: tuple[int, int, int], experts: int) -> tuple[tuple[int, ...], ...]:
+    """x, W and the cotangent's shapes: W [K, N], or [G, K, N] with ``experts`` G."""
     m, k, n = shape
+    return (m, k), ((experts, k, n) if experts else (k, n)), (m, n)
+
+
+def step_inputs(shape: tuple[int, int, int], experts: int = 0) -> list[jax.Array]:
+    """Random bf16 x [M, K], W [K, N] or [G, K, N] (scaled as a layer's) and cotangent dy [M, N]: a GEMM that the
+    gradient of a sum would hand a constant cotangent can skip work."""
+    x, w, dy = _shapes(shape, experts)
     keys = jax.random.split(jax.random.key(1), 3)
     return [
-        jax.random.normal(keys[0], (m, k), jnp.bfloat16),
-        (jax.random.normal(keys[1], (k, n)) * k**-0.5).astype(jnp.bfloat16),
-        jax.random.normal(keys[2], (m, n), jnp.bfloat16),
+        jax.random.normal(keys[0], x, jnp.bfloat16),
+        (jax.random.normal(keys[1], w) * shape[1] ** -0.5).astype(jnp.bfloat16),
+        jax.random.normal(keys[2], dy, jnp.bfloat16),
     ]
+
+
+def layer_dots(recipe: jax_nvfp4.Recipe, shape: tuple[int, int, int], experts: int = 0):
+    """The NVFP4 layer and bf16's: ``dot_general`` against ``lax.dot_general``, or with ``experts`` G
+    ``ragged_dot`` against ``lax.ragged_dot`` with M / G tokens an expert."""
+    key = jax.random.key(0)
+    if not experts:
+        nvfp4 = lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key)  # noqa: E731
+        return nvfp4, lambda x, w: lax.dot_general(x, w, DENSE)
+    if shape[0] % experts:
+        raise ValueError(f"M = {shape[0]} tokens do not split evenly over {experts} experts")
+    sizes = jnp.full((experts,), shape[0] // experts, jnp.int32)
+    nvfp4 = lambda x, w: jax_nvfp4.ragged_dot(x, w, sizes, recipe=recipe, rng_key=key)  # noqa: E731
+    return nvfp4, lambda x, w: lax.ragged_dot(x, w, sizes)
 
 
 def main() -> None:
@@ -147,6 +170,7 @@ def main() -> None:
     parser.add_argument("--producer", default="none", choices=("none", "gelu"), help="x an input, or a gelu's output")
     parser.add_argument("--rht-amax-estimate", action="store_true", help="Recipe(rht_amax_estimate=True)")
     parser.add_argument("--time", action="store_true", help="also time each kernel (jax.profiler; not with h100)")
+    parser.add_argument("--experts", type=int, default=0, help="G > 0: a mixture-of-experts layer (ragged_dot)")
     parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
@@ -157,15 +181,13 @@ def main() -> None:
 
         prepare()
     recipe = jax_nvfp4.Recipe(impl=args.impl, rht_amax_estimate=args.rht_amax_estimate)
-    key = jax.random.key(0)
-    nvfp4_dot = lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, recipe=recipe, rng_key=key)  # noqa: E731
-    nvfp4_step = compiled_step(nvfp4_dot, shape, args.target, args.producer)
+    nvfp4_dot, bf16_dot = layer_dots(recipe, shape, args.experts)
+    nvfp4_step = compiled_step(nvfp4_dot, shape, args.target, args.producer, args.experts)
     nvfp4 = kernels(nvfp4_step.as_text())
-    bf16_dot = lambda x, w: lax.dot_general(x, w, DENSE)  # noqa: E731
-    bf16_step = compiled_step(bf16_dot, shape, args.target, args.producer)
+    bf16_step = compiled_step(bf16_dot, shape, args.target, args.producer, args.experts)
     bf16 = kernels(bf16_step.as_text())
     if args.time:
-        inputs = step_inputs(shape)
+        inputs = step_inputs(shape, args.experts)
         for step, found in ((nvfp4_step, nvfp4), (bf16_step, bf16)):
             seconds = instruction_seconds(step, *inputs)
             for k in found:
@@ -180,18 +202,26 @@ def main() -> None:
         machine = f"{device_name()} ({jax.default_backend()})"
 
     mb = 1e6
+    m, k, n = shape
+    if args.experts:
+        layer = (
+            f"`jax_nvfp4.ragged_dot` of x [M, K] and W [G, K, N] = {m} x {k} and {args.experts} x {k} x {n} "
+            f"({m // args.experts} tokens an expert) against `lax.ragged_dot`"
+        )
+    else:
+        layer = f"x [M, K] . W [K, N] = {m} x {k} . {k} x {n}"
     report = Report(
         args.out,
         [
-            f"# One linear layer, kernel by kernel: {machine}",
+            f"# One {'mixture-of-experts' if args.experts else 'linear'} layer, kernel by kernel: {machine}",
             "",
             f"{datetime.date.today()}, jax {jax.__version__}; `python -m benchmarks.layer_breakdown --shape "
             f"{args.shape} --impl {args.impl} --target {args.target} --producer {args.producer}"
-            f"{' --rht-amax-estimate' if args.rht_amax_estimate else ''}`: forward + backward (`jax.vjp`, a bf16 "
-            "cotangent) of x [M, K] . "
-            f"W [K, N] = {shape[0]} x {shape[1]} . {shape[1]} x {shape[2]}, bf16, the full recipe (RHT, stochastic "
-            "rounding, 16x16 weight blocks). Bytes: each kernel's operands read once and its result written "
-            "once (the least HBM traffic it can have), from the compiled HLO. "
+            f"{' --rht-amax-estimate' if args.rht_amax_estimate else ''}"
+            f"{f' --experts {args.experts}' if args.experts else ''}`: forward + backward (`jax.vjp`, a bf16 "
+            f"cotangent) of {layer}, bf16, the full recipe (RHT, stochastic rounding, 16x16 weight blocks). "
+            "Bytes: each kernel's operands read once and its result written once (the least HBM traffic it can "
+            "have), from the compiled HLO. "
             + (
                 "Times: the mean of 5 runs traced by jax.profiler (benchmarks.profile_trace), "
                 f"{'device' if jax.default_backend() != 'cpu' else 'host'} time."

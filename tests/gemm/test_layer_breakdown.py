@@ -6,7 +6,7 @@ import jax
 from jax import lax
 
 import jax_nvfp4
-from benchmarks.layer_breakdown import DENSE, category, compiled_step, kernels, shape_bytes, step_inputs
+from benchmarks.layer_breakdown import DENSE, category, compiled_step, kernels, layer_dots, shape_bytes, step_inputs
 from benchmarks.profile_trace import covered_ns, instruction_seconds
 
 
@@ -54,6 +54,20 @@ def test_dgrad_reads_the_kept_copy_of_w_as_it_is():
     found = kernels(compiled_step(dot, shape).as_text())
     copies = [(c.name, c.shape) for c in found if category(c) == "other" and c.written >= k * n // 2]
     assert not copies, copies
+
+
+def test_the_moe_layer_counts_its_grouped_kernels_as_their_ops():
+    """--experts: ragged_dot's layer, whose x and dy go through the grouped amax and quantize kernels: one amax and
+    one quantize kernel for each of x, W and dy, and its emulated GEMMs' 6 dequantize passes."""
+    import pytest
+
+    shape, experts = (128, 128, 96), 4
+    nvfp4, _ = layer_dots(jax_nvfp4.Recipe(), shape, experts)
+    found = kernels(compiled_step(nvfp4, shape, experts=experts).as_text())
+    count = {c: sum(category(k) == c for k in found) for c in ("amax", "quantize", "dequantize", "GEMM")}
+    assert count == {"amax": 3, "quantize": 3, "dequantize": 6, "GEMM": 3}, count
+    with pytest.raises(ValueError, match="split evenly"):
+        layer_dots(jax_nvfp4.Recipe(), (100, 16, 16), 3)
 
 
 def test_the_offline_hopper_target_names_what_it_needs():
