@@ -28,8 +28,10 @@ per-tensor scales, then the per-row ones): fprop and dgrad as one ``lax.ragged_d
 ``lax.ragged_dot_general`` contracting each group's segment of the grouped copies. The cost is that
 of the backend's own grouped GEMM of bf16 operands plus the quantization. Each group's result equals
 ``gemm`` of the group's quantized blocks wherever the float32 sums are exact; otherwise the two
-differ only in the order of the float32 accumulation. ``Recipe.impl`` does not apply here (XLA has
-no block-scaled ragged dot).
+differ only in the order of the float32 accumulation. ``Recipe(impl="fused")`` runs fprop and dgrad as
+the fused grouped GEMM instead (``ops.fused_ragged_gemm``: the packed copies decoded in its tiles, with no bf16
+copy of an operand and no dense expansion of the ragged product); wgrad stays the grouped GEMM of decoded
+blocks. The other impls all run that (XLA has no block-scaled ragged dot).
 
 **Sharding.** The grouped quantize keeps the token rows whole (a group's place in the grouped copy
 depends on every size before it); under ``jit`` it shards over the features, and XLA partitions the
@@ -44,6 +46,7 @@ Stochastic rounding uses ``jax.random.split(rng_key, G + 1)``: key 0 for dy's ro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -55,6 +58,7 @@ from jax.typing import DTypeLike
 
 from jax_nvfp4.core.pipeline import quantize_batch
 from jax_nvfp4.core.tensor import NVFP4Tensor
+from jax_nvfp4.linear.block_sum import resolve_impl
 from jax_nvfp4.linear.dot_general import (
     DotConfig,
     check_operands,
@@ -67,6 +71,7 @@ from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.linear.remat import ACTIVATION, OUTPUT, WEIGHT, named
 from jax_nvfp4.moe.grouped import Scaled, quantize_grouped
 from jax_nvfp4.ops import KERNELS
+from jax_nvfp4.ops.fused_ragged_gemm import fused_ragged_gemm
 from jax_nvfp4.ops.gemm import block_values, decode_scale, scale_product
 from jax_nvfp4.reference.grouped import bounds, segment_sizes
 from jax_nvfp4.sharding.explicit import explicit_sharding, spec_of
@@ -186,9 +191,65 @@ def _keys(key, groups: int):
     return keys[0], keys[1:]
 
 
-def _fprop(qx: Scaled, qw: NVFP4Tensor, sizes, ids, config: DotConfig) -> jax.Array:
-    """The forward GEMM of the tokens' rowwise copy and each expert's W."""
-    return _token_gemm(qx, _expert_values(qw, columnwise=False), sizes, ids, config.out_dtype)
+def _fused_token_gemm(
+    data,
+    scale,
+    tokens: Scaled,
+    c_data,
+    c_scale,
+    experts: Scaled,
+    sizes,
+    out_dtype,
+    *,
+    n: int,
+    length: int,
+    transposed: bool,
+) -> jax.Array:
+    """``_token_gemm`` by the fused grouped GEMM (``Recipe(impl="fused")``): the tokens' packed rowwise copy
+    (``data``, ``scale`` [M, L]) times their expert's packed copy (``c_data``, ``c_scale``: [G, n, L], or
+    ``transposed`` [G, L, n]), decoded in the kernel's tiles; the scales of ``tokens`` and ``experts`` (their
+    ``values`` unused) in ``_token_gemm``'s order: the product of the per-tensor ones, then a token's row scale."""
+    expert, token = _decode(experts), _decode(tokens)
+    if tokens.per_row:
+        s1, s2 = expert, token
+    else:
+        s1, s2 = scale_product([jnp.broadcast_to(token, expert.shape), expert]), jnp.ones(data.shape[:1], jnp.float32)
+    byte = lambda s: lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
+    return fused_ragged_gemm(
+        data,
+        byte(scale),
+        c_data,
+        byte(c_scale),
+        sizes,
+        s1,
+        s2,
+        n=n,
+        length=length,
+        out_dtype=out_dtype,
+        transposed=transposed,
+    )
+
+
+def _fprop(rows: tuple, qw: NVFP4Tensor, sizes, ids, config: DotConfig) -> jax.Array:
+    """The forward GEMM of the tokens' rowwise copy (``rows``: its codes, E4M3 scales, and its amax as a Scaled
+    without values) and each expert's W."""
+    data, scale, tokens = rows
+    if resolve_impl(config.recipe.impl) == "fused":
+        experts = Scaled(None, qw.amax, False, qw.spec.e4m3_max)
+        shapes = {"n": qw.shape[1], "length": qw.shape[2], "transposed": False}  # W^T [G, N, K]: rows N
+        return _fused_token_gemm(data, scale, tokens, qw.data, qw.scale, experts, sizes, config.out_dtype, **shapes)
+    return _token_gemm(_values(rows, qw.shape[2]), _expert_values(qw, columnwise=False), sizes, ids, config.out_dtype)
+
+
+def _rows(q) -> tuple:
+    """A grouped quantization's rowwise copy as ``_fprop`` takes it: codes, scales, and a Scaled without values."""
+    return q.data, q.scale, Scaled(None, q.amax, q.spec.row_scaled, q.spec.e4m3_max)
+
+
+def _values(rows: tuple, length: int) -> Scaled:
+    """The tokens' rowwise copy (codes, scales, a Scaled without values) decoded: exact bf16 values [M, L]."""
+    data, scale, tokens = rows
+    return dataclasses.replace(tokens, values=block_values(data[None], scale[None], length)[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -199,7 +260,7 @@ def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: Dot
     ids = group_ids(group_sizes, rows)
     spec = config.recipe.spec("x", columnwise=False, tokens=rows)
     t = quantize_batch(KERNELS, _masked(x, ids, groups)[None], spec)
-    qx = Scaled(block_values(t.data, t.scale, x.shape[1])[0], t.amax[0], spec.row_scaled, spec.e4m3_max)
+    qx = (t.data[0], t.scale[0], Scaled(None, t.amax[0], spec.row_scaled, spec.e4m3_max))
     return _fprop(qx, _experts(w, config.recipe, columnwise=False), _cut_sizes(group_sizes, rows), ids, config)
 
 
@@ -209,7 +270,7 @@ def _ragged_fwd(x, w, group_sizes, key, config: DotConfig):
     # 16x16 blocks: the rowwise copy alone, which the backward pass reads as W^T's columnwise one.
     qw = named(_experts(w, config.recipe, columnwise=not config.recipe.weight_block_2d), WEIGHT)
     qx = named(quantize_grouped(x, group_sizes, config.recipe.spec("x", columnwise=True, tokens=rows)), ACTIVATION)
-    y = named(_fprop(qx.rows(), qw, sizes, ids, config), OUTPUT)
+    y = named(_fprop(_rows(qx), qw, sizes, ids, config), OUTPUT)
     return y, (qx.columnwise_only(), weight_residual(qw), group_sizes, key)
 
 
@@ -221,7 +282,15 @@ def _ragged_bwd(config: DotConfig, residuals, dy):
     ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
     spec = recipe.spec("dy", columnwise=True, tokens=rows)
     qdy = quantize_grouped(dy, group_sizes, spec, row_key=row_key, group_keys=group_keys)
-    dx = _token_gemm(qdy.rows(), _dgrad_values(qw), sizes, ids, config.x_dtype)
+    if resolve_impl(recipe.impl) == "fused":  # W^T [G, N, K]: its rowwise copy read transposed, or its columnwise
+        transposed = qw.data_t is None
+        c = (qw.data, qw.scale) if transposed else (qw.data_t, qw.scale_t)
+        experts = Scaled(None, qw.amax if transposed else qw.amax_t, False, qw.spec.e4m3_max)
+        data, scale, tokens = _rows(qdy)
+        shapes = {"n": qw.shape[2], "length": qw.shape[1], "transposed": transposed}
+        dx = _fused_token_gemm(data, scale, tokens, *c, experts, sizes, config.x_dtype, **shapes)
+    else:
+        dx = _token_gemm(qdy.rows(), _dgrad_values(qw), sizes, ids, config.x_dtype)
     segments, cx, cdy = segment_sizes(group_sizes, rows), qx.columns(), qdy.columns()
     # dW [G, K, N], W's layout; with row scales dW^T, transposed, whose epilogue scales by dy's first.
     if cx.per_row or cdy.per_row:

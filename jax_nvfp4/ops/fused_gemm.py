@@ -6,7 +6,7 @@ offline for sm_90 with jax 0.11.2); this kernel loads the E2M1 codes (4 bits a v
 scales, makes ``code * scale`` in registers and feeds a float16 dot with float32 accumulation, tile by tile,
 then applies the GEMM's epilogue (the global decode scale, the cast) to its tile.
 
-The decode is a few bit operations a value (``_quarters``): a code's sign and magnitude bits moved to
+The decode is a few bit operations a value (``quarters``): a code's sign and magnitude bits moved to
 float16's sign and exponent/mantissa bits give the E2M1 value times 2^-14 (0.5 as a float16 subnormal),
 and one float16 multiply by the block scale makes ``code * scale * 2^-14``: exact, on float16's grid
 (multiples of 2^-24 with at most 6 significant bits). float16 and not bfloat16 because these subnormals
@@ -18,7 +18,7 @@ in the order of accumulation.
 A variant (``c_transposed``) reads c packed along its rows instead, contracted along its other axis: a weight's
 kept 16x16-block copy read as its transpose for dgrad, so that no transposed copy of its bytes is made. There a's
 quarters (each holding contraction rows 8 apart) meet c's rows 8 apart, each decoded with its values put back in
-order along the output's columns (``_in_order``): the same eight dots a step.
+order along the output's columns (``in_order``): the same eight dots a step.
 
 The kernel uses Pallas's generic operations only: on a GPU it lowers through Triton; elsewhere (the CPU)
 it runs in Pallas's interpret mode, which is how CI tests it.
@@ -62,9 +62,9 @@ TILES = Tiles(m=128, n=256, k_bytes=64, num_warps=8)
 INTERPRET_TILES = Tiles()
 """In interpret mode (tests on the CPU): smaller tiles, less padding of small operands. The tiles change no sum."""
 
-_BYTES_PER_SCALE = BLOCK // 2
-_WORDS_PER_SCALE = _BYTES_PER_SCALE // 4  # uint32 words of codes a block scale covers
-_UNSCALE = 2.0**28
+BYTES_PER_SCALE = BLOCK // 2
+WORDS_PER_SCALE = BYTES_PER_SCALE // 4  # uint32 words of codes a block scale covers
+UNSCALE = 2.0**28
 """What the float32 sums are multiplied by before the global decode scale: each operand's values are 2^-14 times
 the emulation's."""
 
@@ -81,7 +81,7 @@ def _e4m3_f16(byte: jax.Array) -> jax.Array:
     return jnp.where((b & 0x7F) == 0x7F, jnp.float16(jnp.nan), value)
 
 
-def _quarters(words: jax.Array, scales: jax.Array) -> list[jax.Array]:
+def quarters(words: jax.Array, scales: jax.Array) -> list[jax.Array]:
     """Packed codes as uint32 words [r, w] (8 codes a word, two blocks of 16 a pair of words) and their E4M3
     bytes [r, w / 2] -> 8 float16 arrays [r, w]: ``code * scale * 2^-14``; array 2j + h holds nibble j + 4h
     of each word.
@@ -93,7 +93,7 @@ def _quarters(words: jax.Array, scales: jax.Array) -> list[jax.Array]:
     """
     rows, nwords = words.shape
     scale = _e4m3_f16(scales)
-    scale = jnp.broadcast_to(scale[:, :, None], (rows, nwords // _WORDS_PER_SCALE, _WORDS_PER_SCALE))
+    scale = jnp.broadcast_to(scale[:, :, None], (rows, nwords // WORDS_PER_SCALE, WORDS_PER_SCALE))
     scale = scale.reshape(rows, nwords)
     out = []
     for j in range(4):
@@ -107,10 +107,10 @@ def _quarters(words: jax.Array, scales: jax.Array) -> list[jax.Array]:
 
 def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps: int, tile_words: int):
     def step(k, acc):
-        tile_scales = tile_words // _WORDS_PER_SCALE
+        tile_scales = tile_words // WORDS_PER_SCALE
         words, scales = pl.ds(k * tile_words, tile_words), pl.ds(k * tile_scales, tile_scales)
-        a = _quarters(a_ref[:, words], a_scale_ref[:, scales])
-        c = _quarters(c_ref[:, words], c_scale_ref[:, scales])
+        a = quarters(a_ref[:, words], a_scale_ref[:, scales])
+        c = quarters(c_ref[:, words], c_scale_ref[:, scales])
         for x, y in zip(a, c, strict=True):
             acc = acc + lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return acc
@@ -118,15 +118,15 @@ def _kernel(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_ref, *, steps
     acc = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
     # The epilogue of ops.gemm in the kernel: each float32 sum (exactly 2^28 times smaller than the emulation's)
     # times 2^28, times the global decode scale, then the cast.
-    out_ref[...] = (acc * _UNSCALE * scale_ref[...]).astype(out_ref.dtype)
+    out_ref[...] = (acc * UNSCALE * scale_ref[...]).astype(out_ref.dtype)
 
 
-_NIBBLE = tuple(p // 2 + 4 * (p % 2) for p in range(8))
-"""The nibble of each word that ``_quarters``'s array p holds."""
+NIBBLE = tuple(p // 2 + 4 * (p % 2) for p in range(8))
+"""The nibble of each word that ``quarters``'s array p holds."""
 
 
-def _in_order(quarters: list[jax.Array]) -> jax.Array:
-    """``_quarters``'s eight arrays [r, w] -> [r, 8 w], each word's values in their nibbles' order.
+def in_order(quarters: list[jax.Array]) -> jax.Array:
+    """``quarters``'s eight arrays [r, w] -> [r, 8 w], each word's values in their nibbles' order.
 
     Array 2j + h holds nibble j + 4h. Each join (``jnp.stack`` of two, on a new last axis: Triton's join, which
     moves no data) adds a lower bit of the nibble: (j, j + 4), then (j, j + 2) of those, then (0, 1), so the
@@ -142,23 +142,23 @@ def _kernel_transposed(a_ref, a_scale_ref, c_ref, c_scale_ref, scale_ref, out_re
     """``_kernel`` with c packed along its rows (the output's columns) and contracted along its other axis.
 
     c's words come as [L / 8, 8, tile_n / 8] (row w, sub-row i: contraction row 8w + i) and its scales likewise.
-    a's quarter p holds contraction rows 8w + _NIBBLE[p]: it meets sub-row _NIBBLE[p] of c's step, decoded with
-    its values in order along the output's columns (``_in_order``): eight float16 dots a step, as ``_kernel``'s.
+    a's quarter p holds contraction rows 8w + NIBBLE[p]: it meets sub-row NIBBLE[p] of c's step, decoded with
+    its values in order along the output's columns (``in_order``): eight float16 dots a step, as ``_kernel``'s.
     """
 
     def step(k, acc):
-        tile_scales = tile_words // _WORDS_PER_SCALE
+        tile_scales = tile_words // WORDS_PER_SCALE
         words, scales = pl.ds(k * tile_words, tile_words), pl.ds(k * tile_scales, tile_scales)
-        for x, nibble in zip(_quarters(a_ref[:, words], a_scale_ref[:, scales]), _NIBBLE, strict=True):
-            y = _in_order(_quarters(c_ref[words, nibble, :], c_scale_ref[words, nibble, :]))
+        for x, nibble in zip(quarters(a_ref[:, words], a_scale_ref[:, scales]), NIBBLE, strict=True):
+            y = in_order(quarters(c_ref[words, nibble, :], c_scale_ref[words, nibble, :]))
             acc = acc + lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return acc
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
-    out_ref[...] = (acc * _UNSCALE * scale_ref[...]).astype(out_ref.dtype)
+    out_ref[...] = (acc * UNSCALE * scale_ref[...]).astype(out_ref.dtype)
 
 
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     extra = -x.shape[axis] % multiple
     if not extra:
         return x
@@ -174,7 +174,7 @@ def _call(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: bool, tiles: T
     def spec(rows, cols, which):
         return pl.BlockSpec((None, rows, cols), lambda b, i, j: (b, (i, j)[which], 0))
 
-    scale_cols = kb // _BYTES_PER_SCALE
+    scale_cols = kb // BYTES_PER_SCALE
     # Four bytes a uint32 word (little-endian: byte i at bits 8i..8i+7), so the kernel's decode works on words.
     a, c = (lax.bitcast_convert_type(x.reshape(*x.shape[:2], kb // 4, 4), jnp.uint32) for x in (a, c))
     a_specs = [spec(tiles.m, kb // 4, 0), spec(tiles.m, scale_cols, 0)]
@@ -204,7 +204,7 @@ def _call_transposed(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: boo
     tile_words = tiles.n // 8
     in_specs = [
         pl.BlockSpec((None, tiles.m, kb // 4), lambda b, i, j: (b, i, 0)),
-        pl.BlockSpec((None, tiles.m, kb // _BYTES_PER_SCALE), lambda b, i, j: (b, i, 0)),
+        pl.BlockSpec((None, tiles.m, kb // BYTES_PER_SCALE), lambda b, i, j: (b, i, 0)),
         pl.BlockSpec((None, kb // 4, 8, tile_words), lambda b, i, j: (b, 0, 0, j)),
         pl.BlockSpec((None, kb // 4, 8, tile_words // 2), lambda b, i, j: (b, 0, 0, j)),
         pl.BlockSpec((None, 1, 1), lambda b, i, j: (b, 0, 0)),
@@ -225,7 +225,7 @@ def _transposed_operand(data: jax.Array, scale: jax.Array, length: int, tile_row
     """c packed along its rows: codes [B, L, ceil(rows / 2)] and E4M3 bytes [B, L, ceil(rows / 16)] -> the same,
     rows padded with zero codes and scales to whole tiles, L to ``length`` rows (zeros: exact zeros in the sums).
     A byte past an odd row count holds an output column past ``rows``, which is dropped."""
-    data, scale = _pad_to(data, 2, tile_rows // 2), _pad_to(scale, 2, tile_rows // BLOCK)
+    data, scale = pad_to(data, 2, tile_rows // 2), pad_to(scale, 2, tile_rows // BLOCK)
     pad = [(0, 0), (0, length - data.shape[1]), (0, 0)]
     return jnp.pad(data, pad), jnp.pad(scale, pad)
 
@@ -240,10 +240,10 @@ def _operand(data: jax.Array, scale: jax.Array, rows: int, length: int, tile_row
     batch = data.shape[0]
     if length % 2:
         data = data.at[..., -1].set(data[..., -1] & jnp.uint8(0x0F))
-    data = _pad_to(data, data.ndim - 1, -(-length // BLOCK) * _BYTES_PER_SCALE)
+    data = pad_to(data, data.ndim - 1, -(-length // BLOCK) * BYTES_PER_SCALE)
     data, scale = data.reshape(batch, rows, -1), scale.reshape(batch, rows, -1)
-    data, scale = _pad_to(data, 1, tile_rows), _pad_to(scale, 1, tile_rows)
-    return _pad_to(data, 2, tile_k), _pad_to(scale, 2, tile_k // _BYTES_PER_SCALE)
+    data, scale = pad_to(data, 1, tile_rows), pad_to(scale, 1, tile_rows)
+    return pad_to(data, 2, tile_k), pad_to(scale, 2, tile_k // BYTES_PER_SCALE)
 
 
 def fused_gemm(

@@ -27,7 +27,7 @@ def test_the_tile_decode_is_block_values_for_every_code_and_scale():
     data = np.tile(codes[0::2] | (codes[1::2] << 4), (256, 2))  # each row: codes 0..15 twice, two blocks
     scale = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 2, axis=1)
     words = jnp.asarray(data.view(np.uint32))  # [256, 4]: 8 codes a word, byte 0 in the low bits
-    quarters = jax.jit(fused_gemm._quarters)(words, jnp.asarray(scale))
+    quarters = jax.jit(fused_gemm.quarters)(words, jnp.asarray(scale))
     got = np.empty((256, 4, 8), np.float32)  # [row, word, nibble]
     for i, values in enumerate(quarters):
         assert values.dtype == jnp.float16
@@ -39,7 +39,7 @@ def test_the_tile_decode_is_block_values_for_every_code_and_scale():
     assert_same_bytes(got[finite], want[finite])
     assert np.isnan(got[~finite]).all() and np.isnan(want[~finite]).all()
     # The transposed variant's decode puts them back in order itself (joins and a reshape).
-    in_order = np.asarray(jax.jit(fused_gemm._in_order)(quarters), np.float32) * np.float32(2.0**14)
+    in_order = np.asarray(jax.jit(fused_gemm.in_order)(quarters), np.float32) * np.float32(2.0**14)
     assert_same_bytes(in_order[finite], want[finite])
 
 

@@ -1,0 +1,175 @@
+"""The fused GEMM's grouped form: tokens sorted by expert times their expert's packed NVFP4 weight.
+
+``ragged_dot``'s token GEMMs (fprop and dgrad) with ``Recipe(impl="fused")``: rows [M, L] of packed codes and
+E4M3 bytes, each row times the expert [G, n, L] of its group (or, ``transposed``, the expert's kept 16x16-block
+copy [G, L, n] read as its transpose, as ``ops.fused_gemm``'s variant reads it), decoded in the kernel's tiles
+(``ops.fused_gemm``'s decode), with no bf16 copy of either operand and no dense expansion of the ragged product.
+
+The grid runs over (tile, group) pairs: a tile of ``tile_m`` rows meets each group that has rows in it, so a
+pair's GEMM is one expert's product of one row tile, and it stores only its group's rows (a masked store). The
+pairs are at most ceil(M / tile_m) + G: every group boundary inside a tile adds one. Rows past the last group
+form a group of their own, stored as zeros (as ``lax.ragged_dot`` gives them). The epilogue multiplies each float32
+sum by its group's scale ``s1[g]`` and its row's ``s2[row]``, in that order (``ragged_dot``'s: the product of the
+per-tensor decode scales, then a row-scaled token's own), and casts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_nvfp4.core.formats import BLOCK
+from jax_nvfp4.ops.fused_gemm import (
+    BYTES_PER_SCALE,
+    INTERPRET_TILES,
+    NIBBLE,
+    TILES,
+    UNSCALE,
+    WORDS_PER_SCALE,
+    Tiles,
+    in_order,
+    pad_to,
+    quarters,
+)
+
+
+def tile_pairs(sizes: jax.Array, rows: int, tile_m: int) -> jax.Array:
+    """int32 [4, P]: each (tile, group) pair's group, row tile and rows [lo, hi) of the group in the tile.
+
+    ``sizes`` [G]: the groups' rows in order, summing to at most ``rows``; the rows past their sum are group G.
+    P = ceil(rows / tile_m) + G bounds the pairs; the pairs past the last are inactive (lo = hi = 0).
+    """
+    groups = sizes.shape[0]
+    ends = jnp.cumsum(sizes.astype(jnp.int32))
+    starts = jnp.concatenate([ends - sizes, ends[-1:]])
+    ends = jnp.concatenate([ends, jnp.full((1,), rows, jnp.int32)])
+    first, last = starts // tile_m, (ends - 1) // tile_m
+    count = jnp.where(ends > starts, last - first + 1, 0)
+    total = jnp.cumsum(count)
+    pairs = -(-rows // tile_m) + groups
+    p = jnp.arange(pairs, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(total, p, side="right").astype(jnp.int32), groups)
+    active = p < total[-1]
+    t = first[g] + p - (total[g] - count[g])
+    lo = jnp.where(active, jnp.maximum(starts[g], t * tile_m), 0)
+    hi = jnp.where(active, jnp.minimum(ends[g], (t + 1) * tile_m), 0)
+    return jnp.stack([g, jnp.where(active, t, 0), lo, hi])
+
+
+def _kernel(
+    meta_ref, a_ref, a_scale_ref, c_ref, c_scale_ref, s1_ref, s2_ref, out_ref, *, steps, tile_words, tiles, transposed
+):
+    p, j = pl.program_id(0), pl.program_id(1)
+    g, t, lo, hi = meta_ref[0, p], meta_ref[1, p], meta_ref[2, p], meta_ref[3, p]
+    groups = c_ref.shape[0]
+    expert = jnp.minimum(g, groups - 1)  # the rows past the last group: any expert, then zeros
+    rows = pl.ds(t * tiles.m, tiles.m)
+    tile_scales = tile_words // WORDS_PER_SCALE
+
+    def step(k, acc):
+        words, scales = pl.ds(k * tile_words, tile_words), pl.ds(k * tile_scales, tile_scales)
+        a = quarters(a_ref[rows, words], a_scale_ref[rows, scales])
+        if transposed:  # c [G, L / 8, 8, n / 8]: a's quarter meets its nibble's sub-row, decoded in column order
+            cols, col_scales = pl.ds(j * (tiles.n // 8), tiles.n // 8), pl.ds(j * (tiles.n // 16), tiles.n // 16)
+            for x, nibble in zip(a, NIBBLE, strict=True):
+                c = c_ref[expert, words, nibble, cols]
+                y = in_order(quarters(c, c_scale_ref[expert, words, nibble, col_scales]))
+                acc = acc + lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            return acc
+        cols = pl.ds(j * tiles.n, tiles.n)
+        c = quarters(c_ref[expert, cols, words], c_scale_ref[expert, cols, scales])
+        for x, y in zip(a, c, strict=True):
+            acc = acc + lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc
+
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((tiles.m, tiles.n), jnp.float32))
+    y = (acc * UNSCALE * s1_ref[g]) * s2_ref[rows, :]
+    y = jnp.where(g < groups, y, 0.0).astype(out_ref.dtype)
+    row = t * tiles.m + lax.broadcasted_iota(jnp.int32, (tiles.m, tiles.n), 0)
+    plgpu.store(out_ref.at[rows, pl.ds(j * tiles.n, tiles.n)], y, mask=(row >= lo) & (row < hi))
+
+
+def fused_ragged_gemm(
+    a_data: jax.Array,
+    a_scale: jax.Array,
+    c_data: jax.Array,
+    c_scale: jax.Array,
+    sizes: jax.Array,
+    s1: jax.Array,
+    s2: jax.Array,
+    *,
+    n: int,
+    length: int,
+    out_dtype,
+    transposed: bool = False,
+    interpret: bool | None = None,
+    tiles: Tiles | None = None,
+) -> jax.Array:
+    """Rows a [M, ceil(L / 2)] (codes) and [M, ceil(L / 16)] (E4M3 bytes, uint8) times their group's expert
+    -> [M, n] of ``out_dtype``: fp32(fp32(sum * s1[g]) * s2[row]) for a row of group g, zeros past the groups.
+
+    ``c_data`` [G, n, ceil(L / 2)] and ``c_scale`` [G, n, ceil(L / 16)]: each expert blocked along L; or with
+    ``transposed`` [G, L, ceil(n / 2)] and [G, L, ceil(n / 16)], a 16x16-block copy read as its transpose. ``sizes``
+    int32 [G]: the groups' rows, in order, summing to at most M. ``s1`` float32 [G], ``s2`` float32 [M].
+    ``interpret`` and ``tiles``: as ``ops.fused_gemm``'s.
+    """
+    rows = a_data.shape[0]
+    if rows == 0 or n == 0:
+        return jnp.zeros((rows, n), out_dtype)
+
+    def run(a_data, a_scale, c_data, c_scale, sizes, s1, s2, *, interpret: bool):
+        t = tiles or (INTERPRET_TILES if interpret else TILES)
+        if not interpret and t.k_bytes % 64:
+            raise ValueError(f"compiled for a GPU, k_bytes must be a multiple of 64 (float16 MMAs), got {t.k_bytes}")
+        if length % 2:  # the last byte's high nibble lies past the row
+            a_data = a_data.at[:, -1].set(a_data[:, -1] & jnp.uint8(0x0F))
+        a = pad_to(pad_to(a_data, 1, -(-length // BLOCK) * BYTES_PER_SCALE), 1, t.k_bytes)
+        a = pad_to(a, 0, t.m)
+        sa = pad_to(pad_to(a_scale, 1, t.k_bytes // BYTES_PER_SCALE), 0, t.m)
+        kb, m = a.shape[1], a.shape[0]
+        if transposed:
+            c = pad_to(c_data, 2, t.n // 2)
+            sc = pad_to(c_scale, 2, t.n // BLOCK)
+            pad = [(0, 0), (0, 2 * kb - c.shape[1]), (0, 0)]
+            c, sc = jnp.pad(c, pad), jnp.pad(sc, pad)
+            groups, width = c.shape[0], 2 * c.shape[2]
+            c = lax.bitcast_convert_type(c.reshape(groups, kb // 4, 8, width // 8, 4), jnp.uint32)
+            sc = sc.reshape(groups, kb // 4, 8, -1)
+        else:
+            if length % 2:
+                c_data = c_data.at[..., -1].set(c_data[..., -1] & jnp.uint8(0x0F))
+            c = pad_to(pad_to(c_data, 2, kb), 1, t.n)
+            sc = pad_to(pad_to(c_scale, 2, kb // BYTES_PER_SCALE), 1, t.n)
+            groups, width = c.shape[0], c.shape[1]
+            c = lax.bitcast_convert_type(c.reshape(groups, width, kb // 4, 4), jnp.uint32)
+        a = lax.bitcast_convert_type(a.reshape(m, kb // 4, 4), jnp.uint32)
+        meta = tile_pairs(sizes, rows, t.m)
+        scales = jnp.concatenate([s1.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])  # group G: zeros
+        row_scales = pad_to(s2.astype(jnp.float32).reshape(-1, 1), 0, t.m)
+        kernel = functools.partial(
+            _kernel, steps=kb // t.k_bytes, tile_words=t.k_bytes // 4, tiles=t, transposed=transposed
+        )
+        whole = lambda x: pl.BlockSpec(x.shape, lambda p, j, n=x.ndim: (0,) * n)  # noqa: E731
+        operands = (meta, a, sa, c, sc, scales, row_scales)
+        y = pl.pallas_call(
+            kernel,
+            grid=(meta.shape[1], width // t.n),
+            in_specs=[whole(x) for x in operands],
+            out_specs=pl.BlockSpec((m, width), lambda p, j: (0, 0)),
+            out_shape=jax.ShapeDtypeStruct((m, width), jnp.dtype(out_dtype)),
+            interpret=interpret,
+            compiler_params=None if interpret else plgpu.CompilerParams(num_warps=t.num_warps),
+            name="nvfp4_fused_ragged_gemm" + ("_transposed" if transposed else ""),
+        )(*operands)
+        return y[:rows, :n]
+
+    args = (a_data, a_scale, c_data, c_scale, sizes, s1, s2)
+    if interpret is not None:
+        return run(*args, interpret=interpret)
+    compiled, interpreted = (functools.partial(run, interpret=flag) for flag in (False, True))
+    return lax.platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)

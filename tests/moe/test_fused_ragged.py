@@ -1,0 +1,103 @@
+"""ragged_dot with Recipe(impl="fused"): the fused grouped GEMM (ops.fused_ragged_gemm, Pallas interpret mode
+here) for fprop and dgrad, against float64 sums of the decoded blocks and against the emulated ragged_dot. Its
+operands are made so that every float32 partial sum is exact, as in tests/gemm/test_fused_gemm.py: then the
+orders of accumulation cannot differ and the bytes must be equal."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import assert_same_bytes, examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_nvfp4
+from jax_nvfp4.core.transpose import transpose_codes, transpose_scales
+from jax_nvfp4.ops.fused_ragged_gemm import fused_ragged_gemm, tile_pairs
+from jax_nvfp4.ops.gemm import block_values
+
+
+def _block_values64(data: np.ndarray, scale: np.ndarray, length: int) -> np.ndarray:
+    e4m3 = jnp.asarray(scale.view(ml_dtypes.float8_e4m3fn))[None]
+    return np.asarray(block_values(jnp.asarray(data)[None], e4m3, length))[0].astype(np.float64)
+
+
+def test_tile_pairs_cover_every_row_once():
+    """Groups of 10, 0 and 25 rows and 5 rows past them, tiles of 16: one pair per (tile, group) with rows in it,
+    the rows past the groups a group of their own (G), the remaining pairs inactive (no rows)."""
+    pairs = np.asarray(tile_pairs(jnp.asarray([10, 0, 25], jnp.int32), 40, 16))
+    want = [[0, 0, 0, 10], [2, 0, 10, 16], [2, 1, 16, 32], [2, 2, 32, 35], [3, 2, 35, 40], [3, 0, 0, 0]]
+    assert pairs.T.tolist() == want
+
+
+@settings(max_examples=examples(12))
+@given(
+    sizes=st.lists(st.integers(0, 90), min_size=1, max_size=4),
+    tail=st.integers(0, 20),
+    length=st.integers(1, 100),
+    n=st.integers(1, 150),
+    transposed=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_each_row_is_its_experts_product(sizes, tail, length, n, transposed, seed):
+    """Rows of random packed codes (E4M3 scales in [1, 2): exact float32 sums) in groups of any size (empty ones,
+    boundaries inside a tile, rows past the groups), each times its expert (as stored, or a 16x16-block copy read
+    transposed), then the group's and the row's scale: the float64 sums rounded as the epilogue says, bit for bit;
+    zeros past the groups."""
+    rng = np.random.default_rng(seed)
+    rows, groups = sum(sizes) + tail, len(sizes)
+    a = rng.integers(0, 256, (rows, -(-length // 2)), dtype=np.uint8)
+    sa = rng.integers(0x38, 0x40, (rows, -(-length // 16)), dtype=np.uint8)
+    if transposed:  # [G, L, n]: one scale a 16x16 block, repeated on its 16 rows
+        c = rng.integers(0, 256, (groups, length, -(-n // 2)), dtype=np.uint8)
+        blocks = rng.integers(0x38, 0x40, (groups, -(-length // 16), -(-n // 16)), dtype=np.uint8)
+        sc = np.repeat(blocks, 16, axis=1)[:, :length]
+        codes, scales = transpose_codes(jnp.asarray(c), length, n), transpose_scales(jnp.asarray(sc), length, n)
+        as_stored = (np.asarray(codes), np.asarray(scales))
+    else:
+        c = rng.integers(0, 256, (groups, n, -(-length // 2)), dtype=np.uint8)
+        sc = rng.integers(0x38, 0x40, (groups, n, -(-length // 16)), dtype=np.uint8)
+        as_stored = (c, sc)
+    s1 = rng.uniform(0.5, 2, groups).astype(np.float32)
+    s2 = rng.uniform(0.5, 2, rows).astype(np.float32)
+    args = (*(jnp.asarray(v) for v in (a, sa, c, sc)), jnp.asarray(sizes, jnp.int32), jnp.asarray(s1), jnp.asarray(s2))
+    got = fused_ragged_gemm(*args, n=n, length=length, out_dtype=jnp.float32, transposed=transposed)
+    va, want, start = _block_values64(a, sa, length), np.zeros((rows, n), np.float32), 0
+    for g, size in enumerate(sizes):
+        expert = _block_values64(as_stored[0][g], as_stored[1][g], length)
+        acc = (va[start : start + size] @ expert.T).astype(np.float32)
+        want[start : start + size] = (acc * s1[g]).astype(np.float32) * s2[start : start + size, None]
+        start += size
+    assert_same_bytes(np.asarray(got) + 0, want + 0)  # -0 + 0 = +0: the accumulator's sign of a zero sum
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"weight_block_2d": False}, {"row_scaled_activations": True, "row_scaled_gradients": True}],
+    ids=["16x16", "1x16", "per-token"],
+)
+def test_a_training_step_is_the_emulated_one(options):
+    """x [M, K] . W [G, K, N] through ragged_dot with the full recipe (RHT, stochastic rounding) and each weight
+    layout: y, dx and dW of impl="fused" (its fprop and dgrad fused; wgrad the same grouped GEMM) equal the
+    emulation's, and so does the forward pass alone, with an empty group and rows past the groups: bit for bit
+    on the CPU, within float32 accumulation on a GPU."""
+    x = jax.random.normal(jax.random.key(0), (70, 48), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (3, 48, 40), jnp.float32) * 0.1
+    dy = jax.random.normal(jax.random.key(2), (70, 40), jnp.float32)
+    sizes = jnp.asarray([30, 0, 33], jnp.int32)
+
+    def run(impl):
+        recipe = jax_nvfp4.Recipe(impl=impl, **options)
+        f = lambda x, w: jax_nvfp4.ragged_dot(x, w, sizes, recipe=recipe, rng_key=jax.random.key(3))  # noqa: E731
+        y, vjp = jax.vjp(f, x, w)
+        return (f(x, w), y, *vjp(dy))
+
+    for got, want in zip(run("fused"), run("emulated"), strict=True):
+        if jax.default_backend() == "cpu":
+            assert_same_bytes(got, want)
+        else:
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            assert np.abs(got - want).max() <= 2.0**-8 * np.abs(want).max()
