@@ -10,14 +10,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_same_bytes, examples
+from helpers import CPUS, assert_same_bytes, examples, needs_8_cpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
 from jax_nvfp4.core.transpose import transpose_codes, transpose_scales
 from jax_nvfp4.ops.fused_ragged_gemm import fused_ragged_gemm, tile_pairs
 from jax_nvfp4.ops.gemm import block_values
+from jax_nvfp4.sharding.hlo import collectives
 
 
 def _block_values64(data: np.ndarray, scale: np.ndarray, length: int) -> np.ndarray:
@@ -101,3 +104,32 @@ def test_a_training_step_is_the_emulated_one(options):
         else:
             got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
             assert np.abs(got - want).max() <= 2.0**-8 * np.abs(want).max()
+
+
+@needs_8_cpus
+def test_on_a_mesh_it_runs_whole_on_gathered_packed_operands():
+    """Tokens sharded by feature and experts over a 2 x 4 mesh: XLA does not partition the Pallas call, so it
+    gathers the packed codes and scales (uint32 words, uint8 bytes), never bf16 values, and runs it whole: the
+    bytes of the unsharded emulated layer, forward and gradients."""
+    mesh = jax.make_mesh((2, 4), ("d", "e"), devices=CPUS[:8], axis_types=(AxisType.Auto,) * 2)
+    x = jax.random.normal(jax.random.key(0), (64, 48), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (4, 48, 32), jnp.float32) * 0.1
+    sizes = jnp.asarray([10, 20, 0, 30], jnp.int32)
+
+    def loss(x, w, impl):
+        recipe = jax_nvfp4.Recipe(impl=impl)
+        y = jax_nvfp4.ragged_dot(x, w, sizes, recipe=recipe, rng_key=jax.random.key(3))
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    sharded = (
+        jax.device_put(x, NamedSharding(mesh, P(None, "e"))),
+        jax.device_put(w, NamedSharding(mesh, P("e", None, None))),
+    )
+    step = jax.jit(jax.grad(loss, (0, 1), has_aux=True), static_argnums=2)
+    (dx, dw), y = step(*sharded, "fused")
+    (want_dx, want_dw), want_y = step(x, w, "emulated")
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        assert_same_bytes(got, want)
+    forward = jax.jit(lambda x, w: loss(x, w, "fused")[1]).lower(*sharded).compile().as_text()
+    gathered = {c.dtype for c in collectives(forward) if c.op == "all-gather" and c.nbytes > 64}
+    assert {"u32", "u8"} <= gathered and not gathered & {"bf16", "f16"}, gathered
