@@ -165,63 +165,76 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, [(0, extra if i == axis else 0) for i in range(x.ndim)])
 
 
-def _call(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: bool, tiles: Tiles):
-    """Padded operands [B, M, Kb], [B, M, Kb / 8], [B, N, Kb], [B, N, Kb / 8] and scales [B, 1, 1] -> [B, M, N]."""
+def words(x: jax.Array) -> jax.Array:
+    """Bytes [..., Kb] -> uint32 words [..., Kb / 4] (little-endian: byte i at bits 8i..8i+7): the decode's input."""
+    return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 4, 4), jnp.uint32)
+
+
+def row_groups(c: jax.Array, c_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """c packed along its rows, [B, 2 Kb, Nb] and [B, 2 Kb, Nb / 8], with its contraction rows in groups of 8 (one
+    group a word of a's codes): words [B, Kb / 4, 8, Nb / 4] and scales [B, Kb / 4, 8, Nb / 8]."""
+    batch, groups = c.shape[0], c.shape[1] // 8
+    return words(c.reshape(batch, groups, 8, -1)), c_scale.reshape(batch, groups, 8, -1)
+
+
+def _call(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: bool, tiles: Tiles, transposed: bool):
+    """Padded operands [B, M, Kb], [B, M, Kb / 8], c [B, N, Kb], [B, N, Kb / 8] (``transposed``: packed along its
+    rows, [B, 2 Kb, N / 2], [B, 2 Kb, N / 16]) and scales [B, 1, 1] -> [B, M, N]."""
     batch, m, kb = a.shape
-    n = c.shape[1]
-    kernel = functools.partial(_kernel, steps=kb // tiles.k_bytes, tile_words=tiles.k_bytes // 4)
-
-    def spec(rows, cols, which):
-        return pl.BlockSpec((None, rows, cols), lambda b, i, j: (b, (i, j)[which], 0))
-
-    scale_cols = kb // BYTES_PER_SCALE
-    # Four bytes a uint32 word (little-endian: byte i at bits 8i..8i+7), so the kernel's decode works on words.
-    a, c = (lax.bitcast_convert_type(x.reshape(*x.shape[:2], kb // 4, 4), jnp.uint32) for x in (a, c))
-    a_specs = [spec(tiles.m, kb // 4, 0), spec(tiles.m, scale_cols, 0)]
-    c_specs = [spec(tiles.n, kb // 4, 1), spec(tiles.n, scale_cols, 1)]
+    tile_words = tiles.k_bytes // 4
+    a_specs = [
+        pl.BlockSpec((None, tiles.m, kb // 4), lambda b, i, j: (b, i, 0)),
+        pl.BlockSpec((None, tiles.m, kb // BYTES_PER_SCALE), lambda b, i, j: (b, i, 0)),
+    ]
+    if transposed:
+        n, kernel = 2 * c.shape[2], _kernel_transposed
+        c, c_scale = row_groups(c, c_scale)
+        c_specs = [
+            pl.BlockSpec((None, kb // 4, 8, tiles.n // 8), lambda b, i, j: (b, 0, 0, j)),
+            pl.BlockSpec((None, kb // 4, 8, tiles.n // 16), lambda b, i, j: (b, 0, 0, j)),
+        ]
+    else:
+        n, kernel, c = c.shape[1], _kernel, words(c)
+        c_specs = [
+            pl.BlockSpec((None, tiles.n, kb // 4), lambda b, i, j: (b, j, 0)),
+            pl.BlockSpec((None, tiles.n, kb // BYTES_PER_SCALE), lambda b, i, j: (b, j, 0)),
+        ]
     return pl.pallas_call(
-        kernel,
+        functools.partial(kernel, steps=kb // tiles.k_bytes, tile_words=tile_words),
         grid=(batch, m // tiles.m, n // tiles.n),
         in_specs=[*a_specs, *c_specs, pl.BlockSpec((None, 1, 1), lambda b, i, j: (b, 0, 0))],
         out_specs=pl.BlockSpec((None, tiles.m, tiles.n), lambda b, i, j: (b, i, j)),
         out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
         interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=tiles.num_warps),
-        name="nvfp4_fused_gemm",
-    )(a, a_scale, c, c_scale, scale)
+        compiler_params=compiler_params(tiles, interpret),
+        name="nvfp4_fused_gemm" + ("_transposed" if transposed else ""),
+    )(words(a), a_scale, c, c_scale, scale)
 
 
-def _call_transposed(a, a_scale, c, c_scale, scale, *, out_dtype, interpret: bool, tiles: Tiles):
-    """Padded operands [B, M, Kb], [B, M, Kb / 8] and c packed along its rows, [B, 2 Kb, Nb], [B, 2 Kb, Nb / 8],
-    scales [B, 1, 1] -> [B, M, 2 Nb]."""
-    batch, m, kb = a.shape
-    n = 2 * c.shape[2]
-    kernel = functools.partial(_kernel_transposed, steps=kb // tiles.k_bytes, tile_words=tiles.k_bytes // 4)
-    a = lax.bitcast_convert_type(a.reshape(batch, m, kb // 4, 4), jnp.uint32)
-    # c's rows in groups of 8, one group a word of a's codes: [B, Kb / 4, 8, Nb / 4] words, [B, Kb / 4, 8, Nb / 8].
-    c = lax.bitcast_convert_type(c.reshape(batch, kb // 4, 8, n // 8, 4), jnp.uint32)
-    c_scale = c_scale.reshape(batch, kb // 4, 8, -1)
-    tile_words = tiles.n // 8
-    in_specs = [
-        pl.BlockSpec((None, tiles.m, kb // 4), lambda b, i, j: (b, i, 0)),
-        pl.BlockSpec((None, tiles.m, kb // BYTES_PER_SCALE), lambda b, i, j: (b, i, 0)),
-        pl.BlockSpec((None, kb // 4, 8, tile_words), lambda b, i, j: (b, 0, 0, j)),
-        pl.BlockSpec((None, kb // 4, 8, tile_words // 2), lambda b, i, j: (b, 0, 0, j)),
-        pl.BlockSpec((None, 1, 1), lambda b, i, j: (b, 0, 0)),
-    ]
-    return pl.pallas_call(
-        kernel,
-        grid=(batch, m // tiles.m, n // tiles.n),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, tiles.m, tiles.n), lambda b, i, j: (b, i, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
-        interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=tiles.num_warps),
-        name="nvfp4_fused_gemm_transposed",
-    )(a, a_scale, c, c_scale, scale)
+def compiler_params(tiles: Tiles, interpret: bool):
+    """Triton's parameters for a GPU kernel of ``tiles`` (None interpreted)."""
+    return None if interpret else plgpu.CompilerParams(num_warps=tiles.num_warps)
 
 
-def _transposed_operand(data: jax.Array, scale: jax.Array, length: int, tile_rows: int):
+def tiles_for(tiles: Tiles | None, interpret: bool) -> Tiles:
+    """``tiles``, or the default blocking (``TILES`` compiled, ``INTERPRET_TILES`` interpreted); compiled for a GPU
+    its steps must be whole float16 MMAs."""
+    t = tiles or (INTERPRET_TILES if interpret else TILES)
+    if not interpret and t.k_bytes % 64:
+        raise ValueError(f"compiled for a GPU, k_bytes must be a multiple of 64 (float16 MMAs), got {t.k_bytes}")
+    return t
+
+
+def on_platform(run, args: tuple, interpret: bool | None):
+    """``run(*args, interpret=...)``: as asked, or compiled where lowered for a GPU (CUDA or ROCm) and interpreted
+    elsewhere."""
+    if interpret is not None:
+        return run(*args, interpret=interpret)
+    compiled, interpreted = (functools.partial(run, interpret=flag) for flag in (False, True))
+    return lax.platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)
+
+
+def transposed_operand(data: jax.Array, scale: jax.Array, length: int, tile_rows: int):
     """c packed along its rows: codes [B, L, ceil(rows / 2)] and E4M3 bytes [B, L, ceil(rows / 16)] -> the same,
     rows padded with zero codes and scales to whole tiles, L to ``length`` rows (zeros: exact zeros in the sums).
     A byte past an odd row count holds an output column past ``rows``, which is dropped."""
@@ -230,7 +243,7 @@ def _transposed_operand(data: jax.Array, scale: jax.Array, length: int, tile_row
     return jnp.pad(data, pad), jnp.pad(scale, pad)
 
 
-def _operand(data: jax.Array, scale: jax.Array, rows: int, length: int, tile_rows: int, tile_k: int):
+def operand(data: jax.Array, scale: jax.Array, rows: int, length: int, tile_rows: int, tile_k: int):
     """Packed codes [B, *R, *L] and E4M3 bytes (``length`` values a row of the last L axis) -> [B, R', K'] each.
 
     The contracting axes merge into one, each row of ``length`` values padded with zero codes to whole
@@ -276,20 +289,13 @@ def fused_gemm(
     scale = jnp.asarray(scale, jnp.float32).reshape(-1, 1, 1)
 
     def run(a_data, a_scale, c_data, c_scale, scale, *, interpret: bool):
-        t = tiles or (INTERPRET_TILES if interpret else TILES)
-        if not interpret and t.k_bytes % 64:
-            raise ValueError(f"compiled for a GPU, k_bytes must be a multiple of 64 (float16 MMAs), got {t.k_bytes}")
-        a, sa = _operand(a_data, a_scale, rows_a, length, t.m, t.k_bytes)
+        t = tiles_for(tiles, interpret)
+        a, sa = operand(a_data, a_scale, rows_a, length, t.m, t.k_bytes)
         if c_transposed:
-            c, sc = _transposed_operand(c_data, c_scale, 2 * a.shape[2], t.n)
-            y = _call_transposed(a, sa, c, sc, scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret, tiles=t)
+            c, sc = transposed_operand(c_data, c_scale, 2 * a.shape[2], t.n)
         else:
-            c, sc = _operand(c_data, c_scale, rows_c, length, t.n, t.k_bytes)
-            y = _call(a, sa, c, sc, scale, out_dtype=jnp.dtype(out_dtype), interpret=interpret, tiles=t)
-        return y[:, :rows_a, :rows_c]
+            c, sc = operand(c_data, c_scale, rows_c, length, t.n, t.k_bytes)
+        options = {"out_dtype": jnp.dtype(out_dtype), "interpret": interpret, "tiles": t, "transposed": c_transposed}
+        return _call(a, sa, c, sc, scale, **options)[:, :rows_a, :rows_c]
 
-    args = (a_data, a_scale, c_data, c_scale, scale)
-    if interpret is not None:
-        return run(*args, interpret=interpret)
-    compiled, interpreted = (functools.partial(run, interpret=flag) for flag in (False, True))
-    return lax.platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)
+    return on_platform(run, (a_data, a_scale, c_data, c_scale, scale), interpret)

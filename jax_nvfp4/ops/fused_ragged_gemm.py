@@ -23,18 +23,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_nvfp4.core.formats import BLOCK
 from jax_nvfp4.ops.fused_gemm import (
-    BYTES_PER_SCALE,
-    INTERPRET_TILES,
     NIBBLE,
-    TILES,
     UNSCALE,
     WORDS_PER_SCALE,
     Tiles,
+    compiler_params,
     in_order,
+    on_platform,
+    operand,
     pad_to,
     quarters,
+    row_groups,
+    tiles_for,
+    transposed_operand,
+    words,
 )
 
 
@@ -123,31 +126,15 @@ def fused_ragged_gemm(
         return jnp.zeros((rows, n), out_dtype)
 
     def run(a_data, a_scale, c_data, c_scale, sizes, s1, s2, *, interpret: bool):
-        t = tiles or (INTERPRET_TILES if interpret else TILES)
-        if not interpret and t.k_bytes % 64:
-            raise ValueError(f"compiled for a GPU, k_bytes must be a multiple of 64 (float16 MMAs), got {t.k_bytes}")
-        if length % 2:  # the last byte's high nibble lies past the row
-            a_data = a_data.at[:, -1].set(a_data[:, -1] & jnp.uint8(0x0F))
-        a = pad_to(pad_to(a_data, 1, -(-length // BLOCK) * BYTES_PER_SCALE), 1, t.k_bytes)
-        a = pad_to(a, 0, t.m)
-        sa = pad_to(pad_to(a_scale, 1, t.k_bytes // BYTES_PER_SCALE), 0, t.m)
-        kb, m = a.shape[1], a.shape[0]
-        if transposed:
-            c = pad_to(c_data, 2, t.n // 2)
-            sc = pad_to(c_scale, 2, t.n // BLOCK)
-            pad = [(0, 0), (0, 2 * kb - c.shape[1]), (0, 0)]
-            c, sc = jnp.pad(c, pad), jnp.pad(sc, pad)
-            groups, width = c.shape[0], 2 * c.shape[2]
-            c = lax.bitcast_convert_type(c.reshape(groups, kb // 4, 8, width // 8, 4), jnp.uint32)
-            sc = sc.reshape(groups, kb // 4, 8, -1)
-        else:
-            if length % 2:
-                c_data = c_data.at[..., -1].set(c_data[..., -1] & jnp.uint8(0x0F))
-            c = pad_to(pad_to(c_data, 2, kb), 1, t.n)
-            sc = pad_to(pad_to(c_scale, 2, kb // BYTES_PER_SCALE), 1, t.n)
-            groups, width = c.shape[0], c.shape[1]
-            c = lax.bitcast_convert_type(c.reshape(groups, width, kb // 4, 4), jnp.uint32)
-        a = lax.bitcast_convert_type(a.reshape(m, kb // 4, 4), jnp.uint32)
+        t = tiles_for(tiles, interpret)
+        a, sa = (x[0] for x in operand(a_data[None], a_scale[None], rows, length, t.m, t.k_bytes))
+        m, kb = a.shape
+        if transposed:  # [G, L, n] -> words [G, Kb / 4, 8, n / 8]
+            c, sc = row_groups(*transposed_operand(c_data, c_scale, 2 * kb, t.n))
+            width = 8 * c.shape[3]
+        else:  # [G, n, L] -> words [G, n', Kb / 4]
+            c, sc = operand(c_data, c_scale, n, length, t.n, t.k_bytes)
+            c, width = words(c), c.shape[1]
         meta = tile_pairs(sizes, rows, t.m)
         scales = jnp.concatenate([s1.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])  # group G: zeros
         row_scales = pad_to(s2.astype(jnp.float32).reshape(-1, 1), 0, t.m)
@@ -155,7 +142,7 @@ def fused_ragged_gemm(
             _kernel, steps=kb // t.k_bytes, tile_words=t.k_bytes // 4, tiles=t, transposed=transposed
         )
         whole = lambda x: pl.BlockSpec(x.shape, lambda p, j, n=x.ndim: (0,) * n)  # noqa: E731
-        operands = (meta, a, sa, c, sc, scales, row_scales)
+        operands = (meta, words(a), sa, c, sc, scales, row_scales)
         y = pl.pallas_call(
             kernel,
             grid=(meta.shape[1], width // t.n),
@@ -163,13 +150,9 @@ def fused_ragged_gemm(
             out_specs=pl.BlockSpec((m, width), lambda p, j: (0, 0)),
             out_shape=jax.ShapeDtypeStruct((m, width), jnp.dtype(out_dtype)),
             interpret=interpret,
-            compiler_params=None if interpret else plgpu.CompilerParams(num_warps=t.num_warps),
+            compiler_params=compiler_params(t, interpret),
             name="nvfp4_fused_ragged_gemm" + ("_transposed" if transposed else ""),
         )(*operands)
         return y[:rows, :n]
 
-    args = (a_data, a_scale, c_data, c_scale, sizes, s1, s2)
-    if interpret is not None:
-        return run(*args, interpret=interpret)
-    compiled, interpreted = (functools.partial(run, interpret=flag) for flag in (False, True))
-    return lax.platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)
+    return on_platform(run, (a_data, a_scale, c_data, c_scale, sizes, s1, s2), interpret)
