@@ -48,7 +48,7 @@ from jax_nvfp4.core.pipeline import dequantize_fn, quantize_batch, row_axes
 from jax_nvfp4.core.tensor import CachedWeight, NVFP4Tensor, QuantizedWeight
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
-from jax_nvfp4.linear.remat import ACTIVATION, OUTPUT, WEIGHT, named
+from jax_nvfp4.linear.remat import ACTIVATION, OUTPUT, named, saved_weight
 from jax_nvfp4.mxfp8.matmul import MXFP8
 from jax_nvfp4.mxfp8.matmul import matmul as mxfp8_matmul
 from jax_nvfp4.ops import KERNELS
@@ -124,20 +124,20 @@ def _matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: DotConfig
 def _forward(x, w, qw: NVFP4Tensor | None, key, config: DotConfig):
     """y and the backward pass's residuals; ``qw``: W's rowwise copy where it was cached, else None."""
     recipe = config.recipe
-    # What the forward pass makes is named for jax.checkpoint's policies (linear/remat.py): saved, a weight is
-    # quantized once a step under rematerialization.
+    # What the forward pass makes is named for jax.checkpoint's policies (linear/remat.py); W's copy is saved
+    # under every policy, so a weight is quantized once a step under rematerialization.
     qx = named(_quantize(x, recipe, "x", columnwise=True), ACTIVATION)
     if recipe.weight_block_2d:
         # One copy: the dgrad GEMM reads the one the forward GEMM read (and gathered), transposed.
-        qw = named(weight_copies(w, recipe, columnwise=False), WEIGHT) if qw is None else qw
+        qw = saved_weight(weight_copies(w, recipe, columnwise=False)) if qw is None else qw
         y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl, keep_c=True)
         kept = named(kept, OUTPUT)  # the copy of W the GEMM read: saved with its output, or made again with it
     elif qw is None:
-        qw = named(weight_copies(w, recipe, columnwise=True), WEIGHT)
+        qw = saved_weight(weight_copies(w, recipe, columnwise=True))
         y, kept = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl), columnwise_only(qw)
     else:  # 1x16 blocks: the columnwise copy holds other blocks, quantized here
         y = batched_gemm(qx, qw, config.out_dtype, impl=recipe.impl)
-        kept = named(weight_copies(w, recipe, rowwise=False, columnwise=True), WEIGHT)
+        kept = saved_weight(weight_copies(w, recipe, rowwise=False, columnwise=True))
     return named(y, OUTPUT), (columnwise_only(qx), kept, key)
 
 

@@ -79,6 +79,7 @@ from jax_nvfp4.core.tensor import NVFP4Tensor
 from jax_nvfp4.linear.dot_general import columnwise_only, dgrad, transposed_weight, weight_residual
 from jax_nvfp4.linear.gemm import batched_gemm
 from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.linear.remat import saved_weight
 from jax_nvfp4.moe.dispatch import (
     BATCHED_DIMS,
     Routing,
@@ -223,7 +224,7 @@ def _dispatch_dot(buffer, w, key, recipe: Recipe, mesh: _Mesh):
 
 def _dispatch_fwd(buffer, w, key, recipe: Recipe, mesh: _Mesh):
     qx = _to_experts(_quantize(buffer, recipe, "x", True, mesh.tokens), mesh.expert, mesh.world)
-    qw = _weight(w, recipe, not recipe.weight_block_2d, mesh.tokens)  # 16x16: one copy
+    qw = saved_weight(_weight(w, recipe, not recipe.weight_block_2d, mesh.tokens))  # 16x16: one copy
     y = batched_gemm(qx, qw, buffer.dtype, impl=recipe.impl)
     return y, (columnwise_only(qx), weight_residual(qw), key, jnp.zeros((0,), w.dtype))
 
@@ -257,7 +258,7 @@ def _combine_dot(h, w, key, recipe: Recipe, mesh: _Mesh):
 
 def _combine_fwd(h, w, key, recipe: Recipe, mesh: _Mesh):
     qh = _quantize(h, recipe, "x", True, mesh.tokens)
-    qw = _weight(w, recipe, not recipe.weight_block_2d, mesh.tokens)  # 16x16: one copy
+    qw = saved_weight(_weight(w, recipe, not recipe.weight_block_2d, mesh.tokens))  # 16x16: one copy
     y = batched_gemm(qh, qw, h.dtype, impl=recipe.impl)
     return _to_tokens(y, mesh.expert), (columnwise_only(qh), weight_residual(qw), key, jnp.zeros((0,), w.dtype))
 
