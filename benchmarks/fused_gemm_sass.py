@@ -32,28 +32,56 @@ TENSOR_FLOPS_PER_CLOCK = 4096  # dense bf16 FLOPs an H100 SM's tensor cores do a
 SHAPE = (8192, 4096, 4096)  # M, K, N of the compiled GEMM: the loop's code does not depend on it
 
 
-def _compile(tiles: dict, dump: str, transposed: bool = False) -> None:
-    """In a fresh process (XLA reads its flags once): compile the fused GEMM for the offline H100, dumping PTX;
-    ``transposed``: its variant reading c packed along its rows (dgrad's read of a weight's kept copy)."""
+KERNELS = {
+    "as stored": "the dense GEMM (fprop, wgrad)",
+    "transposed": "the dense GEMM reading c transposed (dgrad of a 16x16-block weight)",
+    "grouped": "the grouped token GEMM (MoE fprop)",
+    "grouped, transposed": "the grouped token GEMM reading each expert transposed (MoE dgrad)",
+    "segment": "the grouped segment GEMM (MoE wgrad)",
+}
+"""The kernels counted: their loops are the same decode and dots, around other indexing."""
+GROUPS = 8  # the MoE kernels': experts, M / G tokens each (their loops do not depend on it either)
+
+
+def _compile(tiles: dict, dump: str, kernel: str = "as stored") -> None:
+    """In a fresh process (XLA reads its flags once): compile one of ``KERNELS`` for the offline H100, dumping PTX."""
+    import jax
     import jax.numpy as jnp
 
     from benchmarks.offline_gpu import hopper
-    from jax_nvfp4.ops import fused_gemm
+    from jax_nvfp4.ops import fused_gemm, fused_ragged_gemm
 
     m, k, n = SHAPE
     t = fused_gemm.Tiles(**tiles)
+    u8, f32, i32 = jnp.uint8, jnp.float32, jnp.int32
+    transposed = kernel.endswith("transposed")
+    c_shapes = [(k, n // 2), (k, n // 16)] if transposed else [(n, k // 2), (n, k // 16)]
+    if kernel in ("as stored", "transposed"):
+        shapes = [((1, *s), u8) for s in [(m, k // 2), (m, k // 16), *c_shapes]] + [((1,), f32)]
 
-    def f(a, sa, c, sc, scale):
-        rows = {"rows_a": m, "rows_c": n, "length": k, "out_dtype": jnp.bfloat16, "c_transposed": transposed}
-        return fused_gemm.fused_gemm(a, sa, c, sc, scale, **rows, interpret=False, tiles=t)
+        def f(a, sa, c, sc, scale):
+            rows = {"rows_a": m, "rows_c": n, "length": k, "out_dtype": jnp.bfloat16, "c_transposed": transposed}
+            return fused_gemm.fused_gemm(a, sa, c, sc, scale, **rows, interpret=False, tiles=t)
 
-    import jax
+    elif kernel.startswith("grouped"):
+        shapes = [(s, u8) for s in [(m, k // 2), (m, k // 16)]] + [((GROUPS, *s), u8) for s in c_shapes]
+        shapes += [((GROUPS,), i32), ((GROUPS,), f32), ((m,), f32)]
+
+        def f(a, sa, c, sc, sizes, s1, s2):
+            options = {"n": n, "length": k, "out_dtype": jnp.bfloat16, "transposed": transposed, "tiles": t}
+            return fused_ragged_gemm.fused_ragged_gemm(a, sa, c, sc, sizes, s1, s2, **options, interpret=False)
+
+    else:  # wgrad: x [M, K]'s and dy [M, N]'s grouped columnwise copies [K, Mp] and [N, Mp] -> [G, K, N]
+        mp = m + 16 * (GROUPS - 1)
+        shapes = [(s, u8) for s in [(k, mp // 2), (k, mp // 16), (n, mp // 2), (n, mp // 16)]]
+        shapes += [((GROUPS,), i32), ((GROUPS,), f32), ((GROUPS, k), f32), ((GROUPS, n), f32)]
+
+        def f(a, sa, c, sc, segments, s1, ra, rc):
+            options = {"out_dtype": jnp.bfloat16, "tiles": t, "interpret": False}
+            return fused_ragged_gemm.fused_segment_gemm(a, sa, c, sc, segments, s1, ra, rc, **options)
 
     with hopper() as on_h100:
-        c_shapes = [(1, k, n // 2), (1, k, n // 16)] if transposed else [(1, n, k // 2), (1, n, k // 16)]
-        shapes = [(1, m, k // 2), (1, m, k // 16), *c_shapes]
-        args = [on_h100(s, jnp.uint8) for s in shapes] + [on_h100((1,), jnp.float32)]
-        jax.jit(f).trace(*args).lower().compile()
+        jax.jit(f).trace(*[on_h100(shape, dtype) for shape, dtype in shapes]).lower().compile()
 
 
 def _loop(sass: str) -> list[str]:
@@ -74,7 +102,7 @@ def _loop(sass: str) -> list[str]:
 @dataclasses.dataclass
 class Count:
     tiles: dict
-    transposed: bool
+    kernel: str
     registers: int
     spills: int
     instructions: int
@@ -95,25 +123,30 @@ class Count:
         return 2 * t["m"] * t["n"] * 2 * t["k_bytes"] / TENSOR_FLOPS_PER_CLOCK
 
 
-def count(tiles: dict, transposed: bool = False) -> Count:
+def count(tiles: dict, kernel: str = "as stored") -> Count:
     from benchmarks.sass_budget import tool
 
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_emitter_re=.*")
-        code = f"from benchmarks.fused_gemm_sass import _compile; _compile({tiles!r}, {dump!r}, {transposed!r})"
+        code = f"from benchmarks.fused_gemm_sass import _compile; _compile({tiles!r}, {dump!r}, {kernel!r})"
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
-        [ptx] = Path(dump).glob("*.ptx")
-        cubin = Path(dump) / "kernel.cubin"
-        report = subprocess.run(
-            [tool("ptxas"), "-arch=sm_90a", "-O3", "-v", str(ptx), "-o", str(cubin)],
-            capture_output=True, text=True, check=True,
-        ).stderr  # fmt: skip
-        sass = subprocess.run([tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True)
+        # The Pallas kernel's PTX: the one whose SASS runs MMAs (the grouped kernels' programs hold XLA's too).
+        for ptx in sorted(Path(dump).glob("*.ptx")):
+            cubin = Path(dump) / "kernel.cubin"
+            report = subprocess.run(
+                [tool("ptxas"), "-arch=sm_90a", "-O3", "-v", str(ptx), "-o", str(cubin)],
+                capture_output=True, text=True, check=True,
+            ).stderr  # fmt: skip
+            sass = subprocess.run([tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True)
+            if "HGMMA" in sass.stdout:
+                break
+        else:
+            raise RuntimeError(f"no kernel with MMAs among {kernel}'s PTX")
     loop = _loop(sass.stdout)
     spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
     return Count(
         tiles,
-        transposed,
+        kernel,
         int(re.search(r"Used (\d+) registers", report).group(1)),
         spills,
         len(loop),
@@ -139,7 +172,8 @@ def main() -> None:
 
     import jax_nvfp4.ops.fused_gemm as fused_gemm
 
-    counts = [count(v) for v in VARIANTS] + [count(v, transposed=True) for v in VARIANTS[:3]]
+    counts = [count(v) for v in VARIANTS] + [count(v, "transposed") for v in VARIANTS[:3]]
+    counts += [count(dataclasses.asdict(fused_gemm.TILES), kernel) for kernel in list(KERNELS)[2:]]
     lines = [
         "# The fused GEMM's main loop on Hopper, counted offline",
         "",
@@ -149,10 +183,12 @@ def main() -> None:
         "max(issue, tensor clocks) a step: the most of the 16-bit tensor peak the loop can reach (latency, shared "
         "memory and the waits between MMAs not counted).",
         "",
-        "c read transposed: the variant dgrad runs, reading a weight's kept 16x16-block copy (packed along the "
-        "output's columns) as its transpose.",
+        "Kernels: " + "; ".join(f"{name}: {what}" for name, what in KERNELS.items()) + ". c read transposed: "
+        "a weight's kept 16x16-block copy (packed along the output's columns) read as its transpose. The grouped "
+        f"kernels at the GPU's tiles, {GROUPS} experts. The segment kernel has two loops: its whole steps, and a "
+        "segment's last part step (masked loads; at most once): the larger is counted.",
         "",
-        "| tiles (m x n x values a step, warps) | c | registers | spills (B) | loop instructions | HGMMA | "
+        "| tiles (m x n x values a step, warps) | kernel | registers | spills (B) | loop instructions | HGMMA | "
         "values decoded a thread | instructions a value | issue clocks | tensor clocks | bound |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -160,7 +196,7 @@ def main() -> None:
         t = c.tiles
         lines.append(
             f"| {t['m']} x {t['n']} x {2 * t['k_bytes']}, {t['num_warps']} | "
-            f"{'transposed' if c.transposed else 'as stored'} | {c.registers} | {c.spills} | "
+            f"{c.kernel} | {c.registers} | {c.spills} | "
             f"{c.instructions} | {c.hgmma} | {c.values_per_thread:.0f} | {c.instructions / c.values_per_thread:.1f} | "
             f"{c.issue_clocks:.0f} | {c.tensor_clocks:.0f} | "
             f"{c.tensor_clocks / max(c.issue_clocks, c.tensor_clocks):.0%} |"

@@ -28,10 +28,11 @@ per-tensor scales, then the per-row ones): fprop and dgrad as one ``lax.ragged_d
 ``lax.ragged_dot_general`` contracting each group's segment of the grouped copies. The cost is that
 of the backend's own grouped GEMM of bf16 operands plus the quantization. Each group's result equals
 ``gemm`` of the group's quantized blocks wherever the float32 sums are exact; otherwise the two
-differ only in the order of the float32 accumulation. ``Recipe(impl="fused")`` runs fprop and dgrad as
-the fused grouped GEMM instead (``ops.fused_ragged_gemm``: the packed copies decoded in its tiles, with no bf16
-copy of an operand and no dense expansion of the ragged product); wgrad stays the grouped GEMM of decoded
-blocks. The other impls all run that (XLA has no block-scaled ragged dot).
+differ only in the order of the float32 accumulation. ``Recipe(impl="fused")`` runs the three as the fused
+grouped GEMMs instead (``ops.fused_ragged_gemm``: the packed copies decoded in their tiles, with no bf16 copy of
+an operand and no dense expansion of the ragged product): fprop and dgrad over (row tile, expert) pairs, wgrad
+over each group's segment of the grouped copies. The other impls all run the grouped GEMMs of decoded blocks
+(XLA has no block-scaled ragged dot).
 
 **Sharding.** The grouped quantize keeps the token rows whole (a group's place in the grouped copy
 depends on every size before it); under ``jit`` it shards over the features, and XLA partitions the
@@ -68,10 +69,10 @@ from jax_nvfp4.linear.dot_general import (
     weight_residual,
 )
 from jax_nvfp4.linear.recipe import Recipe
-from jax_nvfp4.linear.remat import ACTIVATION, OUTPUT, WEIGHT, named
-from jax_nvfp4.moe.grouped import Scaled, quantize_grouped
+from jax_nvfp4.linear.remat import ACTIVATION, OUTPUT, named, saved_weight
+from jax_nvfp4.moe.grouped import GroupedCopies, Scaled, quantize_grouped
 from jax_nvfp4.ops import KERNELS
-from jax_nvfp4.ops.fused_ragged_gemm import fused_ragged_gemm
+from jax_nvfp4.ops.fused_ragged_gemm import fused_ragged_gemm, fused_segment_gemm
 from jax_nvfp4.ops.gemm import block_values, decode_scale, scale_product
 from jax_nvfp4.reference.grouped import bounds, segment_sizes
 from jax_nvfp4.sharding.explicit import explicit_sharding, spec_of
@@ -178,6 +179,29 @@ def _weight_gemm(a: Scaled, c: Scaled, segments: jax.Array, out_dtype) -> jax.Ar
     return _scaled(acc, per_tensor, per_row, out_dtype)
 
 
+def _fused_weight_gemm(a: GroupedCopies, c: GroupedCopies, segments: jax.Array, out_dtype) -> jax.Array:
+    """``_weight_gemm`` by the fused segment GEMM (``Recipe(impl="fused")``): the grouped copies' packed codes and
+    scales decoded in the kernel's tiles (no bf16 copy of either, no dense expansion of the ragged product); the
+    epilogue in ``_weight_gemm``'s order: the product of the per-tensor scales, then a's row scales, then c's."""
+    (sa, a_rows), (sc, c_rows) = ((_decode(_column_scales(q)), q.spec.row_scaled) for q in (a, c))
+    groups = segments.shape[0]
+    per_tensor = [s for s, per_row in ((sa, a_rows), (sc, c_rows)) if not per_row]
+    s1 = scale_product(per_tensor) if per_tensor else jnp.ones((groups,), jnp.float32)
+    ra, rc = (
+        (s if per_row else jnp.ones((groups, q.length), jnp.float32))
+        for s, per_row, q in ((sa, a_rows, a), (sc, c_rows, c))
+    )
+    byte = lambda s: lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
+    return fused_segment_gemm(
+        a.data_t, byte(a.scale_t), c.data_t, byte(c.scale_t), segments, s1, ra, rc, out_dtype=out_dtype
+    )
+
+
+def _column_scales(q: GroupedCopies) -> Scaled:
+    """The grouped copy's per-group scales ([G], or [G, L] row-scaled) without its values."""
+    return Scaled(None, q.amax_t, q.spec.row_scaled, q.spec.e4m3_max)
+
+
 def _masked(v: jax.Array, ids: jax.Array, groups: int) -> jax.Array:
     """v [M, L] with the rows past the last group zero."""
     return jnp.where((ids < groups)[:, None], v, jnp.zeros((), v.dtype))
@@ -268,7 +292,7 @@ def _ragged_fwd(x, w, group_sizes, key, config: DotConfig):
     rows = x.shape[0]
     ids, sizes = group_ids(group_sizes, rows), _cut_sizes(group_sizes, rows)
     # 16x16 blocks: the rowwise copy alone, which the backward pass reads as W^T's columnwise one.
-    qw = named(_experts(w, config.recipe, columnwise=not config.recipe.weight_block_2d), WEIGHT)
+    qw = saved_weight(_experts(w, config.recipe, columnwise=not config.recipe.weight_block_2d))
     qx = named(quantize_grouped(x, group_sizes, config.recipe.spec("x", columnwise=True, tokens=rows)), ACTIVATION)
     y = named(_fprop(_rows(qx), qw, sizes, ids, config), OUTPUT)
     return y, (qx.columnwise_only(), weight_residual(qw), group_sizes, key)
@@ -291,13 +315,14 @@ def _ragged_bwd(config: DotConfig, residuals, dy):
         dx = _fused_token_gemm(data, scale, tokens, *c, experts, sizes, config.x_dtype, **shapes)
     else:
         dx = _token_gemm(qdy.rows(), _dgrad_values(qw), sizes, ids, config.x_dtype)
-    segments, cx, cdy = segment_sizes(group_sizes, rows), qx.columns(), qdy.columns()
+    segments = segment_sizes(group_sizes, rows)
     # dW [G, K, N], W's layout; with row scales dW^T, transposed, whose epilogue scales by dy's first.
-    if cx.per_row or cdy.per_row:
-        dw = jnp.swapaxes(_weight_gemm(cdy, cx, segments, config.w_dtype), 1, 2)
+    a, c = (qdy, qx) if qx.spec.row_scaled or qdy.spec.row_scaled else (qx, qdy)
+    if resolve_impl(recipe.impl) == "fused":
+        dw = _fused_weight_gemm(a, c, segments, config.w_dtype)
     else:
-        dw = _weight_gemm(cx, cdy, segments, config.w_dtype)
-    return dx, dw, None, None
+        dw = _weight_gemm(a.columns(), c.columns(), segments, config.w_dtype)
+    return dx, (dw if a is qx else jnp.swapaxes(dw, 1, 2)), None, None
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)

@@ -1,4 +1,5 @@
-"""The fused GEMM's grouped form: tokens sorted by expert times their expert's packed NVFP4 weight.
+"""The fused GEMM's grouped forms: tokens sorted by expert times their expert's packed NVFP4 weight, and each
+expert's weight gradient from its segment of the tokens.
 
 ``ragged_dot``'s token GEMMs (fprop and dgrad) with ``Recipe(impl="fused")``: rows [M, L] of packed codes and
 E4M3 bytes, each row times the expert [G, n, L] of its group (or, ``transposed``, the expert's kept 16x16-block
@@ -11,6 +12,13 @@ pairs are at most ceil(M / tile_m) + G: every group boundary inside a tile adds 
 form a group of their own, stored as zeros (as ``lax.ragged_dot`` gives them). The epilogue multiplies each float32
 sum by its group's scale ``s1[g]`` and its row's ``s2[row]``, in that order (``ragged_dot``'s: the product of the
 per-tensor decode scales, then a row-scaled token's own), and casts.
+
+``fused_segment_gemm`` is wgrad's (``ragged_dot``'s ``lax.ragged_dot_general`` of decoded blocks otherwise): two
+grouped columnwise copies [K, Mp] and [N, Mp], blocked along the tokens, each group's tokens a segment of whole
+16-token blocks, contracted segment by segment into [G, K, N]. Its grid runs over (group, K tile, N tile); a
+program steps through its group's segment only (as many steps as the segment needs), the words and scales of its
+last step past the segment's end masked (not loaded: zero codes and zero scales, exact zeros), so that neither the next
+group's tokens nor anything past the copy adds to the sums, NaN scales included.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_nvfp4.ops.fused_gemm import (
+    BYTES_PER_SCALE,
     NIBBLE,
     UNSCALE,
     WORDS_PER_SCALE,
@@ -156,3 +165,98 @@ def fused_ragged_gemm(
         return y[:rows, :n]
 
     return on_platform(run, (a_data, a_scale, c_data, c_scale, sizes, s1, s2), interpret)
+
+
+def _segment_kernel(
+    meta_ref, a_ref, a_scale_ref, c_ref, c_scale_ref, s1_ref, ra_ref, rc_ref, out_ref, *, tile_words, tiles
+):
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # The segment's words [first, last), in whole blocks (a scale's two words): what the loads may assume.
+    first, last = (pl.multiple_of(meta_ref[r, g], WORDS_PER_SCALE) for r in (0, 1))
+    rows, cols = pl.ds(i * tiles.m, tiles.m), pl.ds(j * tiles.n, tiles.n)
+    tile_scales = tile_words // WORDS_PER_SCALE
+
+    def load(ref, lines, at, size, end, masked):  # a step's words or scales; masked: none read past ``end``
+        if not masked:
+            return ref[lines, pl.ds(at, size)]
+        inside = at + lax.broadcasted_iota(jnp.int32, (lines.size, size), 1) < end
+        return plgpu.load(ref.at[lines, pl.ds(at, size)], mask=inside, other=0)
+
+    def step(k, acc, masked):
+        at = first + k * tile_words
+        words = (at, tile_words, last, masked)
+        scales = (at // WORDS_PER_SCALE, tile_scales, last // WORDS_PER_SCALE, masked)
+        a = quarters(load(a_ref, rows, *words), load(a_scale_ref, rows, *scales))
+        c = quarters(load(c_ref, cols, *words), load(c_scale_ref, cols, *scales))
+        for x, y in zip(a, c, strict=True):
+            acc = acc + lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc
+
+    # The whole steps load unmasked; the segment's last part step, if any, masked (so the loop stays lean).
+    whole, steps = (last - first) // tile_words, (last - first + tile_words - 1) // tile_words
+    acc = lax.fori_loop(0, whole, functools.partial(step, masked=False), jnp.zeros((tiles.m, tiles.n), jnp.float32))
+    acc = lax.fori_loop(whole, steps, functools.partial(step, masked=True), acc)
+    y = ((acc * UNSCALE * s1_ref[g]) * ra_ref[g, rows, :]) * rc_ref[g, :, cols]
+    out_ref[...] = y.astype(out_ref.dtype)
+
+
+def fused_segment_gemm(
+    a_data: jax.Array,
+    a_scale: jax.Array,
+    c_data: jax.Array,
+    c_scale: jax.Array,
+    segments: jax.Array,
+    s1: jax.Array,
+    ra: jax.Array,
+    rc: jax.Array,
+    *,
+    out_dtype,
+    interpret: bool | None = None,
+    tiles: Tiles | None = None,
+) -> jax.Array:
+    """Two grouped copies blocked along the tokens, contracted group by group over their segments -> [G, K, N].
+
+    ``a_data`` [K, Mp / 2] (codes) and ``a_scale`` [K, Mp / 16] (E4M3 bytes, uint8), likewise c [N, ...];
+    ``segments`` int32 [G]: each group's tokens in the copies, consecutive from token 0, each a multiple of 16
+    (Mp too).
+    Group g's result is fp32(fp32(fp32(sum * s1[g]) * ra[g, k]) * rc[g, n]) cast to ``out_dtype``: ``s1`` float32
+    [G] the product of the per-tensor decode scales, ``ra`` [G, K] and ``rc`` [G, N] the per-row ones (ones where
+    an operand has none: a multiply by 1 is exact). ``interpret`` and ``tiles``: as ``ops.fused_gemm``'s.
+    """
+    groups, k, n = segments.shape[0], a_data.shape[0], c_data.shape[0]
+    if a_data.shape[1] % 8 or c_data.shape[1] != a_data.shape[1]:
+        raise ValueError(
+            f"the copies' tokens must be one whole number of 16-token blocks, got {a_data.shape} and {c_data.shape}"
+        )
+    if groups == 0 or k == 0 or n == 0 or a_data.shape[1] == 0:  # no sums, or sums of no tokens
+        return jnp.zeros((groups, k, n), out_dtype)
+
+    def run(a_data, a_scale, c_data, c_scale, segments, s1, ra, rc, *, interpret: bool):
+        t = tiles_for(tiles, interpret)
+        # Rows to whole tiles (zeros). The tokens are not padded (a step's loads past its segment are masked, so
+        # the last step reads nothing past the copy), unless the copy is narrower than one step's load.
+        width = t.k_bytes if a_data.shape[1] < t.k_bytes else 1
+        a, c = (pad_to(pad_to(x, 0, tile), 1, width) for x, tile in ((a_data, t.m), (c_data, t.n)))
+        sa, sc = (
+            pad_to(pad_to(x, 0, tile), 1, -(-width // BYTES_PER_SCALE)) for x, tile in ((a_scale, t.m), (c_scale, t.n))
+        )
+        ends = jnp.cumsum(segments.astype(jnp.int32)) // 8  # in words of 8 codes
+        meta = jnp.stack([ends - segments.astype(jnp.int32) // 8, ends])
+        ra = pad_to(ra.astype(jnp.float32), 1, t.m)[:, :, None]
+        rc = pad_to(rc.astype(jnp.float32), 1, t.n)[:, None, :]
+        kernel = functools.partial(_segment_kernel, tile_words=t.k_bytes // 4, tiles=t)
+        whole = lambda x: pl.BlockSpec(x.shape, lambda g, i, j, n=x.ndim: (0,) * n)  # noqa: E731
+        operands = (meta, words(a), sa, words(c), sc, s1.astype(jnp.float32), ra, rc)
+        y = pl.pallas_call(
+            kernel,
+            grid=(groups, a.shape[0] // t.m, c.shape[0] // t.n),
+            in_specs=[whole(x) for x in operands],
+            out_specs=pl.BlockSpec((None, t.m, t.n), lambda g, i, j: (g, i, j)),
+            out_shape=jax.ShapeDtypeStruct((groups, a.shape[0], c.shape[0]), jnp.dtype(out_dtype)),
+            interpret=interpret,
+            compiler_params=compiler_params(t, interpret),
+            name="nvfp4_fused_segment_gemm",
+        )(*operands)
+        return y[:, :k, :n]
+
+    return on_platform(run, (a_data, a_scale, c_data, c_scale, segments, s1, ra, rc), interpret)

@@ -1,7 +1,7 @@
-"""ragged_dot with Recipe(impl="fused"): the fused grouped GEMM (ops.fused_ragged_gemm, Pallas interpret mode
-here) for fprop and dgrad, against float64 sums of the decoded blocks and against the emulated ragged_dot. Its
-operands are made so that every float32 partial sum is exact, as in tests/gemm/test_fused_gemm.py: then the
-orders of accumulation cannot differ and the bytes must be equal."""
+"""ragged_dot with Recipe(impl="fused"): the fused grouped GEMMs (ops.fused_ragged_gemm, Pallas interpret mode
+here) for fprop and dgrad, and for wgrad, against float64 sums of the decoded blocks and against the emulated
+ragged_dot. Their operands are made so that every float32 partial sum is exact, as in
+tests/gemm/test_fused_gemm.py: then the orders of accumulation cannot differ and the bytes must be equal."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
 from jax_nvfp4.core.transpose import transpose_codes, transpose_scales
-from jax_nvfp4.ops.fused_ragged_gemm import fused_ragged_gemm, tile_pairs
+from jax_nvfp4.ops.fused_ragged_gemm import fused_ragged_gemm, fused_segment_gemm, tile_pairs
 from jax_nvfp4.ops.gemm import block_values
 from jax_nvfp4.sharding.hlo import collectives
 
@@ -77,6 +77,39 @@ def test_each_row_is_its_experts_product(sizes, tail, length, n, transposed, see
     assert_same_bytes(np.asarray(got) + 0, want + 0)  # -0 + 0 = +0: the accumulator's sign of a zero sum
 
 
+@settings(max_examples=examples(12))
+@given(
+    blocks=st.lists(st.integers(0, 6), min_size=1, max_size=4),
+    tail=st.integers(0, 3),
+    k=st.integers(1, 150),
+    n=st.integers(1, 150),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_each_group_contracts_its_segment(blocks, tail, k, n, seed):
+    """Two grouped copies [K, Mp] and [N, Mp] of random codes (E4M3 scales in [1, 2): exact float32 sums), each
+    group a segment of whole 16-token blocks (empty ones included), then blocks no group owns whose scales are NaN:
+    each group's sum over its segment alone, times its scale, a's row scales and c's, bit for bit."""
+    rng = np.random.default_rng(seed)
+    segments = [16 * b for b in blocks]
+    mp = sum(segments) + 16 * tail
+    a, c = (rng.integers(0, 256, (r, mp // 2), dtype=np.uint8) for r in (k, n))
+    sa, sc = (rng.integers(0x38, 0x40, (r, mp // 16), dtype=np.uint8) for r in (k, n))
+    for scales in (sa, sc):
+        scales[:, sum(segments) // 16 :] = 0x7F  # NaN: a step past the last segment must not read them
+    groups = len(segments)
+    s1 = rng.uniform(0.5, 2, groups).astype(np.float32)
+    ra, rc = (rng.uniform(0.5, 2, (groups, r)).astype(np.float32) for r in (k, n))
+    args = [jnp.asarray(v) for v in (a, sa, c, sc, np.asarray(segments, np.int32), s1, ra, rc)]
+    got = np.asarray(fused_segment_gemm(*args, out_dtype=jnp.float32))
+    va, vc = _block_values64(a, sa, mp), _block_values64(c, sc, mp)
+    want, start = np.zeros((groups, k, n), np.float32), 0
+    for g, size in enumerate(segments):
+        acc = (va[:, start : start + size] @ vc[:, start : start + size].T).astype(np.float32)
+        want[g] = (acc * s1[g]) * ra[g][:, None] * rc[g][None, :]
+        start += size
+    assert_same_bytes(got + 0, want + 0)
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"weight_block_2d": False}, {"row_scaled_activations": True, "row_scaled_gradients": True}],
@@ -84,9 +117,9 @@ def test_each_row_is_its_experts_product(sizes, tail, length, n, transposed, see
 )
 def test_a_training_step_is_the_emulated_one(options):
     """x [M, K] . W [G, K, N] through ragged_dot with the full recipe (RHT, stochastic rounding) and each weight
-    layout: y, dx and dW of impl="fused" (its fprop and dgrad fused; wgrad the same grouped GEMM) equal the
-    emulation's, and so does the forward pass alone, with an empty group and rows past the groups: bit for bit
-    on the CPU, within float32 accumulation on a GPU."""
+    layout: y, dx and dW of impl="fused" (its three GEMMs fused) equal the emulation's, and so does the forward
+    pass alone, with an empty group and rows past the groups: bit for bit on the CPU, within float32 accumulation
+    on a GPU."""
     x = jax.random.normal(jax.random.key(0), (70, 48), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (3, 48, 40), jnp.float32) * 0.1
     dy = jax.random.normal(jax.random.key(2), (70, 40), jnp.float32)
