@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import CPUS, needs_8_cpus, raw_bytes
+from helpers import CPUS, needs_8_cpus, quantized_shapes, raw_bytes
 from jax.sharding import AxisType
 
 import jax_nvfp4
@@ -83,6 +83,29 @@ def test_equals_unsharded_bit_for_bit(expert8):
     for name, got, want in (("y", y, ry), ("dx", dx, rdx), ("d up", dup, rdup), ("d down", ddown, rddown)):
         assert got.dtype == want.dtype and got.shape == want.shape, name
         np.testing.assert_array_equal(raw_bytes(got), raw_bytes(want), err_msg=name)
+
+
+def test_under_jax_checkpoint_each_shards_weights_are_quantized_once():
+    """jax.checkpoint recomputes the layer in the backward pass, the activations' quantizes with it but not the
+    expert weights' (W [E/D, K, N] = [1, 32, 64] and [1, 64, 32] a shard: saved under every policy), and the
+    gradients are the same bytes."""
+    mesh = _expert_mesh((8,), ("expert",))
+    x, logits, up, down = _inputs()
+    kw = dict(top_k=1, recipe=RECIPE, keys=(None, None), activation=GELU, capacity_factor=1.0)
+
+    def loss(x, up, down):
+        y = ep.expert_parallel_mlp(x, logits, up, down, expert_axis="expert", data_axes=(), mesh=mesh, **kw)[0]
+        return jnp.sum(y * _WEIGHTS)
+
+    grads, weights = [], []
+    for layer in (loss, jax.checkpoint(loss)):
+        step = jax.grad(layer, argnums=(0, 1, 2))
+        shapes = quantized_shapes(jax.make_jaxpr(step)(x, up, down))
+        weights.append(sorted(s for s in shapes if s in ((1, D, H), (1, H, D))))
+        grads.append(jax.jit(step)(x, up, down))
+    assert weights == [[(1, D, H), (1, H, D)]] * 2, weights
+    for got, want in zip(grads[1], grads[0], strict=True):
+        np.testing.assert_array_equal(raw_bytes(got), raw_bytes(want))
 
 
 def test_data_axis_top2():
