@@ -54,8 +54,8 @@ pe.partial_eval_jaxpr_custom_rules[saved_p] = _saved_under_remat
 def saved(tree: Any) -> Any:
     """``tree``'s arrays, which the backward pass of a ``jax.checkpoint`` reads as saved, under any policy.
 
-    For what costs a pass to remake and little to keep: a weight's quantized copy (4.5 bits a value against the
-    16 bits of the bf16 weight that the checkpoint keeps anyway).
+    For what costs a pass to remake and little to keep: a weight's quantized copy (4.5 bits a value, beside the
+    weight itself, 16 or 32 bits a value, which the checkpoint keeps anyway).
     """
     return _each_array_once(tree, saved_p.bind)
 

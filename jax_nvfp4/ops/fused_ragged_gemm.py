@@ -16,9 +16,9 @@ per-tensor decode scales, then a row-scaled token's own), and casts.
 ``fused_segment_gemm`` is wgrad's (``ragged_dot``'s ``lax.ragged_dot_general`` of decoded blocks otherwise): two
 grouped columnwise copies [K, Mp] and [N, Mp], blocked along the tokens, each group's tokens a segment of whole
 16-token blocks, contracted segment by segment into [G, K, N]. Its grid runs over (group, K tile, N tile); a
-program steps through its group's segment only (as many steps as the segment needs), the words and scales of its
-last step past the segment's end masked (not loaded: zero codes and zero scales, exact zeros), so that neither the next
-group's tokens nor anything past the copy adds to the sums, NaN scales included.
+program steps through its group's segment only (as many steps as the segment needs); the words and scales of its
+last step past the segment's end are masked (not loaded: zero codes and scales, exact zeros), so that neither the
+next group's tokens nor anything past the copy adds to the sums, NaN scales included.
 """
 
 from __future__ import annotations
@@ -217,11 +217,11 @@ def fused_segment_gemm(
     """Two grouped copies blocked along the tokens, contracted group by group over their segments -> [G, K, N].
 
     ``a_data`` [K, Mp / 2] (codes) and ``a_scale`` [K, Mp / 16] (E4M3 bytes, uint8), likewise c [N, ...];
-    ``segments`` int32 [G]: each group's tokens in the copies, consecutive from token 0, each a multiple of 16
-    (Mp too).
-    Group g's result is fp32(fp32(fp32(sum * s1[g]) * ra[g, k]) * rc[g, n]) cast to ``out_dtype``: ``s1`` float32
-    [G] the product of the per-tensor decode scales, ``ra`` [G, K] and ``rc`` [G, N] the per-row ones (ones where
-    an operand has none: a multiply by 1 is exact). ``interpret`` and ``tiles``: as ``ops.fused_gemm``'s.
+    ``segments`` int32 [G]: each group's tokens in the copies, consecutive from token 0, each a multiple of 16,
+    as Mp is. Group g's result is fp32(fp32(fp32(sum * s1[g]) * ra[g, k]) * rc[g, n]) cast to ``out_dtype``:
+    ``s1`` float32 [G] the product of the per-tensor decode scales, ``ra`` [G, K] and ``rc`` [G, N] the per-row
+    ones (ones where an operand has none: a multiply by 1 is exact). ``interpret`` and ``tiles``: as
+    ``ops.fused_gemm``'s.
     """
     groups, k, n = segments.shape[0], a_data.shape[0], c_data.shape[0]
     if a_data.shape[1] % 8 or c_data.shape[1] != a_data.shape[1]:

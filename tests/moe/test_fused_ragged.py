@@ -110,6 +110,17 @@ def test_each_group_contracts_its_segment(blocks, tail, k, n, seed):
     assert_same_bytes(got + 0, want + 0)
 
 
+def test_segment_copies_of_part_blocks_or_unequal_tokens_are_refused():
+    ones = lambda shape: jnp.ones(shape, jnp.uint8)  # noqa: E731
+    scales = (jnp.ones((1,), jnp.float32), jnp.ones((1, 4), jnp.float32), jnp.ones((1, 4), jnp.float32))
+    segments = jnp.asarray([16], jnp.int32)
+    for a_tokens, c_tokens in ((12, 12), (16, 32)):  # 12 tokens: not whole blocks of 16; 16 against 32
+        a = (ones((4, a_tokens // 2)), ones((4, -(-a_tokens // 16))))
+        c = (ones((4, c_tokens // 2)), ones((4, -(-c_tokens // 16))))
+        with pytest.raises(ValueError, match="whole number of 16-token blocks"):
+            fused_segment_gemm(*a, *c, segments, *scales, out_dtype=jnp.float32)
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"weight_block_2d": False}, {"row_scaled_activations": True, "row_scaled_gradients": True}],
