@@ -180,9 +180,11 @@ def _weight_gemm(a: Scaled, c: Scaled, segments: jax.Array, out_dtype) -> jax.Ar
 
 
 def _fused_weight_gemm(a: GroupedCopies, c: GroupedCopies, segments: jax.Array, out_dtype) -> jax.Array:
-    """``_weight_gemm`` by the fused segment GEMM (``Recipe(impl="fused")``): the grouped copies' packed codes and
-    scales decoded in the kernel's tiles (no bf16 copy of either, no dense expansion of the ragged product); the
-    epilogue in ``_weight_gemm``'s order: the product of the per-tensor scales, then a's row scales, then c's."""
+    """dW [G, K, N] from x's (``a``) and dy's (``c``) grouped copies by the fused segment GEMM
+    (``Recipe(impl="fused")``): their packed codes and scales decoded in the kernel's tiles (no bf16 copy of
+    either, no dense expansion of the ragged product). The epilogue in the emulation's order: the product of the
+    per-tensor scales, then the row scales, dy's first where either copy has them (the emulation's dW^T
+    order), so that no transpose of dW follows."""
     (sa, a_rows), (sc, c_rows) = ((_decode(_column_scales(q)), q.spec.row_scaled) for q in (a, c))
     groups = segments.shape[0]
     per_tensor = [s for s, per_row in ((sa, a_rows), (sc, c_rows)) if not per_row]
@@ -192,9 +194,8 @@ def _fused_weight_gemm(a: GroupedCopies, c: GroupedCopies, segments: jax.Array, 
         for s, per_row, q in ((sa, a_rows, a), (sc, c_rows, c))
     )
     byte = lambda s: lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
-    return fused_segment_gemm(
-        a.data_t, byte(a.scale_t), c.data_t, byte(c.scale_t), segments, s1, ra, rc, out_dtype=out_dtype
-    )
+    options = {"out_dtype": out_dtype, "c_first": a_rows or c_rows}
+    return fused_segment_gemm(a.data_t, byte(a.scale_t), c.data_t, byte(c.scale_t), segments, s1, ra, rc, **options)
 
 
 def _column_scales(q: GroupedCopies) -> Scaled:
@@ -316,13 +317,14 @@ def _ragged_bwd(config: DotConfig, residuals, dy):
     else:
         dx = _token_gemm(qdy.rows(), _dgrad_values(qw), sizes, ids, config.x_dtype)
     segments = segment_sizes(group_sizes, rows)
+    if resolve_impl(recipe.impl) == "fused":  # dW [G, K, N] in W's layout, in every case
+        return dx, _fused_weight_gemm(qx, qdy, segments, config.w_dtype), None, None
     # dW [G, K, N], W's layout; with row scales dW^T, transposed, whose epilogue scales by dy's first.
-    a, c = (qdy, qx) if qx.spec.row_scaled or qdy.spec.row_scaled else (qx, qdy)
-    if resolve_impl(recipe.impl) == "fused":
-        dw = _fused_weight_gemm(a, c, segments, config.w_dtype)
+    if qx.spec.row_scaled or qdy.spec.row_scaled:
+        dw = jnp.swapaxes(_weight_gemm(qdy.columns(), qx.columns(), segments, config.w_dtype), 1, 2)
     else:
-        dw = _weight_gemm(a.columns(), c.columns(), segments, config.w_dtype)
-    return dx, (dw if a is qx else jnp.swapaxes(dw, 1, 2)), None, None
+        dw = _weight_gemm(qx.columns(), qdy.columns(), segments, config.w_dtype)
+    return dx, dw, None, None
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)

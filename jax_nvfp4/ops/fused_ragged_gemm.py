@@ -168,7 +168,7 @@ def fused_ragged_gemm(
 
 
 def _segment_kernel(
-    meta_ref, a_ref, a_scale_ref, c_ref, c_scale_ref, s1_ref, ra_ref, rc_ref, out_ref, *, tile_words, tiles
+    meta_ref, a_ref, a_scale_ref, c_ref, c_scale_ref, s1_ref, ra_ref, rc_ref, out_ref, *, tile_words, tiles, c_first
 ):
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The segment's words [first, last), in whole blocks (a scale's two words): what the loads may assume.
@@ -196,8 +196,9 @@ def _segment_kernel(
     whole, steps = (last - first) // tile_words, (last - first + tile_words - 1) // tile_words
     acc = lax.fori_loop(0, whole, functools.partial(step, masked=False), jnp.zeros((tiles.m, tiles.n), jnp.float32))
     acc = lax.fori_loop(whole, steps, functools.partial(step, masked=True), acc)
-    y = ((acc * UNSCALE * s1_ref[g]) * ra_ref[g, rows, :]) * rc_ref[g, :, cols]
-    out_ref[...] = y.astype(out_ref.dtype)
+    row_scales = (ra_ref[g, rows, :], rc_ref[g, :, cols])
+    first, second = row_scales[::-1] if c_first else row_scales
+    out_ref[...] = (((acc * UNSCALE * s1_ref[g]) * first) * second).astype(out_ref.dtype)
 
 
 def fused_segment_gemm(
@@ -211,6 +212,7 @@ def fused_segment_gemm(
     rc: jax.Array,
     *,
     out_dtype,
+    c_first: bool = False,
     interpret: bool | None = None,
     tiles: Tiles | None = None,
 ) -> jax.Array:
@@ -220,7 +222,8 @@ def fused_segment_gemm(
     ``segments`` int32 [G]: each group's tokens in the copies, consecutive from token 0, each a multiple of 16,
     as Mp is. Group g's result is fp32(fp32(fp32(sum * s1[g]) * ra[g, k]) * rc[g, n]) cast to ``out_dtype``:
     ``s1`` float32 [G] the product of the per-tensor decode scales, ``ra`` [G, K] and ``rc`` [G, N] the per-row
-    ones (ones where an operand has none: a multiply by 1 is exact). ``interpret`` and ``tiles``: as
+    ones (ones where an operand has none: a multiply by 1 is exact); ``c_first``: ``rc`` before ``ra`` instead
+    (the order of a GEMM with c as its first operand, written transposed). ``interpret`` and ``tiles``: as
     ``ops.fused_gemm``'s.
     """
     groups, k, n = segments.shape[0], a_data.shape[0], c_data.shape[0]
@@ -244,7 +247,7 @@ def fused_segment_gemm(
         meta = jnp.stack([ends - segments.astype(jnp.int32) // 8, ends])
         ra = pad_to(ra.astype(jnp.float32), 1, t.m)[:, :, None]
         rc = pad_to(rc.astype(jnp.float32), 1, t.n)[:, None, :]
-        kernel = functools.partial(_segment_kernel, tile_words=t.k_bytes // 4, tiles=t)
+        kernel = functools.partial(_segment_kernel, tile_words=t.k_bytes // 4, tiles=t, c_first=c_first)
         whole = lambda x: pl.BlockSpec(x.shape, lambda g, i, j, n=x.ndim: (0,) * n)  # noqa: E731
         operands = (meta, words(a), sa, words(c), sc, s1.astype(jnp.float32), ra, rc)
         y = pl.pallas_call(

@@ -83,12 +83,14 @@ def test_each_row_is_its_experts_product(sizes, tail, length, n, transposed, see
     tail=st.integers(0, 3),
     k=st.integers(1, 150),
     n=st.integers(1, 150),
+    c_first=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_each_group_contracts_its_segment(blocks, tail, k, n, seed):
+def test_each_group_contracts_its_segment(blocks, tail, k, n, c_first, seed):
     """Two grouped copies [K, Mp] and [N, Mp] of random codes (E4M3 scales in [1, 2): exact float32 sums), each
     group a segment of whole 16-token blocks (empty ones included), then blocks no group owns whose scales are NaN:
-    each group's sum over its segment alone, times its scale, a's row scales and c's, bit for bit."""
+    each group's sum over its segment alone, times its scale, then a's row scales and c's (or c's first), bit for
+    bit."""
     rng = np.random.default_rng(seed)
     segments = [16 * b for b in blocks]
     mp = sum(segments) + 16 * tail
@@ -100,12 +102,13 @@ def test_each_group_contracts_its_segment(blocks, tail, k, n, seed):
     s1 = rng.uniform(0.5, 2, groups).astype(np.float32)
     ra, rc = (rng.uniform(0.5, 2, (groups, r)).astype(np.float32) for r in (k, n))
     args = [jnp.asarray(v) for v in (a, sa, c, sc, np.asarray(segments, np.int32), s1, ra, rc)]
-    got = np.asarray(fused_segment_gemm(*args, out_dtype=jnp.float32))
+    got = np.asarray(fused_segment_gemm(*args, out_dtype=jnp.float32, c_first=c_first))
     va, vc = _block_values64(a, sa, mp), _block_values64(c, sc, mp)
     want, start = np.zeros((groups, k, n), np.float32), 0
     for g, size in enumerate(segments):
         acc = (va[:, start : start + size] @ vc[:, start : start + size].T).astype(np.float32)
-        want[g] = (acc * s1[g]) * ra[g][:, None] * rc[g][None, :]
+        rows, cols = ra[g][:, None], rc[g][None, :]
+        want[g] = (acc * s1[g]) * cols * rows if c_first else (acc * s1[g]) * rows * cols
         start += size
     assert_same_bytes(got + 0, want + 0)
 
