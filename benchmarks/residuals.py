@@ -5,7 +5,8 @@ with ``jax.eval_shape`` (nothing is computed or allocated) and lists the arrays 
 holds, which stay in memory from the forward pass to the backward one: for bf16 x and W themselves, for NVFP4 the
 quantized copies the backward GEMMs read. With 16x16 weight blocks W's one rowwise copy is kept and transposed
 for dgrad (issue 51); the table also gives what W's columnwise copy, which the recipe kept as well until then,
-would add.
+would add. And under a plain ``jax.checkpoint`` of the layer, what the rematerialized backward pass keeps:
+bf16's x and W, NVFP4's x and W's quantized copy (saved under every policy; W itself is then not needed).
 
     python -m benchmarks.residuals [--shape 8192,4096,4096] [--out results.md]
 """
@@ -58,6 +59,10 @@ def main() -> None:
     nvfp4 = residuals(lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, rng_key=key), shape)
     bf16 = residuals(lambda x, w: lax.dot_general(x, w, DENSE), shape)
     both = nbytes(nvfp4) + columnwise_weight_copy(shape)
+    checkpointed = [
+        residuals(jax.checkpoint(lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, rng_key=key)), shape),
+        residuals(jax.checkpoint(lambda x, w: lax.dot_general(x, w, DENSE)), shape),
+    ]
     report = Report(
         args.out,
         [
@@ -81,6 +86,8 @@ def main() -> None:
         ("bf16 (x and W)", nbytes(bf16)),
         ("NVFP4 (x's columnwise copy, W's rowwise copy, their global amaxes)", nbytes(nvfp4)),
         ("NVFP4 with W's columnwise copy kept too (the recipe until issue 51)", both),
+        ("under jax.checkpoint: bf16 (x and W)", nbytes(checkpointed[1])),
+        ("under jax.checkpoint: NVFP4 (x, W's saved rowwise copy and its amax)", nbytes(checkpointed[0])),
     ):
         report.add(f"| {label} | {size / 1e6:.1f} | {size / nbytes(bf16):.2f} |")
     report.save()

@@ -26,3 +26,14 @@ def test_the_backward_pass_keeps_x_and_one_copy_of_w_quantized():
     assert nbytes(bf16) == 2 * (m * k + k * n)
     assert nbytes(held) < 0.3 * nbytes(bf16)
     assert columnwise_weight_copy(shape) == k * n // 2 + k * n // 16  # what a second copy of W would add
+
+
+def test_under_jax_checkpoint_the_backward_pass_keeps_x_and_w_quantized():
+    """Rematerialized, the backward pass keeps the layer's input x (its quantizes are recomputed) and W's quantized
+    copy, saved under every policy, in place of W itself: no weight quantize is recomputed."""
+    m, k, n = shape = (64, 128, 96)
+    key = jax.random.key(0)
+    held = residuals(jax.checkpoint(lambda x, w: jax_nvfp4.dot_general(x, w, DENSE, rng_key=key)), shape)
+    assert sorted((tuple(a.shape), str(a.dtype)) for a in held if a.size > 1) == sorted(
+        [((m, k), "bfloat16"), ((1, n, k // 2), "uint8"), ((1, n, k // 16), "float8_e4m3fn")]
+    ), held
