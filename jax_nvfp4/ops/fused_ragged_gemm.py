@@ -236,15 +236,19 @@ def fused_segment_gemm(
 
     def run(a_data, a_scale, c_data, c_scale, segments, s1, ra, rc, *, interpret: bool):
         t = tiles_for(tiles, interpret)
-        # Rows to whole tiles (zeros). The tokens are not padded (a step's loads past its segment are masked, so
-        # the last step reads nothing past the copy), unless the copy is narrower than one step's load.
-        width = t.k_bytes if a_data.shape[1] < t.k_bytes else 1
-        a, c = (pad_to(pad_to(x, 0, tile), 1, width) for x, tile in ((a_data, t.m), (c_data, t.n)))
-        sa, sc = (
-            pad_to(pad_to(x, 0, tile), 1, -(-width // BYTES_PER_SCALE)) for x, tile in ((a_scale, t.m), (c_scale, t.n))
-        )
-        ends = jnp.cumsum(segments.astype(jnp.int32)) // 8  # in words of 8 codes
-        meta = jnp.stack([ends - segments.astype(jnp.int32) // 8, ends])
+        narrow = a_data.shape[1] < t.k_bytes
+
+        def padded(x, tile, bytes_per_entry):
+            # Rows to whole tiles (zeros). The tokens are not padded (a step's loads past its segment are masked,
+            # so the last step reads nothing past the copy), unless the copy is narrower than one step's load.
+            x = pad_to(x, 0, tile)
+            return pad_to(x, 1, t.k_bytes // bytes_per_entry) if narrow else x
+
+        a, c = padded(a_data, t.m, 1), padded(c_data, t.n, 1)
+        sa, sc = padded(a_scale, t.m, BYTES_PER_SCALE), padded(c_scale, t.n, BYTES_PER_SCALE)
+        segment_words = segments.astype(jnp.int32) // 8  # words of 8 codes
+        ends = jnp.cumsum(segment_words)
+        meta = jnp.stack([ends - segment_words, ends])
         ra = pad_to(ra.astype(jnp.float32), 1, t.m)[:, :, None]
         rc = pad_to(rc.astype(jnp.float32), 1, t.n)[:, None, :]
         kernel = functools.partial(_segment_kernel, tile_words=t.k_bytes // 4, tiles=t, c_first=c_first)
