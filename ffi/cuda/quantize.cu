@@ -101,8 +101,9 @@ enum class Mode { kNearest, kStochastic, kFourOverSix };
 // the tile's turn comes (kDirect), or bulk copies (cp.async.bulk, a row each) put the block's next
 // tiles into a ring of Params::stages shared-memory stages (kMaxStages, or 2 where three do not
 // fit) while it quantizes the current one, the copies running stages - 1 tiles ahead and completing
-// on an mbarrier per stage (kRing: 16-bit inputs of whole 16-byte rows, nearest and stochastic
-// rounding). Both give the same bytes: only where the values come from differs.
+// on an mbarrier per stage (kRing: inputs of whole 16-byte rows, nearest and stochastic rounding;
+// float32's 64 KB stages are its values, which the direct kernel copies to shared memory itself).
+// Both give the same bytes: only where the values come from differs.
 enum class Load { kDirect, kRing };
 constexpr uint32_t kMaxStages = 3;
 // The most ring-kernel blocks a multiprocessor holds by registers: __launch_bounds__(kThreads, 1)
@@ -183,15 +184,21 @@ constexpr int kWords = kPacked<L> ? kCols / 2 : kCols;  // 32-bit words of a thr
 
 // A thread's 16 x 8 values of a tile as 32-bit words, row r in words (r, 0), (r, 1), ...
 // 16-bit dtypes: two a word, in registers. float32: one a word, in the block's dynamic shared
-// memory (128 registers of values left ptxas too few for the rest: it spilled), a thread's
-// 16-byte quad (r, q) at quad (r kQuads + q) kThreads + threadIdx.x, so that a warp's quad
-// accesses are conflict-free; only its own thread reads them (no barrier).
+// memory (128 registers of values left ptxas too few for the rest: it spilled), laid out as the
+// tile is (rows of kRowQuads 16-byte quads: thread (w, l)'s row r is quads 2l and 2l + 1 of tile
+// row 16w + r), so that a ring stage (kRing) holds them as its copies land them. Where the thread
+// writes them itself (kDirect) its two quads trade places on lanes with bit 2 set: a phase of 8
+// lanes' 16-byte accesses (lanes 32 bytes apart) then spans all 32 banks; as a stage holds them
+// (`swap` false) it spans 16, 2-way conflicts. Only its own thread reads them (no barrier).
 template <typename L>
 constexpr int kQuads = kWords<L> / 4;  // 16-byte quads of a thread's row
+constexpr int kRowQuads = kTileCols * int(sizeof(float)) / 16;  // of a float32 tile row
 
 template <typename L, bool kInRegisters = kPacked<L>>
 struct Values {
   uint32_t w[kBlock][kWords<L>];
+  // The words live in registers: the tile's shared memory is not theirs.
+  __device__ __forceinline__ explicit Values(uint4* /*tile*/, bool /*swap*/) {}
   __device__ __forceinline__ uint32_t word(int r, int i) const { return w[r][i]; }
   __device__ __forceinline__ void set_quad(int r, int q, uint4 v) {
     w[r][4 * q] = v.x;
@@ -202,18 +209,32 @@ struct Values {
 };
 template <typename L>
 struct Values<L, false> {
-  uint4* quads = reinterpret_cast<uint4*>(dynamic_shared()) + threadIdx.x;
+  static_assert(kQuads<L> == 2, "a float32 row of a thread is two quads");
+  uint4* q0;  // the thread's row 0, quads 0 and 1 (row r: kRowQuads r further on)
+  uint4* q1;
+  // `tile`: the block's values (a float32 tile), `swap` as above.
+  __device__ __forceinline__ Values(uint4* tile, bool swap) {
+    const uint32_t lane = threadIdx.x % 32;
+    uint4* row0 = tile + kBlock * kRowQuads * (threadIdx.x / 32) + 2 * lane;
+    const uint32_t s = swap ? (lane >> 2) & 1u : 0u;
+    q0 = row0 + s;
+    q1 = row0 + (s ^ 1u);
+  }
+  __device__ __forceinline__ uint4 quad(int r, int q) const {
+    return NVFP4_LDS((q ? q1 : q0) + r * kRowQuads);
+  }
   __device__ __forceinline__ uint32_t word(int r, int i) const {
-    const uint4 q = NVFP4_LDS(quads + (r * kQuads<L> + i / 4) * kThreads);
+    const uint4 q = quad(r, i / 4);
     return i % 4 == 0 ? q.x : i % 4 == 1 ? q.y : i % 4 == 2 ? q.z : q.w;
   }
   __device__ __forceinline__ void set_quad(int r, int q, uint4 v) {
-    NVFP4_STS(quads + (r * kQuads<L> + q) * kThreads, v);
+    NVFP4_STS((q ? q1 : q0) + r * kRowQuads, v);
   }
 };
 
-// The dynamic shared memory of a block's float32 values (Values).
+// The dynamic shared memory of a block's float32 values (Values) when it loads them itself.
 constexpr uint32_t kValuesBytes = kThreads * kBlock * kCols * sizeof(float);
+static_assert(kValuesBytes == kTileRows * kRowQuads * 16, "the values are one float32 tile");
 
 // The value of row r, column c of a thread's words.
 template <typename L>
@@ -224,6 +245,36 @@ __device__ __forceinline__ float value(const Values<L>& w, int r, int c) {
     return bits_float(w.word(r, c));
 }
 
+// Row r's 8 values of a thread's words: float32's two quads read once each.
+template <typename L>
+__device__ __forceinline__ void row_values(const Values<L>& w, int r, float (&v)[kCols]) {
+  if constexpr (kPacked<L>) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) v[c] = value<L>(w, r, c);
+  } else {
+    const uint4 q[2] = {w.quad(r, 0), w.quad(r, 1)};
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(q);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) v[c] = bits_float(words[c]);
+  }
+}
+
+// Columns c and c + 1 (c even) of a thread's words, 16 rows each: float32's quads read once a row.
+template <typename L>
+__device__ __forceinline__ void column_pair(const Values<L>& w, int c, float (&t)[2][kBlock]) {
+#pragma unroll
+  for (int r = 0; r < kBlock; ++r) {
+    if constexpr (kPacked<L>) {
+      t[0][r] = value<L>(w, r, c);
+      t[1][r] = value<L>(w, r, c + 1);
+    } else {
+      const uint4 q = w.quad(r, c / 4);
+      t[0][r] = bits_float(c % 4 ? q.z : q.x);
+      t[1][r] = bits_float(c % 4 ? q.w : q.y);
+    }
+  }
+}
+
 // The thread's values as words (zero outside the input, as the reference pads), the magnitude
 // maxima of its 8 columns (16 rows each) and of its 16 rows (16 columns each, with the pair's
 // lane). `vec`: 16-byte loads (rows of a multiple of 8 values). `whole`: the tile lies inside the
@@ -232,13 +283,16 @@ __device__ __forceinline__ float value(const Values<L>& w, int r, int c) {
 // with exactly 8 columns left in a warp of fewer than 16 rows loaded the rows past the input's
 // end (tests/cuda/test_cuda.py). The sm_90 SASS took the test from the predicate outputs of the
 // VIMNMX.RELU instructions that clamp nrows and ncols (the suspected cause; not proven).
-// kShared: x is a ring stage in shared memory (kRing), rows `cols` values apart.
+// kShared: x is a ring stage in shared memory (kRing), rows `cols` values apart; float32's w is
+// that stage (Values).
 template <typename L, bool kShared = false>
 __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols, int nrows,
                                           int ncols, bool vec, bool whole, Values<L>& w,
                                           uint32_t (&col_mag)[kCols], uint32_t (&row_mag)[kBlock]) {
   using T = typename L::T;
   constexpr int kW = kWords<L>;
+  // float32 from a stage: w reads the stage itself (Values), so nothing is copied.
+  constexpr bool kInStage = kShared && !kPacked<L>;
   uint32_t cm[kW];      // column maxima (packed: columns 2i and 2i + 1 in word i)
   uint32_t rm[kBlock];  // row maxima over the thread's 8 columns
 #pragma unroll
@@ -275,9 +329,20 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols,
       cm[i] = r == 0 ? row[i] : max_magnitude<L>(cm[i], row[i]);
       rm[r] = i == 0 ? row[i] : max_magnitude<L>(rm[r], row[i]);
     }
+    if constexpr (kInStage) {
+      // The values stay in the stage, where a row the fill did not copy (past the input) reads
+      // as zeros from here on, as the reference pads.
+      if (!(whole || (r < nrows && ncols > 0))) {
 #pragma unroll
-    for (int i = 0; i < kQuads<L>; ++i) w.set_quad(r, i, q[i]);
+        for (int i = 0; i < kQuads<L>; ++i) w.set_quad(r, i, uint4{0, 0, 0, 0});
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kQuads<L>; ++i) w.set_quad(r, i, q[i]);
+    }
   }
+  // Those zeros are stores of this thread's into the stage, which a later copy refills.
+  if (kInStage && !whole) fence_proxy_async();
   // Row maxima over the pair's 16 columns.
   if constexpr (kPacked<L>) {
 #pragma unroll
@@ -682,10 +747,12 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
     if constexpr (kMode == Mode::kStochastic) row_random(seed, at.n0 / kBlock, at.m0, at.b, rw);
 #pragma unroll
     for (int r = 0; r < kBlock; ++r) {
+      float u[kCols];
+      row_values<L>(w, r, u);
       if constexpr (kMode == Mode::kStochastic) {
-        words[r] = stochastic8(kr.index, enc, rw[r].x, rw[r].y, [&](int k) { return v(r, k); });
+        words[r] = stochastic8(kr.index, enc, rw[r].x, rw[r].y, [&](int k) { return u[k]; });
       } else {
-        words[r] = nearest8(sh.lut, kr.index, enc, [&](int k) { return v(r, k); });
+        words[r] = nearest8(sh.lut, kr.index, enc, [&](int k) { return u[k]; });
       }
     }
   }
@@ -729,8 +796,7 @@ __device__ __forceinline__ void stochastic_rows(Staging& st, const Place& at, co
     for (int half = 0; half < 2; ++half) {
       const int r = i + half * (kBlock / 2);
       float v[kCols];
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) v[c] = value<L>(w, r, c);
+      row_values<L>(w, r, v);
       stage_row(st, r,
                 stochastic8<kFast>(enc_r[r], rw[half].x, rw[half].y, [&](int k) { return v[k]; }));
     }
@@ -759,8 +825,7 @@ __device__ __forceinline__ void four_over_six_rows(const Params& p, const FourOv
       const int r = i + half * (kBlock / 2);
       const bool mine = (half == 1) == (own != 0);  // this lane stages row r's scale
       float v[kCols];
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) v[c] = value<L>(w, r, c);
+      row_values<L>(w, r, v);
       const GlobalScales g = spec.row_scaled ? row_scales_of(lane_g, r) : kr.g;
       const Candidate chosen =
           row_choice(sh.class_value, v, pick_candidate(mine, c6), pick_candidate(mine, c4), g,
@@ -842,11 +907,8 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
 #pragma unroll
   for (int r = 0; r < kBlock; r += 2) {
     float v[2][kCols];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      v[0][c] = value<L>(w, r, c);
-      v[1][c] = value<L>(w, r + 1, c);
-    }
+    row_values<L>(w, r, v[0]);
+    row_values<L>(w, r + 1, v[1]);
     if (rows_on) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -910,10 +972,9 @@ __device__ __forceinline__ void quantize_columns(const Params& p, SharedOf<kMode
   for (int c = 0; c < kCols; c += 2) {
     float t[2][kBlock];
     float bamax[2];
+    column_pair<L>(w, c, t);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int r = 0; r < kBlock; ++r) t[j][r] = value<L>(w, r, c + j);
       bamax[j] = magnitude_value<L>(col_mag[c + j]);
       if (rht) bamax[j] = rht_column<L>(t[j]);
     }
@@ -997,7 +1058,11 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
              : NVFP4_HAS_FP4_CVT()           ? "columnwise index: convert tie-safe"
                                              : "columnwise index: code-table tie-safe");
 
-  Values<L> w;
+  // float32: the block's values tile (Values): the stage, or the dynamic shared memory's start.
+  Values<L> w(reinterpret_cast<uint4*>(stage != nullptr ? const_cast<typename L::T*>(stage)
+                                                        : reinterpret_cast<typename L::T*>(
+                                                              dynamic_shared())),
+              stage == nullptr);
   uint32_t col_mag[kCols], row_mag[kBlock];
   if (stage != nullptr)  // rows kTileCols apart; rows and columns past the input are not copied
     load_tile<L, true>(
@@ -1225,9 +1290,10 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const typename L::T*
   quantize_tiles<L, kMode>(x, p);
 }
 
-// The kRing variant of quantize_kernel (16-bit inputs, nearest and stochastic rounding; 4over6 is
-// compute-bound, and its variant doubled ptxas's time). Its ring takes 64 KB of shared memory
-// besides the tables, so one block fits an SM: ptxas may use the registers.
+// The kRing variant of quantize_kernel (nearest and stochastic rounding; 4over6 is compute-bound,
+// and its variant doubled ptxas's time). Its ring takes 64 KB of shared memory or more besides the
+// tables (float32: 128 KB, its values' own), so at most two blocks fit an SM: ptxas may use the
+// registers.
 template <typename L, Mode kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     quantize_ring_kernel(const typename L::T* x, Params p,
@@ -1266,7 +1332,8 @@ ffi::Error dynamic_shared_of(DynamicShared& out) {
       ok = false;
       return std::tuple(d, e, call);
     };
-    size_t table = kPacked<L> ? 0 : kValuesBytes;  // what the layout puts first
+    // What the layout puts first (float32 on the ring keeps its values in the stage).
+    size_t table = kPacked<L> || kLoad == Load::kRing ? 0 : kValuesBytes;
     bool optional = false;                         // whether the kernel can do without it
     if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
       cudaFuncAttributes attr{};
@@ -1396,18 +1463,17 @@ ffi::Error launch_loaded(cudaStream_t stream, const typename L::T* x, const Para
 
 template <typename L>
 ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p) {
-  // The ring takes 16-bit inputs (float32 keeps its values in shared memory already); its bulk
-  // copies need 16-byte rows (vec_in) and a 16-byte aligned input, as a tensor map does. Tensor
-  // copies where the map encodes (and NVFP4_QUANTIZE_LOAD is not ring-rows), else a copy a row.
-  if constexpr (kPacked<L>)
-    if (const RingLoad ring = ring_load();
-        ring != RingLoad::kNone && p.vec_in && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
-      TensorMap map{};
-      const bool mapped = ring == RingLoad::kTensor &&
-                          encode_tensor_map_3d(map, x, sizeof(typename L::T), uint64_t(p.cols),
-                                               uint64_t(p.rows), p.batch, kTileCols, kTileRows);
-      return launch_loaded<L, Load::kRing>(stream, x, p, mapped ? &map : nullptr);
-    }
+  // The ring's bulk copies need 16-byte rows (vec_in) and a 16-byte aligned input, as a tensor
+  // map does. Tensor copies where the map encodes (and NVFP4_QUANTIZE_LOAD is not ring-rows), else
+  // a copy a row.
+  if (const RingLoad ring = ring_load();
+      ring != RingLoad::kNone && p.vec_in && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    TensorMap map{};
+    const bool mapped = ring == RingLoad::kTensor &&
+                        encode_tensor_map_3d(map, x, sizeof(typename L::T), uint64_t(p.cols),
+                                             uint64_t(p.rows), p.batch, kTileCols, kTileRows);
+    return launch_loaded<L, Load::kRing>(stream, x, p, mapped ? &map : nullptr);
+  }
   return launch_loaded<L, Load::kDirect>(stream, x, p);
 }
 

@@ -1,10 +1,11 @@
 """The quantize kernel's pipelined variant (ffi/cuda/quantize.cu, Load::kRing: asynchronous copies of the next
 tiles into a ring of shared-memory stages, completing on mbarriers) gives the CPU kernels' bytes, on the
 host model, which also checks every copy and wait (ffi/cuda/host/runtime.h). The environment switch
-NVFP4_QUANTIZE_LOAD=ring picks it where it applies (16-bit inputs with rows of whole 16-byte chunks, nearest and
-stochastic rounding), its stages filled by one tensor copy a tile (a tensor map of the input, zeros past its
-edges); NVFP4_QUANTIZE_LOAD=ring-rows fills them by a bulk copy a row. Elsewhere (float32, other rows, 4over6,
-which is compute-bound) the direct kernel runs."""
+NVFP4_QUANTIZE_LOAD=ring picks it where it applies (inputs with rows of whole 16-byte chunks, nearest and
+stochastic rounding; float32's values are read from the stage itself), its stages filled by one tensor copy a tile
+(a tensor map of the input, zeros past its edges); NVFP4_QUANTIZE_LOAD=ring-rows fills them by a bulk copy a row.
+Elsewhere (other rows, 4over6, which is compute-bound, float32 where two of its 64 KB stages do not fit) the direct
+kernel runs."""
 
 from __future__ import annotations
 
@@ -60,10 +61,13 @@ def quantize_asking_for_the_ring(x, sm, monkeypatch, fill="ring", **options):
     return got, launch
 
 
-# (fill, dtype, sm): the tensor copies on both targets and dtypes; the fill by rows, the same on every target and
-# dtype, on sm_90 and bfloat16.
+# (fill, dtype, sm): the tensor copies on both targets and 16-bit dtypes; the fill by rows, the same on every
+# target, on sm_90 and bfloat16; float32 (its values read from the stage, the rows past the input zeroed there
+# where the fill by rows leaves them) with either fill.
 FILL_CASES = [("ring", dtype, sm) for dtype in (jnp.bfloat16, jnp.float16) for sm in (90, 100)] + [
-    ("ring-rows", jnp.bfloat16, 90)
+    ("ring-rows", jnp.bfloat16, 90),
+    ("ring", jnp.float32, 90),
+    ("ring-rows", jnp.float32, 100),
 ]
 
 
@@ -81,10 +85,11 @@ def test_the_ring_gives_the_cpu_bytes(fill, dtype, sm, name, shape, monkeypatch)
 
 
 def _takes_the_ring(name: str) -> bool:
-    """Whether the ring applies to golden file ``name``: bfloat16 inputs in rows of whole 16-byte chunks, without
-    4over6 (compute-bound: the direct kernel)."""
+    """Whether the ring applies to golden file ``name``: inputs in rows of whole 16-byte chunks, without 4over6
+    (compute-bound: the direct kernel)."""
     g = np.load(GOLDEN_DIR / name)
-    return str(g["input_dtype"]) == "bfloat16" and g["x"].shape[-1] * 2 % 16 == 0 and not g.get("use_4over6", False)
+    row_bytes = g["x"].shape[-1] * np.dtype(str(g["input_dtype"])).itemsize
+    return row_bytes % 16 == 0 and not g.get("use_4over6", False)
 
 
 # TransformerEngine's golden files and our stochastic-rounding vectors (tests/golden/sr_*.npz) that the ring takes.
@@ -93,9 +98,11 @@ RING_SR_VECTORS = [name for name in sr_cases() if _takes_the_ring(name)]
 
 
 def test_the_ring_takes_most_golden_files():
-    """1x16, 16x16, padded edges, edge values, the RHT and row-scaled copies; bfloat16 stochastic rounding."""
+    """1x16, 16x16, padded edges, edge values, the RHT and row-scaled copies; stochastic rounding; float32 too."""
     assert {n.split("_")[0] for n in RING_GOLDEN} == {"1d", "2d", "edge", "rht", "rowscaled"}, RING_GOLDEN
-    assert len(RING_GOLDEN) >= 15 and len(RING_SR_VECTORS) >= 3, (RING_GOLDEN, RING_SR_VECTORS)
+    assert len(RING_GOLDEN) >= 18 and len(RING_SR_VECTORS) >= 5, (RING_GOLDEN, RING_SR_VECTORS)
+    assert {"1d_128x256_fp32.npz", "2d_64x64_fp32.npz", "edge_ties_1d_16x64_fp32.npz"} <= set(RING_GOLDEN)
+    assert {"sr_1d_32x64_fp32.npz", "sr_2d_64x64_fp32.npz"} <= set(RING_SR_VECTORS)
 
 
 @pytest.mark.parametrize("sm", [90, 100])
@@ -133,7 +140,7 @@ MODES = {
 @pytest.mark.parametrize("sm", [90, 100])
 @pytest.mark.parametrize("shape", [(256, 1024), (3, 80, 264)], ids=str)
 @pytest.mark.parametrize("name", list(MODES))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_stochastic_rounding_takes_the_ring(name, shape, dtype, sm, monkeypatch):
     options = MODES[name]
     x = random_normal(shape, 14, dtype)
@@ -143,17 +150,22 @@ def test_stochastic_rounding_takes_the_ring(name, shape, dtype, sm, monkeypatch)
 
 
 @pytest.mark.parametrize(
-    ("sm", "name", "kernel", "depth"),
+    ("sm", "name", "kernel", "depth", "dtype"),
     [
-        (90, "row+col", "quantize_ring_kernel", "three stages"),  # beside the 32 KB class table
-        (90, "stochastic", "quantize_ring_kernel", "two stages"),  # no table: two blocks of two stages
-        (100, "stochastic", "quantize_ring_kernel", "two stages"),
-        (100, "row+col", "quantize_ring_kernel", "two stages"),  # no class table: two blocks of two stages
-        (120, "row+col", "quantize_ring_kernel", "two stages"),  # 99 KB: two stages beside one staged tile
-        (120, "stochastic", "quantize_ring_kernel", "two stages"),
+        (90, "row+col", "quantize_ring_kernel", "three stages", jnp.bfloat16),  # beside the 32 KB class table
+        (90, "stochastic", "quantize_ring_kernel", "two stages", jnp.bfloat16),  # no table: two blocks of two
+        (100, "stochastic", "quantize_ring_kernel", "two stages", jnp.bfloat16),
+        (100, "row+col", "quantize_ring_kernel", "two stages", jnp.bfloat16),  # no class table: two blocks of two
+        (120, "row+col", "quantize_ring_kernel", "two stages", jnp.bfloat16),  # 99 KB: two beside one staged tile
+        (120, "stochastic", "quantize_ring_kernel", "two stages", jnp.bfloat16),
+        # float32: 64 KB stages, two beside two staged tiles (three would take 228 KB), one block
+        (90, "row+col", "quantize_ring_kernel", "two stages", jnp.float32),
+        (100, "stochastic", "quantize_ring_kernel", "two stages", jnp.float32),
+        (120, "row+col", "quantize_kernel", None, jnp.float32),  # 99 KB: no ring fits
     ],
+    ids=str,
 )
-def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, monkeypatch):
+def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, dtype, monkeypatch):
     """The depth that keeps the most tiles' copies in flight a multiprocessor: three stages (two tiles ahead:
     64 KB of bf16 loads a block) where one block fits either way (sm_90's nearest rounding: the class table), two
     stages where that keeps two blocks (no table: sm_100a's nearest rounding, stochastic rounding since its
@@ -161,7 +173,7 @@ def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, mo
     sm_120) or three do not fit (sm_120's 99 KB). On 64 tiles, tens a block on the host model's small grid, so
     every stage is refilled and its barrier's phase turns many times; the same bytes either way."""
     options = {**OPTIONS, **MODES}[name]
-    x = random_normal((256, 4096), 15)
+    x = random_normal((256, 4096), 15, dtype)
     got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
     assert f"::{kernel}<" in launch.kernel
     rings = {path for path in launch.paths if path.startswith("ring: ")}
@@ -170,31 +182,33 @@ def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, mo
 
 
 @pytest.mark.parametrize(
-    ("dtype", "shape", "options"),
+    ("dtype", "shape", "options", "sm"),
     [
-        (jnp.float32, (256, 1024), {}),  # float32 keeps its values in shared memory
-        (jnp.float32, (256, 1024), dict(rng_key=jax.random.key(1))),
-        (jnp.bfloat16, (64, 250), {}),  # rows of 500 bytes: not whole 16-byte chunks
-        (jnp.bfloat16, (256, 1024), dict(four_over_six_error="mse", e4m3_max=256)),  # compute-bound
+        (jnp.float32, (256, 1024), {}, 120),  # two 64 KB stages do not fit sm_120's 99 KB
+        (jnp.float32, (256, 1024), dict(rng_key=jax.random.key(1)), 120),
+        (jnp.float32, (64, 250), {}, 90),  # rows of 1000 bytes: not whole 16-byte chunks
+        (jnp.bfloat16, (64, 250), {}, 90),  # rows of 500 bytes
+        (jnp.bfloat16, (256, 1024), dict(four_over_six_error="mse", e4m3_max=256), 90),  # compute-bound
     ],
-    ids=["float32", "float32-stochastic", "ragged-rows", "4over6"],
+    ids=["float32-sm120", "float32-stochastic-sm120", "float32-ragged-rows", "ragged-rows", "4over6"],
 )
-def test_where_the_ring_does_not_apply_the_direct_kernel_runs(dtype, shape, options, monkeypatch):
+def test_where_the_ring_does_not_apply_the_direct_kernel_runs(dtype, shape, options, sm, monkeypatch):
     x = random_normal(shape, 12, dtype)
-    got, launch = quantize_asking_for_the_ring(x, 90, monkeypatch, **options)
+    got, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **options)
     assert "ring" not in launch.kernel
     assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("fill", list(FILLS))
-def test_the_ring_reads_each_input_byte_once(fill, monkeypatch):
+def test_the_ring_reads_each_input_byte_once(fill, dtype, monkeypatch):
     """Its copies read the input once (no thread loads it from global memory), in whole sectors: a tensor copy's
-    box row by row (the host model's record of it), or a bulk copy a row."""
-    x = random_normal((256, 1024), 13)
+    box row by row (the host model's record of it), or a bulk copy a row (float32's a box row of 1024 bytes)."""
+    x = random_normal((256, 1024), 13, dtype)
     monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", fill)
     _, launches = quantize_launches(x, columnwise=True, amax=jnp.float32(4.0))
     launch = only(launches, "quantize_ring_kernel")
-    loads = launch.select("global", "load", size=512)
+    loads = launch.select("global", "load", size=256 * x.dtype.itemsize)
     assert sum(s.bytes for s in loads) == x.nbytes
     assert sum(s.transactions for s in loads) == sum(s.ideal for s in loads) == x.nbytes // 32
 
@@ -215,3 +229,32 @@ def test_the_rings_shared_memory_accesses_are_conflict_free(name, sm, monkeypatc
     assert lookups.transactions == (lookups.requests if sm == 90 and name != "stochastic" else 0), lookups
     every = Launch.total(launch.select("shared"))
     assert every.transactions <= 1.5 * every.ideal, launch.select("shared")
+
+
+@pytest.mark.parametrize("name", ["row+col", "rht"])
+def test_float32_values_are_read_from_the_stage_two_way(name, monkeypatch):
+    """float32 (N(0, 1) data). The direct kernel loads a thread's values from global memory and copies its two
+    16-byte quads of a row into shared memory with their order swapped on lanes with bit 2 set, so that a phase of
+    8 lanes (32 bytes apart) spans the 32 banks: its copy and its reads take the fewest wavefronts. The ring reads
+    the values where the stage's copy put them, in the tile's order: each phase's reads take two wavefronts, twice
+    the fewest, and it reads them once more (the maxima), storing none. So its shared-memory traffic for the
+    values is twice the direct kernel's: a cost on the multiprocessor's shared-memory pipe, which the direct
+    kernel pays in global loads instead (docs/kernels.md)."""
+    x = random_normal((128, 512), 7, jnp.float32)
+    options = OPTIONS[name]
+
+    def values_accesses(load):
+        _, launch = quantize_asking_for_the_ring(x, 90, monkeypatch, load, **options)
+        sites = [s for s in launch.select("shared", file="quantize.cu", size=16) if s.bytes >= x.nbytes]
+        loads = Launch.total([s for s in sites if s.access == "load"])
+        return launch, [s for s in sites if s.access == "store"], loads
+
+    direct, (copy,), direct_reads = values_accesses("direct")
+    ring, ring_stores, ring_reads = values_accesses("ring")
+    assert "ring" not in direct.kernel and "quantize_ring_kernel" in ring.kernel
+    assert not ring_stores
+    assert copy.bytes == x.nbytes and copy.transactions == copy.ideal, copy
+    assert direct_reads.transactions == direct_reads.ideal, direct_reads
+    assert ring_reads.bytes == direct_reads.bytes + x.nbytes, (direct_reads, ring_reads)
+    assert ring_reads.transactions == 2 * ring_reads.ideal, ring_reads
+    assert ring_reads.transactions == 2 * (direct_reads.transactions + copy.transactions)
