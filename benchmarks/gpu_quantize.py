@@ -132,6 +132,9 @@ RING_OPS = (
     "row only 1x16, amax given",
     "row+col 16x16, amax given",
     "col only 16x16, amax given",
+    "+ stochastic rounding",
+    "+ RHT on the columnwise copy, own amax",
+    "per-token scales",
 )
 GROUPS = 8  # the grouped quantize's: x's rows as the tokens of 8 experts, equal shares
 
@@ -150,6 +153,23 @@ def grouped_op(x: jax.Array) -> tuple[str, object, tuple, int]:
     return f"grouped quantize (MoE, {GROUPS} groups), amax given", fn, (tokens, sizes, amax, amax_t, *seeds), moved
 
 
+def float32_weight_op(x: jax.Array) -> tuple[str, object, tuple, int]:
+    """(name, function, arguments, bytes moved) of the recipe's weight quantize of a float32 master weight (x as
+    float32: its columnwise 16x16 copy, amax given), whose ring stages hold the values themselves."""
+    m, n = x.shape
+    w = x.astype(jnp.float32)
+
+    def fn(w, a):
+        return jax_nvfp4.quantize(w, amax=a, rowwise=False, columnwise=True, block_2d=True)
+
+    return (
+        "col only 16x16 of float32, amax given",
+        fn,
+        (w, jax_nvfp4.amax(w)),
+        output_bytes(m, n, False, True) + w.nbytes,
+    )
+
+
 def load_table(report: Report, x: jax.Array, copy_bw: float, calls: int) -> None:
     """The direct kernels against the pipelined ones (``NVFP4_QUANTIZE_LOAD``, read by the handlers on every
     call) on the ops they apply to: the quantize's and the grouped quantize's. ``ring`` fills the quantize's
@@ -162,7 +182,8 @@ def load_table(report: Report, x: jax.Array, copy_bw: float, calls: int) -> None
     report.add("|---|---:|---:|---:|---:|---:|")
     before = os.environ.get("NVFP4_QUANTIZE_LOAD")
     try:
-        for name, fn, fn_args, moved in [op for op in table_ops(x) if op[0] in RING_OPS] + [grouped_op(x)]:
+        ops = [op for op in table_ops(x) if op[0] in RING_OPS] + [float32_weight_op(x), grouped_op(x)]
+        for name, fn, fn_args, moved in ops:
             times = {}
             for load in ("direct", "ring", "ring-rows"):
                 os.environ["NVFP4_QUANTIZE_LOAD"] = load

@@ -171,6 +171,42 @@ inline bool encode_tensor_map_3d(TensorMap& map, const void* base, uint32_t elem
 #endif
 }
 
+// encode_tensor_map_3d through a cache of the process's last kMapCacheEntries maps (a refusal
+// too), keyed by everything the encode reads, so that a hit is the map it would encode. XLA runs a
+// program on the same buffers call after call (its buffer assignment), so the driver's encode runs
+// once per buffer and shape instead of on every call. One cache for every thread that launches.
+constexpr int kMapCacheEntries = 8;
+inline bool cached_tensor_map_3d(TensorMap& map, const void* base, uint32_t element_bytes,
+                                 uint64_t cols, uint64_t rows, uint64_t batch, uint32_t box_cols,
+                                 uint32_t box_rows) {
+  struct Entry {
+    const void* base;
+    uint64_t shape[6];
+    bool encoded;
+    TensorMap map;
+  };
+  static std::mutex mutex;
+  static Entry cache[kMapCacheEntries];
+  static int filled = 0, next = 0;  // entries in use; the next one to replace
+  const uint64_t shape[6] = {element_bytes, cols, rows, batch, box_cols, box_rows};
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (int i = 0; i < filled; ++i)
+    if (cache[i].base == base && std::equal(shape, shape + 6, cache[i].shape)) {
+      map = cache[i].map;
+      return cache[i].encoded;
+    }
+  Entry& e = cache[next];
+  e.base = base;
+  std::copy(shape, shape + 6, e.shape);
+  e.map = TensorMap{};
+  e.encoded =
+      encode_tensor_map_3d(e.map, base, element_bytes, cols, rows, batch, box_cols, box_rows);
+  next = (next + 1) % kMapCacheEntries;
+  filled = std::min(filled + 1, kMapCacheEntries);
+  map = e.map;
+  return e.encoded;
+}
+
 // Returns once the phase of parity `parity` of bar has completed (its arrivals and bytes).
 __device__ __forceinline__ void mbarrier_wait(Mbarrier* bar, uint32_t parity NVFP4_CALLER) {
 #if defined(NVFP4_CUDA_HOST)

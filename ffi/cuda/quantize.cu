@@ -1470,7 +1470,7 @@ ffi::Error launch_quantize(cudaStream_t stream, const typename L::T* x, Params p
       ring != RingLoad::kNone && p.vec_in && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     TensorMap map{};
     const bool mapped = ring == RingLoad::kTensor &&
-                        encode_tensor_map_3d(map, x, sizeof(typename L::T), uint64_t(p.cols),
+                        cached_tensor_map_3d(map, x, sizeof(typename L::T), uint64_t(p.cols),
                                              uint64_t(p.rows), p.batch, kTileCols, kTileRows);
     return launch_loaded<L, Load::kRing>(stream, x, p, mapped ? &map : nullptr);
   }

@@ -258,3 +258,24 @@ def test_float32_values_are_read_from_the_stage_two_way(name, monkeypatch):
     assert ring_reads.bytes == direct_reads.bytes + x.nbytes, (direct_reads, ring_reads)
     assert ring_reads.transactions == 2 * ring_reads.ideal, ring_reads
     assert ring_reads.transactions == 2 * (direct_reads.transactions + copy.transactions)
+
+
+def test_a_buffers_tensor_map_is_encoded_once(monkeypatch):
+    """The handler keeps the tensor maps it encoded (the process's last 8, keyed by buffer and shape): calls on
+    the same buffer and shape encode no new map, a new buffer or shape does (the host model counts the driver
+    calls it stands for)."""
+    monkeypatch.setenv("NVFP4_QUANTIZE_LOAD", "ring")
+    x, y = random_normal((256, 1024), 16), random_normal((128, 512), 17)
+    quantize = jax.jit(lambda x: cuda_host.quantize(x, columnwise=True))
+    encodes = cuda_host.module.tensor_map_encodes
+
+    def new_encodes(*arrays):
+        before = encodes()
+        for a in arrays:
+            assert_same_tree(jax.block_until_ready(quantize(a)), jax_nvfp4.quantize(a, columnwise=True))
+        return encodes() - before
+
+    assert new_encodes(x) in (0, 1)  # x's map: new, or kept from an earlier test of this process
+    assert new_encodes(x, x, x) == 0
+    assert new_encodes(y) <= 1
+    assert new_encodes(y, x, y, x) == 0

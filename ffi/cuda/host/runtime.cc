@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -846,9 +847,15 @@ void mbarrier_wait(Mbarrier* bar, uint32_t parity, const char* site) {
   active_block("mbarrier wait").mbarrier_wait(bar, parity, site);
 }
 
+namespace {
+std::atomic<uint64_t> encodes{0};  // encode_tensor_map's calls
+}  // namespace
+uint64_t tensor_map_encodes() { return encodes.load(); }
+
 std::string encode_tensor_map(TensorMap* map, const void* base, uint32_t rank,
                               uint32_t element_bytes, const uint64_t* dims, const uint64_t* strides,
                               const uint32_t* box) {
+  ++encodes;
   *map = TensorMap{};
   if (rank == 0 || rank > kMaxTensorRank) return "a rank the model does not take";
   if (reinterpret_cast<uintptr_t>(base) % 16) return "the base is not 16-byte aligned";

@@ -161,6 +161,9 @@ struct TensorMap {
 std::string encode_tensor_map(TensorMap* map, const void* base, uint32_t rank,
                               uint32_t element_bytes, const uint64_t* dims, const uint64_t* strides,
                               const uint32_t* box);
+// How many maps encode_tensor_map has encoded in this process (the handlers' cache keeps it to one
+// per buffer and shape).
+uint64_t tensor_map_encodes();
 // Copies map's box at element coordinates `at` (rank of them, innermost first) into shared dst,
 // completing on bar. Fails the launch as bulk_load does, and where the map was never encoded or
 // dst is not 128-byte aligned.
