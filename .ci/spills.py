@@ -8,7 +8,7 @@ spills it. `.ci/run` keeps the wheel build's output and runs this on it. It fail
 - a kernel ALLOWED lists no longer spills at all (take it out: the list is a record);
 - the log shows no CUDA module built (a check that saw no kernels would pass vacuously).
 
-ALLOWED is what nvcc 13.0.88 gives today (2026-11-30), each kernel's largest spill over sm_90,
+ALLOWED is what nvcc 13.0.88 gives today (2026-12-01), each kernel's largest spill over sm_90,
 sm_100a and sm_120a (stores + loads). Why each is left: docs/kernels.md, "Registers and spills".
 
     python .ci/spills.py BUILD_LOG
@@ -24,11 +24,12 @@ from pathlib import Path
 # Kernel (short name: spilled_kernels) -> the most bytes (stores + loads) one architecture's build
 # of it may spill.
 ALLOWED = {
-    # At 255 registers on sm_100a and sm_120a (the E2M1 convert path; 168 on sm_90).
-    "quantize_kernel<bf16, nearest>": 160,  # sm_120a
-    "quantize_ring_kernel<bf16, nearest>": 192,  # sm_120a; sm_100a 16
+    # At 255 registers on sm_100a and sm_120a (the E2M1 convert path; 168 on sm_90). Until 2026-12-01
+    # bf16's spilled 160 (direct) and 192 (ring) on sm_120a, and f32's 48.
+    "quantize_kernel<bf16, nearest>": 8,  # sm_120a
+    "quantize_ring_kernel<bf16, nearest>": 24,  # sm_120a
     "quantize_ring_kernel<f16, nearest>": 8,  # sm_120a
-    "quantize_kernel<f32, nearest>": 48,  # sm_100a, sm_120a
+    "quantize_kernel<f32, nearest>": 32,  # sm_100a, sm_120a
     # ptxas's own choice of 128 registers (4 blocks a multiprocessor) or 80 over a few bytes.
     "quantize_kernel<f16, stochastic>": 28,  # sm_90 (232 registers, 2 blocks, before 2026-11-30)
     "quantize_kernel<bf16, stochastic>": 8,  # sm_90 (208 registers before)
