@@ -30,8 +30,11 @@ ALLOWED = {
     "quantize_ring_kernel<bf16, nearest>": 24,  # sm_120a
     "quantize_ring_kernel<f16, nearest>": 8,  # sm_120a
     "quantize_kernel<f32, nearest>": 32,  # sm_100a, sm_120a
+    # 4over6 on the ring (since 2026-12-01): 255 registers, a word over (its direct kernel spills none).
+    "quantize_ring_kernel<bf16, 4over6>": 8,  # sm_100a, sm_120a
+    "quantize_ring_kernel<f16, 4over6>": 8,  # sm_100a, sm_120a
     # ptxas's own choice of 128 registers (4 blocks a multiprocessor) or 80 over a few bytes.
-    "quantize_kernel<f16, stochastic>": 28,  # sm_90 (232 registers, 2 blocks, before 2026-11-30)
+    "quantize_kernel<f16, stochastic>": 8,  # sm_90 (232 registers, 2 blocks, before 2026-11-30; 28 to 2026-12-01)
     "quantize_kernel<bf16, stochastic>": 8,  # sm_90 (208 registers before)
     "grouped_ring_kernel<f16, stochastic>": 16,  # sm_90, sm_100a
     "grouped_ring_kernel<bf16, stochastic>": 16,  # sm_90

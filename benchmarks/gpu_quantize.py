@@ -135,6 +135,7 @@ RING_OPS = (
     "+ stochastic rounding",
     "+ RHT on the columnwise copy, own amax",
     "per-token scales",
+    "4over6 MSE fast math",
 )
 GROUPS = 8  # the grouped quantize's: x's rows as the tokens of 8 experts, equal shares
 

@@ -101,8 +101,8 @@ enum class Mode { kNearest, kStochastic, kFourOverSix };
 // the tile's turn comes (kDirect), or bulk copies (cp.async.bulk, a row each) put the block's next
 // tiles into a ring of Params::stages shared-memory stages (kMaxStages, or 2 where three do not
 // fit) while it quantizes the current one, the copies running stages - 1 tiles ahead and completing
-// on an mbarrier per stage (kRing: inputs of whole 16-byte rows, nearest and stochastic rounding;
-// float32's 64 KB stages are its values, which the direct kernel copies to shared memory itself).
+// on an mbarrier per stage (kRing: inputs of whole 16-byte rows, every rounding mode; float32's
+// 64 KB stages are its values, which the direct kernel copies to shared memory itself).
 // Both give the same bytes: only where the values come from differs.
 enum class Load { kDirect, kRing };
 constexpr uint32_t kMaxStages = 3;
@@ -191,7 +191,7 @@ constexpr int kWords = kPacked<L> ? kCols / 2 : kCols;  // 32-bit words of a thr
 // lanes' 16-byte accesses (lanes 32 bytes apart) then spans all 32 banks; as a stage holds them
 // (`swap` false) it spans 16, 2-way conflicts. Only its own thread reads them (no barrier).
 template <typename L>
-constexpr int kQuads = kWords<L> / 4;  // 16-byte quads of a thread's row
+constexpr int kQuads = kWords<L> / 4;                           // 16-byte quads of a thread's row
 constexpr int kRowQuads = kTileCols * int(sizeof(float)) / 16;  // of a float32 tile row
 
 template <typename L, bool kInRegisters = kPacked<L>>
@@ -1059,10 +1059,9 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
                                              : "columnwise index: code-table tie-safe");
 
   // float32: the block's values tile (Values): the stage, or the dynamic shared memory's start.
-  Values<L> w(reinterpret_cast<uint4*>(stage != nullptr ? const_cast<typename L::T*>(stage)
-                                                        : reinterpret_cast<typename L::T*>(
-                                                              dynamic_shared())),
-              stage == nullptr);
+  uint4* values = stage != nullptr ? reinterpret_cast<uint4*>(const_cast<typename L::T*>(stage))
+                                   : reinterpret_cast<uint4*>(dynamic_shared());
+  Values<L> w(values, stage == nullptr);
   uint32_t col_mag[kCols], row_mag[kBlock];
   if (stage != nullptr)  // rows kTileCols apart; rows and columns past the input are not copied
     load_tile<L, true>(
@@ -1285,15 +1284,21 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
   }
 }
 
+// float32's block holds its 64 KB of values (and two staged tiles): two blocks a multiprocessor at
+// most, which it tells ptxas (left alone, ptxas cut the stochastic kernel to 80 registers on sm_90
+// and spilled). The 16-bit kernels' occupancy is ptxas's own choice (0: no minimum given).
+template <typename L>
+constexpr int kDirectMinBlocks = kPacked<L> ? 0 : 2;
+
 template <typename L, Mode kMode>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const typename L::T* x, Params p) {
+__global__ void __launch_bounds__(kThreads, kDirectMinBlocks<L>)
+    quantize_kernel(const typename L::T* x, Params p) {
   quantize_tiles<L, kMode>(x, p);
 }
 
-// The kRing variant of quantize_kernel (nearest and stochastic rounding; 4over6 is compute-bound,
-// and its variant doubled ptxas's time). Its ring takes 64 KB of shared memory or more besides the
-// tables (float32: 128 KB, its values' own), so at most two blocks fit an SM: ptxas may use the
-// registers.
+// The kRing variant of quantize_kernel and quantize_4over6_kernel (every rounding mode). Its ring
+// takes 64 KB of shared memory or more besides the tables (float32: 128 KB, its values' own), so
+// at most two blocks fit an SM: ptxas may use the registers.
 template <typename L, Mode kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     quantize_ring_kernel(const typename L::T* x, Params p,
@@ -1334,7 +1339,7 @@ ffi::Error dynamic_shared_of(DynamicShared& out) {
     };
     // What the layout puts first (float32 on the ring keeps its values in the stage).
     size_t table = kPacked<L> || kLoad == Load::kRing ? 0 : kValuesBytes;
-    bool optional = false;                         // whether the kernel can do without it
+    bool optional = false;  // whether the kernel can do without it
     if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
       cudaFuncAttributes attr{};
       if (const cudaError_t e = cudaFuncGetAttributes(&attr, K); e != cudaSuccess)
@@ -1454,8 +1459,8 @@ ffi::Error launch_loaded(cudaStream_t stream, const typename L::T* x, const Para
   switch (mode_of(p.spec)) {
     case Mode::kStochastic:
       return launch_mode<L, Mode::kStochastic, kLoad>(stream, x, p, map);
-    case Mode::kFourOverSix:  // compute-bound (5x nearest rounding): its loads wait on nothing
-      return launch_mode<L, Mode::kFourOverSix, Load::kDirect>(stream, x, p, nullptr);
+    case Mode::kFourOverSix:
+      return launch_mode<L, Mode::kFourOverSix, kLoad>(stream, x, p, map);
     default:
       return launch_mode<L, Mode::kNearest, kLoad>(stream, x, p, map);
   }

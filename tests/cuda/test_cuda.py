@@ -204,12 +204,19 @@ RING_SPECS = {
     "rht": dict(columnwise=True, rht=True),
     "stochastic": dict(columnwise=True, rng_key=jax.random.key(5)),
     "stochastic rht": dict(rowwise=False, columnwise=True, rht=True, rng_key=jax.random.key(6)),
+    "4over6": dict(columnwise=True, four_over_six_error="mse", e4m3_max=256),
 }
 
 
 @pytest.mark.parametrize("name", list(RING_SPECS))
 @pytest.mark.parametrize(
-    ("shape", "dtype"), [((4096, 4096), jnp.bfloat16), ((3, 208, 520), jnp.float16), ((1008, 4104), jnp.bfloat16)]
+    ("shape", "dtype"),
+    [
+        ((4096, 4096), jnp.bfloat16),
+        ((3, 208, 520), jnp.float16),
+        ((1008, 4104), jnp.bfloat16),
+        ((1008, 2056), jnp.float32),  # its values read from the stage itself
+    ],
 )
 @pytest.mark.parametrize("fill", ["ring", "ring-rows"])
 def test_the_quantize_ring_gpu_equals_cpu(fill, shape, dtype, name, monkeypatch):

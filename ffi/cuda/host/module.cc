@@ -236,7 +236,8 @@ NB_MODULE(_nvfp4_cuda_host, m) {
         "The GPU the model stands for: 90 (Hopper) or 100/120 (sm_100a/sm_120a code paths).");
   m.def("emulated_sm", &nvfp4::host::emulated_sm);
   m.def("tensor_map_encodes", &nvfp4::host::tensor_map_encodes,
-        "How many tensor maps the model has encoded in this process (cuTensorMapEncodeTiled's calls).");
+        "How many tensor maps the model has encoded in this process (cuTensorMapEncodeTiled's "
+        "calls).");
   m.def("trace_start", &nvfp4::host::trace_start,
         "Starts the model's profiler (cuda/host/trace.h), clearing what it traced before.");
   m.def("trace_stop", &trace_stop,
