@@ -3,9 +3,10 @@ kernels on the CPU and counts what a profiler would (ffi/cuda/host/trace.h, test
 written against the minimum, 32-byte sectors of global accesses against the fewest their bytes fill,
 shared-memory wavefronts against the fewest (bank conflicts), and the code index each copy takes.
 
-One bf16 N(0, 1) tensor of whole 64 x 256 tiles per spec, on the sm_90 and sm_100a code paths and, for
-nearest rounding, the pipelined kernel (NVFP4_QUANTIZE_LOAD=ring: a tensor copy a tile; ring-rows: a bulk copy a
-row); then the dequantize of its rowwise copy to
+One bf16 N(0, 1) tensor of whole 64 x 256 tiles per spec, on the sm_90 and sm_100a code paths and the
+pipelined kernel (NVFP4_QUANTIZE_LOAD=ring: a tensor copy a tile; ring-rows: a bulk copy a row); the same tensor
+as float32 for a few specs (its values in shared memory: copied there by the direct kernel, read from the stage by
+the ring); then the dequantize of its rowwise copy to
 each output dtype, and the grouped quantize of its rows in two groups (both loads). Needs the host model's module
 (`NVFP4_CUDA_HOST=ON pip install .`); the tests hold these figures to budgets
 (tests/cuda/test_cuda_host_counters.py).
@@ -51,6 +52,7 @@ SPECS = {
     "per-token scales": dict(columnwise=True, row_scaled=True),
     "4over6 MSE fast": dict(columnwise=True, four_over_six_error="mse", four_over_six_fast_math=True, e4m3_max=256),
 }
+FLOAT32_SPECS = ("row+col 1x16", "row+col 16x16", "stochastic rounding")
 VARIANTS = (("sm_90", 90, "direct"), ("sm_100a", 100, "direct"), ("sm_90", 90, "ring"), ("sm_90", 90, "ring-rows"))
 
 
@@ -166,7 +168,8 @@ def main() -> None:
             "# Quantize, dequantize and grouped quantize kernel counters from the CUDA host model (no GPU)",
             "",
             f"{datetime.date.today()}, commit {commit.stdout.strip() or '?'}, jax {jax.__version__}; "
-            f"`python -m benchmarks.host_counters --shape {args.shape}`: bf16 N(0, 1) {shape[0]}x{shape[1]}, "
+            f"`python -m benchmarks.host_counters --shape {args.shape}`: bf16 N(0, 1) {shape[0]}x{shape[1]} "
+            "(the float32 rows: the same values as float32), "
             "amaxes computed (their kernels not counted). "
             "Read/written: global bytes over the input / the outputs (1.00: each byte once). "
             "Sectors and wavefronts: over the fewest the same bytes need (1.00: coalesced, conflict-free). "
@@ -178,12 +181,14 @@ def main() -> None:
         ],
     )
     x = random_normal(shape, 0)
+    runs = [(name, x, options) for name, options in SPECS.items()]
+    runs += [(f"{name}, float32", x.astype(jnp.float32), SPECS[name]) for name in FLOAT32_SPECS]
     try:
-        for name, options in SPECS.items():
+        for name, tensor, options in runs:
             for arch, sm, load in VARIANTS:
-                launch = quantize_launch(x, sm, load, options)
+                launch = quantize_launch(tensor, sm, load, options)
                 if launch is not None:
-                    report.add(row(name, f"{arch} {load}", launch, x, options))
+                    report.add(row(name, f"{arch} {load}", launch, tensor, options))
     finally:
         os.environ.pop("NVFP4_QUANTIZE_LOAD", None)
     dequantize_rows(report, x)
