@@ -1152,14 +1152,21 @@ __device__ __forceinline__ void prepare_entry(const Params& p, Shared& sh, uint3
   kc.index = fast && sh.safe[1] == 0 ? Index::kFast : safe;
 }
 
-// Builds the class table in the block's dynamic shared memory where nearest rounding or 4over6 of
-// a 16-bit dtype (float32 keeps its values there) has no E2M1 convert and the launch gave it the
-// room; whether it did (else the kernel takes the tie-safe code index: slower, the same bytes).
-// Stochastic rounding needs no table. Every thread of the block calls.
-// `tail`: the bytes at the end of the dynamic shared memory that hold the staging and the ring.
-template <typename L, Mode kMode>
+// Whether dtype L's kernel loading by kLoad can hold the class table at the start of its dynamic
+// shared memory: not float32's direct kernel, whose values are there (its ring's are in the
+// stages).
+template <typename L, Load kLoad>
+constexpr bool kClassTableRoom = kPacked<L> || kLoad == Load::kRing;
+
+// Builds the class table in the block's dynamic shared memory where nearest rounding or 4over6
+// has no E2M1 convert, the kernel has the room (kClassTableRoom) and the launch gave it; whether
+// it did (else the kernel takes the code table's tie-safe index: slower, the same bytes: the class
+// index serves any product, so float32's too). Stochastic rounding needs no table. Every thread
+// of the block calls. `tail`: the bytes at the end of the dynamic shared memory that hold the
+// staging and the ring.
+template <typename L, Mode kMode, Load kLoad>
 __device__ __forceinline__ bool build_dynamic_table(Shared& sh, uint32_t tail) {
-  if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
+  if constexpr (kClassTableRoom<L, kLoad> && kMode != Mode::kStochastic) {
     if (NVFP4_HAS_FP4_CVT() || dynamic_shared_size() < kLaneTableBytes + tail) return false;
     for (int i = threadIdx.x; i < 256; i += kThreads) sh.f16_codes[i] = f16_class_code(uint32_t(i));
     __syncthreads();
@@ -1255,7 +1262,8 @@ __device__ __forceinline__ void quantize_tiles(const typename L::T* x, const Par
       if (ahead.b < p.batch) load_stage<L>(x, p, sh, ring + s * kStageValues, int(s), ahead, map);
   }
   build_code_tables<kMode>(sh);
-  const bool classes = build_dynamic_table<L, kMode>(sh, ring_size + p.staged * sizeof(Staging));
+  const bool classes =
+      build_dynamic_table<L, kMode, kLoad>(sh, ring_size + p.staged * sizeof(Staging));
   __syncthreads();
   Stream seed{Seed{0, 0}};
   if constexpr (kMode == Mode::kStochastic) seed = stream_of(p.seed, p.placed, p.rows);
@@ -1323,12 +1331,13 @@ struct DynamicShared {
   uint32_t stages;  // the input ring's (Params::stages)
 };
 
-// K's dynamic shared memory, its attribute set: float32's values (Values), or with nearest rounding
-// or 4over6 of a 16-bit dtype the class table where K's code was built without the E2M1 convert
-// (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also runs); two staged tiles, or
-// one where two do not fit the device's opt-in maximum beside the static Shared (sm_120's 99 KB);
-// the ring (kRing). Where even one does not fit, the class table goes (the tie-safe code index:
-// slower, the same bytes). Queried and set once per device (once_per), not on every call.
+// K's dynamic shared memory, its attribute set: float32's values (Values: the direct kernel), or
+// with nearest rounding or 4over6 (kClassTableRoom) the class table where K's code was built
+// without the E2M1 convert (PTX for sm_90, which a GPU newer than our sm_100a/sm_120a code also
+// runs); two staged tiles, or one where two do not fit the device's opt-in maximum beside the
+// static Shared (sm_120's 99 KB); the ring (kRing). Where even one does not fit, the class table
+// goes (the tie-safe code index: slower, the same bytes). Queried and set once per device
+// (once_per), not on every call.
 template <auto K, typename L, Mode kMode, Load kLoad>
 ffi::Error dynamic_shared_of(DynamicShared& out) {
   const auto [value, err, what] = once_per(device_key(), [](bool& ok) {
@@ -1338,9 +1347,9 @@ ffi::Error dynamic_shared_of(DynamicShared& out) {
       return std::tuple(d, e, call);
     };
     // What the layout puts first (float32 on the ring keeps its values in the stage).
-    size_t table = kPacked<L> || kLoad == Load::kRing ? 0 : kValuesBytes;
+    size_t table = kClassTableRoom<L, kLoad> ? 0 : kValuesBytes;
     bool optional = false;  // whether the kernel can do without it
-    if constexpr (kPacked<L> && kMode != Mode::kStochastic) {
+    if constexpr (kClassTableRoom<L, kLoad> && kMode != Mode::kStochastic) {
       cudaFuncAttributes attr{};
       if (const cudaError_t e = cudaFuncGetAttributes(&attr, K); e != cudaSuccess)
         return failed(e, "cudaFuncGetAttributes");

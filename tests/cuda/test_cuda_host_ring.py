@@ -286,3 +286,22 @@ def test_a_buffers_tensor_map_is_encoded_once(monkeypatch):
     assert new_encodes(x, x, x) == 0
     assert new_encodes(y) <= 1
     assert new_encodes(y, x, y, x) == 0
+
+
+@pytest.mark.parametrize("name", ["row+col", "4over6"])
+def test_float32_on_the_ring_takes_the_class_table_on_hopper(name, monkeypatch):
+    """The direct float32 kernel keeps its values where sm_90's 32 KB class table would go, so it finds its codes
+    by the code table's tie-safe index (every float32 copy is tie-safe: tie_possible), whose byte lookups take 2
+    wavefronts on N(0, 1) data. On the ring the values are in the stages, and the table fits beside them (two
+    64 KB stages, two staged tiles, the table: 196 KB): the class table's tie-safe index, a copy per lane, 1
+    wavefront a lookup. The same bytes either way."""
+    x = random_normal((128, 512), 7, jnp.float32)
+    options = OPTIONS[name]
+    index = {"direct": "code-table tie-safe", "ring": "class tie-safe"}
+    for load, wavefronts in (("direct", 2), ("ring", 1)):
+        got, launch = quantize_asking_for_the_ring(x, 90, monkeypatch, load, **options)
+        assert ("ring" in launch.kernel) == (load == "ring")
+        assert launch.paths.get(f"rowwise index: {index[load]}", 0) > 0, launch.paths
+        lookups = Launch.total(launch.select("shared", "load", file="e2m1_lut.cuh"))
+        assert lookups.requests and lookups.transactions == pytest.approx(wavefronts * lookups.requests, rel=0.1)
+        assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
