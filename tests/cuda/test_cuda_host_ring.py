@@ -298,10 +298,10 @@ def test_float32_on_the_ring_takes_the_class_table_on_hopper(name, monkeypatch):
     x = random_normal((128, 512), 7, jnp.float32)
     options = OPTIONS[name]
     index = {"direct": "code-table tie-safe", "ring": "class tie-safe"}
-    for load, wavefronts in (("direct", 2), ("ring", 1)):
-        got, launch = quantize_asking_for_the_ring(x, 90, monkeypatch, load, **options)
-        assert ("ring" in launch.kernel) == (load == "ring")
-        assert launch.paths.get(f"rowwise index: {index[load]}", 0) > 0, launch.paths
+    for fill, wavefronts in (("direct", 2), ("ring", 1)):
+        got, launch = quantize_asking_for_the_ring(x, 90, monkeypatch, fill, **options)
+        assert ("ring" in launch.kernel) == (fill == "ring")
+        assert launch.paths.get(f"rowwise index: {index[fill]}", 0) > 0, launch.paths
         lookups = Launch.total(launch.select("shared", "load", file="e2m1_lut.cuh"))
         assert lookups.requests and lookups.transactions == pytest.approx(wavefronts * lookups.requests, rel=0.1)
         assert_same_tree(got, jax.jit(lambda x: jax_nvfp4.quantize(x, **options))(x))
