@@ -170,7 +170,7 @@ def test_stochastic_rounding_takes_the_ring(name, shape, dtype, sm, monkeypatch)
         (100, "4over6", "quantize_ring_kernel", "two stages", jnp.bfloat16),
         (90, "4over6", "quantize_ring_kernel", "two stages", jnp.float32),
     ],
-    ids=str,
+    ids=lambda v: getattr(v, "__name__", str(v)),
 )
 def test_the_ring_is_as_deep_as_shared_memory_allows(sm, name, kernel, depth, dtype, monkeypatch):
     """The depth that keeps the most tiles' copies in flight a multiprocessor: three stages (two tiles ahead:
