@@ -291,8 +291,11 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols,
                                           uint32_t (&col_mag)[kCols], uint32_t (&row_mag)[kBlock]) {
   using T = typename L::T;
   constexpr int kW = kWords<L>;
-  // float32 from a stage: w reads the stage itself (Values), so nothing is copied.
+  // float32 from a stage: w reads the stage itself (Values), so nothing is copied. Lanes with bit 2
+  // set read a row's two quads the other way round (`rot`), so that a phase of 8 lanes (32 bytes
+  // apart) spans the 32 banks; their column maxima come out swapped and are put back at the end.
   constexpr bool kInStage = kShared && !kPacked<L>;
+  const uint32_t rot = kInStage ? (threadIdx.x >> 2) & 1u : 0u;
   uint32_t cm[kW];      // column maxima (packed: columns 2i and 2i + 1 in word i)
   uint32_t rm[kBlock];  // row maxima over the thread's 8 columns
 #pragma unroll
@@ -303,7 +306,8 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols,
 #pragma unroll
       for (int i = 0; i < kQuads<L>; ++i)
         q[i] = kShared ? NVFP4_LDS_IF(whole || (r < nrows && ncols > 0),
-                                      reinterpret_cast<const uint4*>(src) + i, (uint4{0, 0, 0, 0}))
+                                      reinterpret_cast<const uint4*>(src) + (i ^ rot),
+                                      (uint4{0, 0, 0, 0}))
                        : NVFP4_LDG_IF(whole || (r < nrows && ncols > 0),
                                       reinterpret_cast<const uint4*>(src) + i, (uint4{0, 0, 0, 0}));
     } else {
@@ -358,7 +362,7 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols,
     }
   } else {
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) col_mag[c] = cm[c];
+    for (int c = 0; c < kCols; ++c) col_mag[c] = rot ? cm[c ^ 4] : cm[c];
 #pragma unroll
     for (int r = 0; r < kBlock; ++r)
       row_mag[r] = max_magnitude<L>(rm[r], __shfl_xor_sync(~0u, rm[r], 1));
