@@ -8,6 +8,8 @@ copy a row. Elsewhere (other rows, float32 where two of its 64 KB stages do not 
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -240,7 +242,7 @@ def test_the_rings_shared_memory_accesses_are_conflict_free(name, sm, monkeypatc
 
 def _values_read_site() -> str:
     """The host model's name of the site where a float32 kernel reads its values back (Values::quad)."""
-    source = GOLDEN_DIR.parents[1] / "ffi" / "cuda" / "quantize.cu"
+    source = pathlib.Path(__file__).resolve().parents[2] / "ffi" / "cuda" / "quantize.cu"
     (line,) = [n for n, text in enumerate(source.read_text().splitlines(), 1) if "NVFP4_LDS((q ? q1 : q0)" in text]
     return f"quantize.cu:{line}"
 
