@@ -186,10 +186,14 @@ constexpr int kWords = kPacked<L> ? kCols / 2 : kCols;  // 32-bit words of a thr
 // 16-bit dtypes: two a word, in registers. float32: one a word, in the block's dynamic shared
 // memory (128 registers of values left ptxas too few for the rest: it spilled), laid out as the
 // tile is (rows of kRowQuads 16-byte quads: thread (w, l)'s row r is quads 2l and 2l + 1 of tile
-// row 16w + r), so that a ring stage (kRing) holds them as its copies land them. Where the thread
-// writes them itself (kDirect) its two quads trade places on lanes with bit 2 set: a phase of 8
-// lanes' 16-byte accesses (lanes 32 bytes apart) then spans all 32 banks; as a stage holds them
-// (`swap` false) it spans 16, 2-way conflicts. Only its own thread reads them (no barrier).
+// row 16w + r), so that a ring stage (kRing) holds them as its copies land them. A phase of 8
+// lanes' 16-byte accesses (lanes 32 bytes apart) spans only 16 banks if every lane takes the same
+// quad of its row (2-way conflicts), all 32 if lanes with bit 2 set take the other one. So where
+// the thread writes its values itself (kDirect) its two quads trade places on those lanes, and
+// quad() reads them in order conflict-free. A stage holds them in order: there quad() is 2-way,
+// and turned_quad(r, q) reads quad q ^ `turned` of the row (turned: 1 on those lanes)
+// conflict-free; its callers put the columns back (in_order, turned_column). Only its own thread
+// reads them (no barrier).
 template <typename L>
 constexpr int kQuads = kWords<L> / 4;                           // 16-byte quads of a thread's row
 constexpr int kRowQuads = kTileCols * int(sizeof(float)) / 16;  // of a float32 tile row
@@ -197,8 +201,9 @@ constexpr int kRowQuads = kTileCols * int(sizeof(float)) / 16;  // of a float32 
 template <typename L, bool kInRegisters = kPacked<L>>
 struct Values {
   uint32_t w[kBlock][kWords<L>];
+  static constexpr uint32_t turned = 0;  // reads in order
   // The words live in registers: the tile's shared memory is not theirs.
-  __device__ __forceinline__ explicit Values(uint4* /*tile*/, bool /*swap*/) {}
+  __device__ __forceinline__ explicit Values(uint4* /*tile*/, bool /*in_stage*/) {}
   __device__ __forceinline__ uint32_t word(int r, int i) const { return w[r][i]; }
   __device__ __forceinline__ void set_quad(int r, int q, uint4 v) {
     w[r][4 * q] = v.x;
@@ -210,17 +215,24 @@ struct Values {
 template <typename L>
 struct Values<L, false> {
   static_assert(kQuads<L> == 2, "a float32 row of a thread is two quads");
-  uint4* q0;  // the thread's row 0, quads 0 and 1 (row r: kRowQuads r further on)
-  uint4* q1;
-  // `tile`: the block's values (a float32 tile), `swap` as above.
-  __device__ __forceinline__ Values(uint4* tile, bool swap) {
+  uint4* q0;  // the thread's row 0, the quad this lane's phase reads first (row r: kRowQuads r on)
+  uint4* q1;  // and the other one
+  uint32_t turned;  // 1 where q0 is the row's second quad: lanes with bit 2 set of a stage
+  // `tile`: the block's values (a float32 tile); `in_stage`: a ring stage's, in the tile's order.
+  __device__ __forceinline__ Values(uint4* tile, bool in_stage) {
     const uint32_t lane = threadIdx.x % 32;
     uint4* row0 = tile + kBlock * kRowQuads * (threadIdx.x / 32) + 2 * lane;
-    const uint32_t s = swap ? (lane >> 2) & 1u : 0u;
+    const uint32_t s = (lane >> 2) & 1u;
     q0 = row0 + s;
     q1 = row0 + (s ^ 1u);
+    turned = in_stage ? s : 0u;
   }
+  // Row r's quad q (columns 4q..4q + 3).
   __device__ __forceinline__ uint4 quad(int r, int q) const {
+    return NVFP4_LDS(((uint32_t(q) ^ turned) ? q1 : q0) + r * kRowQuads);
+  }
+  // Row r's quad q ^ turned: conflict-free.
+  __device__ __forceinline__ uint4 turned_quad(int r, int q) const {
     return NVFP4_LDS((q ? q1 : q0) + r * kRowQuads);
   }
   __device__ __forceinline__ uint32_t word(int r, int i) const {
@@ -228,7 +240,7 @@ struct Values<L, false> {
     return i % 4 == 0 ? q.x : i % 4 == 1 ? q.y : i % 4 == 2 ? q.z : q.w;
   }
   __device__ __forceinline__ void set_quad(int r, int q, uint4 v) {
-    NVFP4_STS((q ? q1 : q0) + r * kRowQuads, v);
+    NVFP4_STS(((uint32_t(q) ^ turned) ? q1 : q0) + r * kRowQuads, v);
   }
 };
 
@@ -245,21 +257,45 @@ __device__ __forceinline__ float value(const Values<L>& w, int r, int c) {
     return bits_float(w.word(r, c));
 }
 
-// Row r's 8 values of a thread's words: float32's two quads read once each.
-template <typename L>
+// Row r's 8 values of a thread's words: float32's two quads read once each. kTurned: read as
+// turned_quad reads them, v[c] is column c ^ 4 w.turned (in_order puts their codes in order).
+template <typename L, bool kTurned = false>
 __device__ __forceinline__ void row_values(const Values<L>& w, int r, float (&v)[kCols]) {
   if constexpr (kPacked<L>) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c) v[c] = value<L>(w, r, c);
   } else {
-    const uint4 q[2] = {w.quad(r, 0), w.quad(r, 1)};
+    const uint4 q[2] = {kTurned ? w.turned_quad(r, 0) : w.quad(r, 0),
+                        kTurned ? w.turned_quad(r, 1) : w.quad(r, 1)};
     const uint32_t* words = reinterpret_cast<const uint32_t*>(q);
 #pragma unroll
     for (int c = 0; c < kCols; ++c) v[c] = bits_float(words[c]);
   }
 }
 
-// Columns c and c + 1 (c even) of a thread's words, 16 rows each: float32's quads read once a row.
+// The codes of a row read by row_values<L, true> (code k in nibble k) in column order: the halves
+// trade places where the row was read turned.
+template <typename L>
+__device__ __forceinline__ uint32_t in_order(const Values<L>& w, uint32_t word) {
+  if constexpr (kPacked<L>)
+    return word;
+  else
+    return byte_perm(word, 0u, w.turned ? 0x1032u : 0x3210u);
+}
+
+// The column that a turned read's column c is (c ^ 4 where the row is read turned), and a
+// per-column array's entry for it.
+template <typename L>
+__device__ __forceinline__ int turned_column(const Values<L>& w, int c) {
+  return c ^ int(4 * w.turned);
+}
+template <typename L, typename V>
+__device__ __forceinline__ V at_turned(const Values<L>& w, const V (&a)[kCols], int c) {
+  return w.turned ? a[c ^ 4] : a[c];
+}
+
+// Columns turned_column(w, c) and the one after it (c even), 16 rows each: float32's quads read
+// once a row, conflict-free.
 template <typename L>
 __device__ __forceinline__ void column_pair(const Values<L>& w, int c, float (&t)[2][kBlock]) {
 #pragma unroll
@@ -268,7 +304,7 @@ __device__ __forceinline__ void column_pair(const Values<L>& w, int c, float (&t
       t[0][r] = value<L>(w, r, c);
       t[1][r] = value<L>(w, r, c + 1);
     } else {
-      const uint4 q = w.quad(r, c / 4);
+      const uint4 q = w.turned_quad(r, c / 4);
       t[0][r] = bits_float(c % 4 ? q.z : q.x);
       t[1][r] = bits_float(c % 4 ? q.w : q.y);
     }
@@ -751,12 +787,13 @@ __device__ __forceinline__ void quantize_2d(const Params& p, Shared& sh, Staging
     if constexpr (kMode == Mode::kStochastic) row_random(seed, at.n0 / kBlock, at.m0, at.b, rw);
 #pragma unroll
     for (int r = 0; r < kBlock; ++r) {
-      float u[kCols];
-      row_values<L>(w, r, u);
+      float u[kCols];  // read turned: the random words of a turned row trade places too
+      row_values<L, true>(w, r, u);
       if constexpr (kMode == Mode::kStochastic) {
-        words[r] = stochastic8(kr.index, enc, rw[r].x, rw[r].y, [&](int k) { return u[k]; });
+        const uint32_t w0 = w.turned ? rw[r].y : rw[r].x, w1 = w.turned ? rw[r].x : rw[r].y;
+        words[r] = in_order(w, stochastic8(kr.index, enc, w0, w1, [&](int k) { return u[k]; }));
       } else {
-        words[r] = nearest8(sh.lut, kr.index, enc, [&](int k) { return u[k]; });
+        words[r] = in_order(w, nearest8(sh.lut, kr.index, enc, [&](int k) { return u[k]; }));
       }
     }
   }
@@ -799,10 +836,12 @@ __device__ __forceinline__ void stochastic_rows(Staging& st, const Place& at, co
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = i + half * (kBlock / 2);
-      float v[kCols];
-      row_values<L>(w, r, v);
+      float v[kCols];  // read turned: the random words of a turned row trade places too
+      row_values<L, true>(w, r, v);
+      const uint32_t w0 = w.turned ? rw[half].y : rw[half].x;
+      const uint32_t w1 = w.turned ? rw[half].x : rw[half].y;
       stage_row(st, r,
-                stochastic8<kFast>(enc_r[r], rw[half].x, rw[half].y, [&](int k) { return v[k]; }));
+                in_order(w, stochastic8<kFast>(enc_r[r], w0, w1, [&](int k) { return v[k]; })));
     }
   }
 }
@@ -889,7 +928,8 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
     if (rows_on) stochastic_rows<L, kIndex == Index::kFast>(st, at, w, enc_r, seed);
     return;
   }
-  // Nearest rounding from here on. Fused columnwise scales.
+  // Nearest rounding from here on. The rows are read turned (row_values<L, true>): the fused
+  // columnwise copy's column c (its scales, codes) is turned_column(w, c).
   float enc_c[kCols];
   uint32_t scale_c[kCols / 2];
   if (fused) {
@@ -898,11 +938,12 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
       GlobalScales g0 = kc.g, g1 = kc.g;
       if (spec.row_scaled) {
         const float* a = p.amax_t + at.b * p.cols + at.n0;
-        g0 = row_scales(spec, a, c, at.ncols);
-        g1 = row_scales(spec, a, c + 1, at.ncols);
+        g0 = row_scales(spec, a, turned_column(w, c), at.ncols);
+        g1 = row_scales(spec, a, turned_column(w, c) + 1, at.ncols);
       }
-      scale_c[c / 2] = block_pair(spec, kc, magnitude_value<L>(col_mag[c + 1]),
-                                  magnitude_value<L>(col_mag[c]), g1, g0, enc_c[c + 1], enc_c[c]);
+      scale_c[c / 2] =
+          block_pair(spec, kc, magnitude_value<L>(at_turned(w, col_mag, c + 1)),
+                     magnitude_value<L>(at_turned(w, col_mag, c)), g1, g0, enc_c[c + 1], enc_c[c]);
     }
   }
   uint32_t acc[kCols][2];  // fused: column c's codes of rows 0-7 and 8-15
@@ -911,13 +952,14 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
 #pragma unroll
   for (int r = 0; r < kBlock; r += 2) {
     float v[2][kCols];
-    row_values<L>(w, r, v[0]);
-    row_values<L>(w, r + 1, v[1]);
+    row_values<L, true>(w, r, v[0]);
+    row_values<L, true>(w, r + 1, v[1]);
     if (rows_on) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        stage_row(st, r + j,
-                  nearest8<kIndex>(sh.lut, enc_r[r + j], [&](int k) { return v[j][k]; }));
+        stage_row(
+            st, r + j,
+            in_order(w, nearest8<kIndex>(sh.lut, enc_r[r + j], [&](int k) { return v[j][k]; })));
       }
     }
     if (fused) {
@@ -930,7 +972,7 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       if (NVFP4_HAS_FP4_CVT() && enc_c[c] != enc_c[c]) acc[c][0] = acc[c][1] = 0;
-      stage_column(st, c, acc[c][0], acc[c][1], scale_c[c / 2] >> (8 * (c % 2)));
+      stage_column(st, turned_column(w, c), acc[c][0], acc[c][1], scale_c[c / 2] >> (8 * (c % 2)));
     }
   }
 }
@@ -973,13 +1015,14 @@ __device__ __forceinline__ void quantize_columns(const Params& p, SharedOf<kMode
   const bool rht = spec.columnwise_rht();
   const uint32_t index = kMode == Mode::kStochastic ? seed.column_index(at.m0) : 0u;
 #pragma unroll
-  for (int c = 0; c < kCols; c += 2) {
+  for (int turned_c = 0; turned_c < kCols; turned_c += 2) {
+    const int c = turned_column(w, turned_c);  // column_pair's columns c and c + 1
     float t[2][kBlock];
     float bamax[2];
-    column_pair<L>(w, c, t);
+    column_pair<L>(w, turned_c, t);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      bamax[j] = magnitude_value<L>(col_mag[c + j]);
+      bamax[j] = magnitude_value<L>(at_turned(w, col_mag, turned_c + j));
       if (rht) bamax[j] = rht_column<L>(t[j]);
     }
     GlobalScales g[2] = {kc.g, kc.g};
@@ -1065,7 +1108,7 @@ __device__ __forceinline__ void quantize_tile(const typename L::T* x, const Para
   // float32: the block's values tile (Values): the stage, or the dynamic shared memory's start.
   uint4* values = stage != nullptr ? reinterpret_cast<uint4*>(const_cast<typename L::T*>(stage))
                                    : reinterpret_cast<uint4*>(dynamic_shared());
-  Values<L> w(values, stage == nullptr);
+  Values<L> w(values, stage != nullptr);
   uint32_t col_mag[kCols], row_mag[kBlock];
   if (stage != nullptr)  // rows kTileCols apart; rows and columns past the input are not copied
     load_tile<L, true>(
