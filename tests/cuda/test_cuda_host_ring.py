@@ -224,12 +224,14 @@ def test_the_ring_reads_each_input_byte_once(fill, dtype, monkeypatch):
 
 @pytest.mark.parametrize("sm", [90, 100])
 @pytest.mark.parametrize("name", ["row+col", "16x16", "stochastic"])
-def test_the_rings_shared_memory_accesses_are_conflict_free(name, sm, monkeypatch):
-    """N(0, 1) data: the 16-byte reads, the stages' (a warp reads 512 consecutive bytes of a stage row) and the
-    staged outputs', take the fewest wavefronts; sm_90's class table one a lookup (each lane reads its own
-    copy); all the kernel's shared-memory accesses together at most 1.5 times the fewest (issue 48's budget; the
-    rowwise scales' byte stores and the columnwise codes' 8-byte stores are 2-way, as in the direct kernel)."""
-    x = random_normal((128, 512), 7)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+def test_the_rings_shared_memory_accesses_are_conflict_free(dtype, name, sm, monkeypatch):
+    """N(0, 1) data: the 16-byte reads, the stages' (a warp reads 512 consecutive bytes of a stage row; float32's
+    values, read from the stage twice, a row's quads turned on half the lanes) and the staged outputs', take the
+    fewest wavefronts; sm_90's class table one a lookup (each lane reads its own copy); all the kernel's
+    shared-memory accesses together at most 1.5 times the fewest (issue 48's budget; the rowwise scales' byte
+    stores and the columnwise codes' 8-byte stores are 2-way, as in the direct kernel)."""
+    x = random_normal((128, 512), 7, dtype)
     _, launch = quantize_asking_for_the_ring(x, sm, monkeypatch, **{**OPTIONS, **MODES}[name])
     reads = Launch.total(launch.select("shared", "load", file="quantize.cu", size=16))
     assert reads.bytes >= x.nbytes  # every input value is read from a stage
