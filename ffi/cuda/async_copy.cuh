@@ -207,19 +207,45 @@ inline bool cached_tensor_map_3d(TensorMap& map, const void* base, uint32_t elem
   return e.encoded;
 }
 
-// Returns once the phase of parity `parity` of bar has completed (its arrivals and bytes).
+// How long a thread waits on one phase of an mbarrier before it gives up: a correct phase completes
+// in microseconds (its copies' time; milliseconds under a sanitizer or a time-sliced GPU), so a
+// phase still open after 10 s never completes (a lost copy, a wrong byte count). The kernel then
+// traps (`BPT.TRAP`: the launch fails, and with it the call, with an illegal-instruction error)
+// rather than hanging the process. A debugger that stops the kernel mid-wait for longer trips it.
+constexpr uint64_t kWaitLimitNs = 10'000'000'000ull;
+
+#if !defined(NVFP4_CUDA_HOST)
+// The GPU's global timer, in nanoseconds.
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Whether the phase of parity `parity` of bar has completed (mbarrier.try_wait.parity, which
+// suspends the thread for a while before it answers no).
+__device__ __forceinline__ bool mbarrier_try_wait(Mbarrier* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(shared_address(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+#endif
+
+// Returns once the phase of parity `parity` of bar has completed (its arrivals and bytes); traps
+// after kWaitLimitNs (the host model reports a deadlock instead).
 __device__ __forceinline__ void mbarrier_wait(Mbarrier* bar, uint32_t parity NVFP4_CALLER) {
 #if defined(NVFP4_CUDA_HOST)
   host::mbarrier_wait(bar, parity, NVFP4_CALLER_SITE);
 #else
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(shared_address(bar)), "r"(parity)
-        : "memory");
+  if (mbarrier_try_wait(bar, parity)) return;
+  const uint64_t start = global_timer_ns();
+  while (!mbarrier_try_wait(bar, parity))
+    if (global_timer_ns() - start > kWaitLimitNs) __trap();
 #endif
 }
 

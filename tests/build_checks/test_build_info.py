@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import types
@@ -17,6 +16,7 @@ import types
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import cuobjdump
 
 import jax_nvfp4
 from jax_nvfp4.build_info import MODULE_ROLES, OPS
@@ -67,16 +67,6 @@ def test_what_runs_each_op_is_what_the_program_calls():
         assert (f"@{op}(" in hlo) == (entry["ops"][op] == "kernel"), op
 
 
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    spec = importlib.util.find_spec("nvidia")  # the nvidia-cuda-cuobjdump wheel (the test extra)
-    for root in [] if found or spec is None else spec.submodule_search_locations:
-        found = next((str(p) for p in pathlib.Path(root).glob("cu*/bin/cuobjdump")), None)
-        if found:
-            break
-    return found
-
-
 def _listed(tool: str, flag: str, binary: str) -> set[str]:
     out = subprocess.run([tool, flag, binary], capture_output=True, text=True, check=True).stdout
     return set(re.findall(r"\.(sm_\d+[af]?)\.(?:cubin|ptx)", out))
@@ -84,7 +74,7 @@ def _listed(tool: str, flag: str, binary: str) -> set[str]:
 
 @pytest.mark.skipif(not ffi.cuda_module_built(), reason="built without the CUDA module")
 def test_cuda_architectures_are_those_in_the_binary():
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump: the test extra has it)")
     binary = importlib.util.find_spec("jax_nvfp4_kernels._nvfp4_cuda").origin

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import os
+import pathlib
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -189,3 +192,14 @@ def dequantized_blocks(text: str) -> list[str]:
         for line in text.splitlines()
         if ("@nvfp4_dequantize" in line or '"nvfp4_dequantize"' in line) and not _DECODE_SCALE_RESULT.search(line)
     ]
+
+
+def cuobjdump() -> str | None:
+    """The cuobjdump on PATH, or the nvidia-cuda-cuobjdump wheel's (the test extra), or None."""
+    found = shutil.which("cuobjdump")
+    spec = importlib.util.find_spec("nvidia")
+    for root in [] if found or spec is None else spec.submodule_search_locations:
+        found = next((str(p) for p in pathlib.Path(root).glob("cu*/bin/cuobjdump")), None)
+        if found:
+            break
+    return found
