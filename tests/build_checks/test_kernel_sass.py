@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import pathlib
 import re
 import subprocess
 
 import pytest
-from helpers import cuobjdump
+from helpers import cuda_tool, cuobjdump
 
 from jax_nvfp4.ops import ffi
 
@@ -19,13 +21,19 @@ from jax_nvfp4.ops import ffi
 @functools.cache
 def sm90_functions() -> dict[str, str]:
     """The sm_90 SASS of the installed CUDA module, by (mangled) function name."""
-    tool = cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump: the test extra has it)")
+    tool, disassembler = cuobjdump(), cuda_tool("nvdisasm")
+    if tool is None or disassembler is None:
+        pytest.skip(
+            "cuobjdump or nvdisasm not found (the test extra has nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm)"
+        )
     if "90" not in {a.partition("-")[0] for a in ffi.cuda_architectures()}:
         pytest.skip("the CUDA module has no sm_90 code")
     binary = importlib.util.find_spec("jax_nvfp4_kernels._nvfp4_cuda").origin
-    sass = subprocess.run([tool, "-sass", "-arch", "sm_90", binary], capture_output=True, text=True, check=True).stdout
+    # cuobjdump -sass runs nvdisasm, found on PATH or through NVDISASM_PATH (its folder).
+    env = {**os.environ, "NVDISASM_PATH": str(pathlib.Path(disassembler).parent)}
+    done = subprocess.run([tool, "-sass", "-arch", "sm_90", binary], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    sass = done.stdout
     parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 

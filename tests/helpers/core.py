@@ -194,12 +194,18 @@ def dequantized_blocks(text: str) -> list[str]:
     ]
 
 
-def cuobjdump() -> str | None:
-    """The cuobjdump on PATH, or the nvidia-cuda-cuobjdump wheel's (the test extra), or None."""
-    found = shutil.which("cuobjdump")
+def cuda_tool(name: str) -> str | None:
+    """A CUDA binary tool (``cuobjdump``, ``nvdisasm``) on PATH, or the nvidia-cuda-* wheel's (the test extra
+    has both), or None."""
+    found = shutil.which(name)
     spec = importlib.util.find_spec("nvidia")
     for root in [] if found or spec is None else spec.submodule_search_locations:
-        found = next((str(p) for p in pathlib.Path(root).glob("cu*/bin/cuobjdump")), None)
+        found = next((str(p) for p in pathlib.Path(root).glob(f"cu*/bin/{name}")), None)
         if found:
             break
     return found
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump (cuda_tool), or None."""
+    return cuda_tool("cuobjdump")
