@@ -16,7 +16,7 @@ import types
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import cuobjdump
+from helpers import cuda_tool
 
 import jax_nvfp4
 from jax_nvfp4.build_info import MODULE_ROLES, OPS
@@ -74,7 +74,7 @@ def _listed(tool: str, flag: str, binary: str) -> set[str]:
 
 @pytest.mark.skipif(not ffi.cuda_module_built(), reason="built without the CUDA module")
 def test_cuda_architectures_are_those_in_the_binary():
-    tool = cuobjdump()
+    tool = cuda_tool("cuobjdump")
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump: the test extra has it)")
     binary = importlib.util.find_spec("jax_nvfp4_kernels._nvfp4_cuda").origin

@@ -1,7 +1,8 @@
 """The CUDA module's sm_90 machine code, read from the installed binary with cuobjdump: every wait on an
 mbarrier (the pipelined kernels' ``SYNCS.PHASECHK`` try-waits) is bounded. It reads the global timer and can
 trap (ffi/cuda/async_copy.cuh, kWaitLimitNs), so that a phase that never completes (a lost copy, a wrong byte
-count: what no GPU has yet run could hold) fails the launch instead of hanging the process."""
+count: faults the host model cannot rule out on hardware it has never run on) fails the launch instead of hanging
+the process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import re
 import subprocess
 
 import pytest
-from helpers import cuda_tool, cuobjdump
+from helpers import cuda_tool
 
 from jax_nvfp4.ops import ffi
 
@@ -21,7 +22,7 @@ from jax_nvfp4.ops import ffi
 @functools.cache
 def sm90_functions() -> dict[str, str]:
     """The sm_90 SASS of the installed CUDA module, by (mangled) function name."""
-    tool, disassembler = cuobjdump(), cuda_tool("nvdisasm")
+    tool, disassembler = cuda_tool("cuobjdump"), cuda_tool("nvdisasm")
     if tool is None or disassembler is None:
         pytest.skip(
             "cuobjdump or nvdisasm not found (the test extra has nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm)"

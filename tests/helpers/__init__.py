@@ -3,7 +3,7 @@
 tests/ is on sys.path because tests/conftest.py lives there. The modules:
 
 - ``core``: example counts, dtypes and implementations, random inputs, byte-exact comparisons, what a
-  program runs;
+  program runs, the CUDA binary tools (cuobjdump, nvdisasm);
 - ``kernel_cases``: the cases that compare kernels with the reference and with each other (random tensors
   and options, the row-scaled and 4over6 option table, the recipe's options, the jitted reference);
 - ``golden``: the golden files (tests/golden/) and the check against one, and the stochastic-rounding vectors;
@@ -27,7 +27,6 @@ from .core import (
     canonical_zero_codes,
     columnwise_as_rowwise,
     cuda_tool,
-    cuobjdump,
     dequantized_blocks,
     eqns_named,
     examples,
@@ -99,7 +98,6 @@ __all__ = [
     "cases",
     "columnwise_as_rowwise",
     "cuda_tool",
-    "cuobjdump",
     "dense_grads",
     "dense_problem",
     "dequantized_blocks",

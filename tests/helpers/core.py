@@ -204,8 +204,3 @@ def cuda_tool(name: str) -> str | None:
         if found:
             break
     return found
-
-
-def cuobjdump() -> str | None:
-    """cuobjdump (cuda_tool), or None."""
-    return cuda_tool("cuobjdump")
