@@ -283,15 +283,10 @@ __device__ __forceinline__ uint32_t in_order(const Values<L>& w, uint32_t word) 
     return byte_perm(word, 0u, w.turned ? 0x1032u : 0x3210u);
 }
 
-// The column that a turned read's column c is (c ^ 4 where the row is read turned), and a
-// per-column array's entry for it.
+// The column that a turned read's column c is (c ^ 4 where the row is read turned).
 template <typename L>
 __device__ __forceinline__ int turned_column(const Values<L>& w, int c) {
   return c ^ int(4 * w.turned);
-}
-template <typename L, typename V>
-__device__ __forceinline__ V at_turned(const Values<L>& w, const V (&a)[kCols], int c) {
-  return w.turned ? a[c ^ 4] : a[c];
 }
 
 // Columns turned_column(w, c) and the one after it (c even), 16 rows each: float32's quads read
@@ -312,26 +307,26 @@ __device__ __forceinline__ void column_pair(const Values<L>& w, int c, float (&t
 }
 
 // The thread's values as words (zero outside the input, as the reference pads), the magnitude
-// maxima of its 8 columns (16 rows each) and of its 16 rows (16 columns each, with the pair's
-// lane). `vec`: 16-byte loads (rows of a multiple of 8 values). `whole`: the tile lies inside the
-// input (the steady state), so every value loads without a test. It comes from the tile's place,
-// not from nrows == kBlock && ncols == kCols: with that test, on an H200 (2026-11-27), the lane
-// with exactly 8 columns left in a warp of fewer than 16 rows loaded the rows past the input's
-// end (tests/cuda/test_cuda.py). The sm_90 SASS took the test from the predicate outputs of the
-// VIMNMX.RELU instructions that clamp nrows and ncols (the suspected cause; not proven).
-// kShared: x is a ring stage in shared memory (kRing), rows `cols` values apart; float32's w is
-// that stage (Values).
+// maxima of its 8 columns (16 rows each; col_mag[c] is column turned_column(w, c)'s, as the later
+// reads take them) and of its 16 rows (16 columns each, with the pair's lane). `vec`: 16-byte loads
+// (rows of a multiple of 8 values). `whole`: the tile lies inside the input (the steady state), so
+// every value loads without a test. It comes from the tile's place, not from nrows == kBlock &&
+// ncols == kCols: with that test, on an H200 (2026-11-27), the lane with exactly 8 columns left in
+// a warp of fewer than 16 rows loaded the rows past the input's end (tests/cuda/test_cuda.py). The
+// sm_90 SASS took the test from the predicate outputs of the VIMNMX.RELU instructions that clamp
+// nrows and ncols (the suspected cause; not proven). kShared: x is a ring stage in shared memory
+// (kRing), rows `cols` values apart; float32's w is that stage (Values).
 template <typename L, bool kShared = false>
 __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols, int nrows,
                                           int ncols, bool vec, bool whole, Values<L>& w,
                                           uint32_t (&col_mag)[kCols], uint32_t (&row_mag)[kBlock]) {
   using T = typename L::T;
   constexpr int kW = kWords<L>;
-  // float32 from a stage: w reads the stage itself (Values), so nothing is copied. Lanes with bit 2
-  // set read a row's two quads the other way round (`rot`), so that a phase of 8 lanes (32 bytes
-  // apart) spans the 32 banks; their column maxima come out swapped and are put back at the end.
+  // float32 from a stage: w reads the stage itself (Values), so nothing is copied. Its turned lanes
+  // read a row's two quads the other way round (`rot`: w.turned), so that a phase of 8 lanes (32
+  // bytes apart) spans the 32 banks; their column maxima stay in that order (turned_column).
   constexpr bool kInStage = kShared && !kPacked<L>;
-  const uint32_t rot = kInStage ? (threadIdx.x >> 2) & 1u : 0u;
+  const uint32_t rot = kInStage ? w.turned : 0u;
   uint32_t cm[kW];      // column maxima (packed: columns 2i and 2i + 1 in word i)
   uint32_t rm[kBlock];  // row maxima over the thread's 8 columns
 #pragma unroll
@@ -398,7 +393,7 @@ __device__ __forceinline__ void load_tile(const typename L::T* x, uint32_t cols,
     }
   } else {
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) col_mag[c] = rot ? cm[c ^ 4] : cm[c];
+    for (int c = 0; c < kCols; ++c) col_mag[c] = cm[c];
 #pragma unroll
     for (int r = 0; r < kBlock; ++r)
       row_mag[r] = max_magnitude<L>(rm[r], __shfl_xor_sync(~0u, rm[r], 1));
@@ -941,9 +936,8 @@ __device__ __forceinline__ void quantize_rows(const Params& p, SharedOf<kMode>& 
         g0 = row_scales(spec, a, turned_column(w, c), at.ncols);
         g1 = row_scales(spec, a, turned_column(w, c) + 1, at.ncols);
       }
-      scale_c[c / 2] =
-          block_pair(spec, kc, magnitude_value<L>(at_turned(w, col_mag, c + 1)),
-                     magnitude_value<L>(at_turned(w, col_mag, c)), g1, g0, enc_c[c + 1], enc_c[c]);
+      scale_c[c / 2] = block_pair(spec, kc, magnitude_value<L>(col_mag[c + 1]),
+                                  magnitude_value<L>(col_mag[c]), g1, g0, enc_c[c + 1], enc_c[c]);
     }
   }
   uint32_t acc[kCols][2];  // fused: column c's codes of rows 0-7 and 8-15
@@ -1022,7 +1016,7 @@ __device__ __forceinline__ void quantize_columns(const Params& p, SharedOf<kMode
     column_pair<L>(w, turned_c, t);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      bamax[j] = magnitude_value<L>(at_turned(w, col_mag, turned_c + j));
+      bamax[j] = magnitude_value<L>(col_mag[turned_c + j]);
       if (rht) bamax[j] = rht_column<L>(t[j]);
     }
     GlobalScales g[2] = {kc.g, kc.g};
