@@ -52,7 +52,7 @@ from jax_nvfp4.linear.remat import ACTIVATION, OUTPUT, named, saved_weight
 from jax_nvfp4.mxfp8.matmul import MXFP8
 from jax_nvfp4.mxfp8.matmul import matmul as mxfp8_matmul
 from jax_nvfp4.ops import KERNELS
-from jax_nvfp4.sharding.explicit import explicit_sharding
+from jax_nvfp4.sharding.explicit import constrain, explicit_sharding
 
 
 class DotConfig(NamedTuple):
@@ -403,12 +403,12 @@ def dot_general(
         if isinstance(recipe, MXFP8):
             raise TypeError("a QuantizedWeight holds NVFP4 codes: it runs with an NVFP4 Recipe, not MXFP8")
         y = _apply_quantized(jnp.asarray(lhs), rhs, dimension_numbers, preferred_element_type, recipe)
-        return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
+        return constrain(y, out_sharding)
     if isinstance(rhs, CachedWeight):
         if isinstance(recipe, MXFP8):
             raise TypeError("a CachedWeight holds NVFP4 codes: it runs with an NVFP4 Recipe, not MXFP8")
         y = _apply_cached(jnp.asarray(lhs), rhs, dimension_numbers, preferred_element_type, recipe, rng_key)
-        return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
+        return constrain(y, out_sharding)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     check_operands("NVFP4 dot_general", lhs=lhs, rhs=rhs)
     if isinstance(recipe, Recipe):  # here, where lhs may still be concrete (its mesh known)
@@ -438,4 +438,4 @@ def dot_general(
     else:
         w = rhs.transpose(*rb, *rc, *rf).reshape(batch, k, -1)  # W [B, K, N]: a kernel [*in, *out] as it is
         y = _jitted_matmul(x, w, rng_key, DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)).reshape(out.shape)
-    return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
+    return constrain(y, out_sharding)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from jax_nvfp4.linear.dot_general import dot_general
@@ -56,13 +57,32 @@ def _sum_alone(x: jax.Array, term: str, other: str, out: str) -> tuple[jax.Array
     return x.sum(dropped), "".join(c for i, c in enumerate(term) if i not in dropped)
 
 
+def _produced_sharding(out_sharding, out: str, produced: str):
+    """``out_sharding`` (of the einsum's result, labels ``out``) for ``dot_general``'s result, labels ``produced``
+    (the same labels in dot_general's order): each label keeps its mesh axes."""
+    if out_sharding is None:
+        return None
+    spec = out_sharding.spec if isinstance(out_sharding, NamedSharding) else out_sharding
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"einsum's out_sharding must be a NamedSharding or a PartitionSpec, got {out_sharding!r}")
+    if len(spec) > len(out):
+        raise ValueError(f"einsum's out_sharding {spec} has more entries than its result {out!r} has axes")
+    entries = (*spec, *(None,) * (len(out) - len(spec)))
+    permuted = PartitionSpec(*(entries[out.index(c)] for c in produced))
+    return NamedSharding(out_sharding.mesh, permuted) if isinstance(out_sharding, NamedSharding) else permuted
+
+
 def einsum(
     subscripts: str,
     lhs: jax.Array,
     rhs: jax.Array,
     *,
+    out: None = None,
+    optimize: str | bool | list = "auto",
     precision: lax.PrecisionLike = None,
     preferred_element_type: DTypeLike | None = None,
+    _dot_general=lax.dot_general,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     recipe: Recipe | MXFP8 | None = None,
     rng_key: jax.Array | None = None,
 ) -> jax.Array:
@@ -73,27 +93,50 @@ def einsum(
     and an explicit output (``->``); ellipses are allowed. A label that appears in one operand only and not
     in the output is summed over first (in that operand's precision); a label repeated within one term
     (a trace or a diagonal) is not supported. ``recipe`` and ``rng_key`` as for ``dot_general``.
+
+    Every keyword of ``jnp.einsum`` is taken: ``preferred_element_type`` (the result's dtype) and
+    ``out_sharding`` (the result's sharding, as ``dot_general``'s: on Explicit axes its type) as there;
+    ``precision`` and ``optimize`` are ignored (the GEMM is NVFP4 with float32 accumulation, and two operands
+    have one contraction order); ``out`` must be None, as in ``jnp.einsum``; ``_dot_general``, jnp's hook for
+    another contraction, is refused unless it is ``lax.dot_general`` (this function's contraction is NVFP4's).
     """
+    del optimize, precision
+    if out is not None:
+        raise NotImplementedError("einsum: the 'out' argument is not supported, as in jnp.einsum")
+    if _dot_general is not lax.dot_general:
+        raise ValueError(
+            "jax_nvfp4.einsum contracts with jax_nvfp4.dot_general and takes no other _dot_general; "
+            f"got {_dot_general!r}"
+        )
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    a, b, out = _expand(subscripts, (lhs.ndim, rhs.ndim))
-    for term in (a, b, out):
+    a, b, out_labels = _expand(subscripts, (lhs.ndim, rhs.ndim))
+    for term in (a, b, out_labels):
         if len(set(term)) != len(term):
             raise ValueError(f"einsum: a label repeated within a term ({subscripts!r}) is not supported")
-    if set(out) - set(a) - set(b):
-        raise ValueError(f"einsum: output labels {sorted(set(out) - set(a) - set(b))} are in neither operand")
-    lhs, a = _sum_alone(lhs, a, b, out)
-    rhs, b = _sum_alone(rhs, b, a, out)
+    if set(out_labels) - set(a) - set(b):
+        raise ValueError(f"einsum: output labels {sorted(set(out_labels) - set(a) - set(b))} are in neither operand")
+    lhs, a = _sum_alone(lhs, a, b, out_labels)
+    rhs, b = _sum_alone(rhs, b, a, out_labels)
     for c in set(a) & set(b):
         if lhs.shape[a.index(c)] != rhs.shape[b.index(c)]:
             raise ValueError(
                 f"einsum {subscripts!r}: label {c!r} has sizes {lhs.shape[a.index(c)]} and {rhs.shape[b.index(c)]}"
             )
-    batch = [c for c in a if c in b and c in out]
-    contract = [c for c in a if c in b and c not in out]
+    batch = [c for c in a if c in b and c in out_labels]
+    contract = [c for c in a if c in b and c not in out_labels]
     dims = (
         (tuple(map(a.index, contract)), tuple(map(b.index, contract))),
         (tuple(map(a.index, batch)), tuple(map(b.index, batch))),
     )
-    y = dot_general(lhs, rhs, dims, precision, preferred_element_type, recipe=recipe, rng_key=rng_key)
     produced = "".join(batch) + "".join(c for c in a if c not in b) + "".join(c for c in b if c not in a)
-    return y.transpose(tuple(map(produced.index, out)))
+    y = dot_general(
+        lhs,
+        rhs,
+        dims,
+        None,
+        preferred_element_type,
+        out_sharding=_produced_sharding(out_sharding, out_labels, produced),
+        recipe=recipe,
+        rng_key=rng_key,
+    )
+    return y.transpose(tuple(map(produced.index, out_labels)))

@@ -75,7 +75,7 @@ from jax_nvfp4.ops import KERNELS
 from jax_nvfp4.ops.fused_ragged_gemm import fused_ragged_gemm, fused_segment_gemm
 from jax_nvfp4.ops.gemm import block_values, decode_scale, scale_product
 from jax_nvfp4.reference.grouped import bounds, segment_sizes
-from jax_nvfp4.sharding.explicit import explicit_sharding, spec_of
+from jax_nvfp4.sharding.explicit import constrain, explicit_sharding, spec_of
 
 _WGRAD = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
@@ -334,8 +334,12 @@ _jitted_ragged = jax.jit(_ragged, static_argnums=4)
 
 def _explicit_sharding(result, lhs, rhs, group_sizes, *args, **kwargs) -> PartitionSpec:
     """The result's type on Explicit axes, which lax has no rule for (it asks for an out_sharding): the one
-    ``lax.dot_general`` gives lhs [M, K] times one group's rhs [K, N], tokens as lhs's rows and N as rhs's."""
-    del result, group_sizes, args, kwargs
+    ``lax.dot_general`` gives lhs [M, K] times one group's rhs [K, N], tokens as lhs's rows and N as rhs's; or
+    ``out_sharding``'s, where it is given."""
+    del result, group_sizes, args
+    out_sharding = kwargs.get("out_sharding")
+    if out_sharding is not None:
+        return out_sharding.spec if isinstance(out_sharding, NamedSharding) else out_sharding
     rhs = jnp.asarray(rhs)
     mesh = jax.sharding.get_abstract_mesh()
     one = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec_of(rhs)[1:])))
@@ -343,7 +347,7 @@ def _explicit_sharding(result, lhs, rhs, group_sizes, *args, **kwargs) -> Partit
     return jax.eval_shape(dense, jnp.asarray(lhs), one).sharding.spec
 
 
-@explicit_sharding(_explicit_sharding)
+@explicit_sharding(_explicit_sharding, applies=("out_sharding",))
 def ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -351,6 +355,7 @@ def ragged_dot(
     precision: lax.PrecisionLike = None,
     preferred_element_type: DTypeLike | None = None,
     group_offset: jax.Array | None = None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     *,
     recipe: Recipe | None = None,
     rng_key: jax.Array | None = None,
@@ -367,6 +372,8 @@ def ragged_dot(
       precision: ignored; the GEMMs are NVFP4 with float32 accumulation.
       preferred_element_type: the output dtype (bfloat16, float16 or float32).
       group_offset: not supported (as in ``lax.ragged_dot`` on CPU and GPU).
+      out_sharding: a ``NamedSharding`` (or a ``PartitionSpec`` of the current mesh) for the result, applied
+        as a sharding constraint; on Explicit axes the result's type, as for ``lax.ragged_dot``.
       recipe: the NVFP4 recipe options (``Recipe()`` by default), as in ``dot_general``.
       rng_key: the key of the gradients' stochastic rounding (needed for the backward pass with
         the default recipe; a fresh one each step).
@@ -399,6 +406,8 @@ def ragged_dot(
     out = jax.eval_shape(ragged, lhs, rhs, group_sizes)
     check_result("NVFP4 ragged_dot", out)
     if out.size == 0 or lhs.size == 0 or rhs.size == 0:
-        return ragged(lhs, rhs, group_sizes)
-    config = DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)
-    return _jitted_ragged(lhs, rhs, group_sizes.astype(jnp.int32), rng_key, config)
+        y = ragged(lhs, rhs, group_sizes)
+    else:
+        config = DotConfig(recipe, out.dtype, lhs.dtype, rhs.dtype)
+        y = _jitted_ragged(lhs, rhs, group_sizes.astype(jnp.int32), rng_key, config)
+    return constrain(y, out_sharding)

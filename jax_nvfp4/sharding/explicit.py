@@ -79,6 +79,19 @@ def unmerged(entry, sizes: tuple[int, ...]) -> list:
     return [None] * len(sizes) if axes else out
 
 
+def constrain(y: jax.Array, out_sharding) -> jax.Array:
+    """``y`` laid out as ``out_sharding`` (None: as it is): a sharding constraint, or, for a ``NamedSharding`` that
+    names Explicit axes of its mesh (a sharding constraint may name only Auto ones), a reshard to it, which is
+    then ``y``'s type, as ``out_sharding`` is for ``lax.dot_general``."""
+    if out_sharding is None:
+        return y
+    if isinstance(out_sharding, jax.sharding.NamedSharding):
+        explicit = set(out_sharding.mesh.abstract_mesh.explicit_axes)
+        if explicit & {a for entry in out_sharding.spec for a in dim_axes(entry)}:
+            return jax.sharding.reshard(y, out_sharding)
+    return jax.lax.with_sharding_constraint(y, out_sharding)
+
+
 def _without(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
     """``spec`` without the mesh ``axes`` (which are about to become Auto, so types no longer name them)."""
     kept = [tuple(a for a in dim_axes(e) if a not in axes) for e in spec]

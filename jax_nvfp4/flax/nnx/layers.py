@@ -131,20 +131,11 @@ class NVFP4Einsum(NVFP4Op):
     """``jnp.einsum`` of two operands (activations, weights) in NVFP4, as an NNX module for ``nnx.Einsum``'s
     ``einsum_op=``: ``jax_nvfp4.einsum`` with this module's recipe; RNG stream as ``NVFP4DotGeneral``'s."""
 
-    def __call__(self, subscripts: str, lhs, rhs, *, precision=None, preferred_element_type=None, **kwargs):
-        """``jax_nvfp4.einsum`` with this module's recipe and, if it rounds stochastically, a new key."""
-        if kwargs.pop("out_sharding", None) is not None:
-            raise NotImplementedError("NVFP4Einsum takes no out_sharding")
+    def __call__(self, subscripts: str, lhs, rhs, **kwargs):
+        """``jax_nvfp4.einsum`` (every keyword of ``jnp.einsum``) with this module's recipe and, if it rounds
+        stochastically, a new key."""
         self._key(kwargs)
-        return einsum(
-            subscripts,
-            lhs,
-            rhs,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-            recipe=self.recipe,
-            **kwargs,
-        )
+        return einsum(subscripts, lhs, rhs, recipe=self.recipe, **kwargs)
 
 
 def promote_dtype(args: tuple, /, *, dtype=None, inexact: bool = True) -> tuple:
