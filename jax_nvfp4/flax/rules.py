@@ -132,10 +132,13 @@ def check_on_unmatched(on_unmatched: OnUnmatched) -> OnUnmatched:
     return on_unmatched
 
 
-def report_unmatched(rules: Sequence[Rule], paths: Iterable[str], on_unmatched: OnUnmatched, where: str) -> None:
+def report_unmatched(
+    rules: Sequence[Rule], paths: Iterable[str], on_unmatched: OnUnmatched, where: str, *, layers_only: bool = True
+) -> None:
     """Warn (``"warn"``), raise ValueError (``"raise"``) or do nothing (``"ignore"``) when a rule of ``rules``
     matches none of the layer ``paths`` that ``where`` saw; the message names the paths and, where the model has
-    numbered blocks, the ``keep_ends`` block pattern they suggest."""
+    numbered blocks, the ``keep_ends`` block pattern they suggest. ``layers_only``: ``where`` sees Flax's layers
+    alone, so a model without any is pointed to the Qwix provider, which sees every module's calls."""
     check_on_unmatched(on_unmatched)
     paths = sorted(set(paths))
     unmatched = [rule.module_path for rule in rules if not any(re.fullmatch(rule.module_path, p) for p in paths)]
@@ -146,6 +149,12 @@ def report_unmatched(rules: Sequence[Rule], paths: Iterable[str], on_unmatched: 
     pattern = numbered_block_pattern(paths)
     if pattern is not None:
         message += f". Its numbered blocks look like {pattern!r}: keep_ends(..., block={pattern!r})"
+    if not paths and layers_only:
+        message += (
+            ". The model has no Flax Dense, DenseGeneral, Einsum, Linear or LinearGeneral layer: if its modules "
+            "call jnp.einsum / lax.dot_general themselves, convert it with jax_nvfp4.qwix.NVFP4Provider(rules), "
+            "which intercepts those calls by module path"
+        )
     message += " (on_unmatched='ignore' to allow it)"
     if on_unmatched == "raise":
         raise ValueError(message)

@@ -46,13 +46,9 @@ def _fields(module: nn.Module, **values: Any) -> Iterator[None]:
             object.__setattr__(module, name, value)
 
 
-def _dense_call(module: nn.Dense | nn.DenseGeneral, recipe: Recipe, next_fun, args, kwargs):
-    """Flax's own ``__call__`` with ``dot_general`` set to NVFP4's."""
-    if module.dot_general is not None or module.dot_general_cls is not None:
-        raise ValueError(
-            f"{type(module).__name__} at {module_path(module)!r} has its own dot_general; a rule cannot replace it "
-            f"(exclude it with Rule({module_path(module)!r}, None))"
-        )
+def layer_dot_general(module: nn.Module, recipe: Recipe):
+    """The ``dot_general`` a linen layer's GEMM runs in NVFP4 with: ``jax_nvfp4.dot_general`` with ``recipe``, a key
+    from the layer's ``"nvfp4"`` stream, and the diagnostics' observer (``quantize_model`` and the Qwix provider)."""
 
     def nvfp4_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
         key = stream_key(module, recipe)
@@ -61,7 +57,17 @@ def _dense_call(module: nn.Dense | nn.DenseGeneral, recipe: Recipe, next_fun, ar
         )
         return diagnostics.observe(module, lhs, rhs, dimension_numbers, recipe, y)
 
-    with _fields(module, dot_general=nvfp4_dot_general):
+    return nvfp4_dot_general
+
+
+def _dense_call(module: nn.Dense | nn.DenseGeneral, recipe: Recipe, next_fun, args, kwargs):
+    """Flax's own ``__call__`` with ``dot_general`` set to NVFP4's."""
+    if module.dot_general is not None or module.dot_general_cls is not None:
+        raise ValueError(
+            f"{type(module).__name__} at {module_path(module)!r} has its own dot_general; a rule cannot replace it "
+            f"(exclude it with Rule({module_path(module)!r}, None))"
+        )
+    with _fields(module, dot_general=layer_dot_general(module, recipe)):
         return next_fun(*args, **kwargs)
 
 
@@ -163,4 +169,4 @@ def quantize_model(module: nn.Module, rules: Iterable[Rule], *, on_unmatched: On
     return NVFP4Model(module, check_rules(rules), check_on_unmatched(on_unmatched))
 
 
-__all__ = ["NVFP4Model", "interceptor", "module_path", "nvfp4_rules", "quantize_model"]
+__all__ = ["NVFP4Model", "interceptor", "layer_dot_general", "module_path", "nvfp4_rules", "quantize_model"]

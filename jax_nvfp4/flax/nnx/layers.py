@@ -33,6 +33,7 @@ from jax_nvfp4.flax.rules import OnUnmatched, check_rules, recipe_for, report_un
 from jax_nvfp4.linear.dot_general import dot_general, quantize_weight
 from jax_nvfp4.linear.einsum import einsum
 from jax_nvfp4.linear.recipe import Recipe
+from jax_nvfp4.moe.ragged_dot import ragged_dot
 from jax_nvfp4.mxfp8 import MXFP8
 
 DEFAULT_RECIPE = Recipe()
@@ -136,6 +137,16 @@ class NVFP4Einsum(NVFP4Op):
         stochastically, a new key."""
         self._key(kwargs)
         return einsum(subscripts, lhs, rhs, recipe=self.recipe, **kwargs)
+
+
+class NVFP4RaggedDot(NVFP4Op):
+    """``lax.ragged_dot`` (mixture of experts) in NVFP4, as an NNX module: ``jax_nvfp4.ragged_dot`` with this
+    module's recipe; RNG stream as ``NVFP4DotGeneral``'s."""
+
+    def __call__(self, lhs, rhs, group_sizes, *args, **kwargs):
+        """``jax_nvfp4.ragged_dot`` (every argument of ``lax.ragged_dot``) with this module's recipe and a new key."""
+        self._key(kwargs)
+        return ragged_dot(lhs, rhs, group_sizes, *args, recipe=self.recipe, **kwargs)
 
 
 def promote_dtype(args: tuple, /, *, dtype=None, inexact: bool = True) -> tuple:
@@ -314,6 +325,7 @@ __all__ = [
     "NVFP4Einsum",
     "NVFP4Linear",
     "NVFP4LinearGeneral",
+    "NVFP4RaggedDot",
     "WeightCache",
     "cached_weights",
     "quantize_model",

@@ -1,0 +1,189 @@
+"""jax_nvfp4.qwix: NVFP4 as a Qwix provider, ``qwix.quantize_model(model, NVFP4Provider(rules), ...)``.
+
+The models are plain Flax, written as published JAX models write them: a linen ``Einsum`` module of its own whose
+``__call__`` is ``jnp.einsum(eqn, x, w)`` (as google-deepmind/gemma's), attention scores as an einsum of two
+activations, Flax's ``nn.Dense`` / ``nnx.Linear`` / ``nnx.Einsum``. The provider must route every weight GEMM the
+rules match and no product of two activations, give the bytes of our own ``quantize_model`` where both convert
+a model, and train.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_same_tree, normal, quantized_shapes
+
+import jax_nvfp4
+from jax_nvfp4 import MXFP8, Recipe
+
+nn = pytest.importorskip("flax.linen")
+nnx = pytest.importorskip("flax.nnx")
+qwix = pytest.importorskip("qwix")
+from jax_nvfp4.flax import Rule, UnmatchedRuleWarning, quantize_model  # noqa: E402
+from jax_nvfp4.flax import nnx as nvfp4_nnx  # noqa: E402
+from jax_nvfp4.qwix import NVFP4Provider  # noqa: E402
+
+RTN = Recipe(stochastic_rounding=False)
+D, N, H = 64, 4, 16
+
+
+class OwnEinsum(nn.Module):
+    """A projection as gemma writes one: its own parameter, the equation given at the call, ``jnp.einsum``."""
+
+    shape: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, eqn: str, x):
+        w = self.param("w", nn.initializers.normal(0.1), self.shape)
+        return jnp.einsum(eqn, x, w)
+
+
+class OwnAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        q = OwnEinsum((N, D, H), name="q_einsum")("BTD,NDH->BTNH", x)
+        k = OwnEinsum((N, D, H), name="k_einsum")("BSD,NDH->BSNH", x)
+        scores = jax.nn.softmax(jnp.einsum("BTNH,BSNH->BTNS", q, k) / np.sqrt(H), axis=-1)  # two activations
+        return OwnEinsum((N, H, D), name="attn_vec_einsum")("BTNH,NHD->BTD", jnp.einsum("BTNS,BSNH->BTNH", scores, k))
+
+
+class OwnLM(nn.Module):
+    """Two blocks of own-einsum attention and an MLP of ``nn.Dense``, layers named ``layer_{i}`` as gemma's."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = x + OwnAttention(name=f"layer_{i}")(x)
+            x = x + nn.Dense(D, name=f"mlp_{i}")(jax.nn.gelu(nn.Dense(2 * D, name=f"up_{i}")(x)))
+        return x
+
+
+def _x(seed=0, shape=(2, 16, D)):
+    return normal(shape, seed, jnp.bfloat16)
+
+
+def _linen_loss(model, key=None):
+    def loss(params, x):
+        rngs = None if key is None else {"nvfp4": key}
+        return jnp.mean(jnp.square(model.apply(params, x, rngs=rngs).astype(jnp.float32)))
+
+    return loss
+
+
+def test_a_model_that_calls_jnp_einsum_itself_is_converted():
+    """Our quantize_model sees no Flax layer in OwnAttention and says to use the provider; the provider routes
+    every weight projection (x and w quantized forward, dy and the columnwise copies backward) and leaves the
+    attention scores' einsums of two activations as they are."""
+    model, x = OwnLM(), _x()
+    params = model.init(jax.random.key(0), x)
+    with pytest.warns(UnmatchedRuleWarning, match="jax_nvfp4.qwix.NVFP4Provider"):
+        quantize_model(OwnAttention(), [Rule(".*", RTN)]).init(jax.random.key(0), x)
+    converted = qwix.quantize_model(model, NVFP4Provider([Rule(".*", RTN)]))
+    forward = quantized_shapes(jax.make_jaxpr(lambda p: converted.apply(p, x))(params))
+    # Per block: q, k, attn_vec, up and mlp, each its w [1, K, N] and its x [1, *M, K]; the activation products
+    # would add operands of the scores' shapes.
+    block = [(1, D, N * H), (1, D, N * H), (1, N * H, D), (1, D, 2 * D), (1, 2 * D, D)]
+    assert forward[0::2] == 2 * block
+    assert forward[1::2] == 2 * ([(1, 2, 16, D)] * 4 + [(1, 2, 16, 2 * D)])
+    plain = qwix.quantize_model(model, NVFP4Provider([Rule(".*", None)]))
+    assert quantized_shapes(jax.make_jaxpr(lambda p: plain.apply(p, x))(params)) == []
+    assert_same_tree(plain.apply(params, x), model.apply(params, x))
+
+
+def test_linen_provider_gives_quantize_models_bytes_with_stochastic_rounding():
+    """Where both convert a model (its Dense layers), the provider's step is our quantize_model's, byte for byte:
+    the same op, recipe and keys (the layer's "nvfp4" stream)."""
+    model, x, key = OwnLM(), _x(1), jax.random.key(5)
+    params = model.init(jax.random.key(0), x)
+    rules = [Rule("layer_.*", None), Rule(r"up_\d", Recipe()), Rule(r"mlp_\d", MXFP8())]
+    ours = jax.jit(jax.value_and_grad(_linen_loss(quantize_model(model, rules), key)))(params, x)
+    theirs = jax.jit(jax.value_and_grad(_linen_loss(qwix.quantize_model(model, NVFP4Provider(rules)), key)))(params, x)
+    assert_same_tree(theirs, ours)
+
+
+class NNXBlock(nnx.Module):
+    """An NNX block as model zoos write one: q/o as ``nnx.Einsum``, the MLP as ``nnx.Linear``, an own weight
+    contracted by ``jnp.einsum`` in the block itself."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.q_proj = nnx.Einsum("BTD,DNH->BTNH", (D, N, H), rngs=rngs)
+        self.o_proj = nnx.Einsum("BTNH,NHD->BTD", (N, H, D), rngs=rngs)
+        self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, rngs=rngs)
+        self.gate = nnx.Param(normal((D, 2 * D), 9, jnp.float32) * 0.1)
+
+    def __call__(self, x):
+        q = self.q_proj(x)
+        scores = jax.nn.softmax(jnp.einsum("BTNH,BSNH->BTNS", q, q), axis=-1)
+        x = x + self.o_proj(jnp.einsum("BTNS,BSNH->BTNH", scores, q))
+        gate = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(x.dtype))
+        return x + self.down(jax.nn.gelu(gate) * self.up(x))
+
+
+def _nnx_loss(model, x):
+    return jnp.mean(jnp.square(model(x).astype(jnp.float32)))
+
+
+def test_nnx_provider_gives_quantize_models_bytes():
+    """Round to nearest: the forward and backward passes of the provider's model are our quantize_model's, byte for
+    byte (the own einsum aside: quantize_model cannot see it, so it is kept by a rule in both)."""
+    x = _x(2)
+    rules = [Rule(".*", RTN)]
+    ours = nvfp4_nnx.quantize_model(NNXBlock(nnx.Rngs(0)), rules)
+    theirs = qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule("", None), *rules]), x)
+    got, want = (nnx.jit(nnx.value_and_grad(_nnx_loss))(m, x) for m in (theirs, ours))
+    assert_same_tree(got[0], want[0])
+    assert_same_tree(nnx.state(got[1], nnx.Param), nnx.state(want[1], nnx.Param))
+
+
+def test_nnx_provider_trains_with_stochastic_rounding_and_an_optimizer():
+    """Every GEMM of the block (the own einsum included) in NVFP4 with stochastic rounding: each op keeps its own
+    stream on the module (``nvfp4_<op id>``), a step takes new keys, the same seed gives the same steps."""
+    x = _x(3)
+
+    def run():
+        model = qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule(".*")], rngs=nnx.Rngs(nvfp4=1)), x)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer):
+            loss, grads = nnx.value_and_grad(_nnx_loss)(model, x)
+            optimizer.update(model, grads)
+            return loss
+
+        return model, [float(step(model, optimizer)) for _ in range(8)]
+
+    model, losses = run()
+    assert losses[-1] < 0.7 * losses[0]
+    assert run()[1] == losses
+    assert {name for name in vars(model.up) if name.startswith("nvfp4_")} == {"nvfp4_dot_general0"}
+    assert isinstance(model.nvfp4_einsum2, nvfp4_nnx.NVFP4Einsum)  # the block's own gate, its third einsum
+
+
+def test_provider_reports_a_rule_that_matches_nothing_and_checks_its_arguments():
+    x = _x(4)
+    with pytest.warns(UnmatchedRuleWarning, match="'nothing/.*'"):
+        qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule("nothing/.*"), Rule(".*", RTN)]), x)
+    with pytest.raises(ValueError, match="matched no layer"):
+        qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule("x")], on_unmatched="raise"), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmatchedRuleWarning)
+        qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule(".*", RTN)]), x)
+    with pytest.raises(TypeError, match=r"jax_nvfp4\.flax\.Rule"):
+        NVFP4Provider([qwix.QtRule()])
+    with pytest.raises(TypeError, match=r"nnx\.Rngs"):
+        NVFP4Provider([Rule(".*")], rngs=jax.random.key(0))
+
+
+def test_jax_nvfp4_ops_are_what_the_provider_runs():
+    """The provider's NVFP4 einsum in a module is jax_nvfp4.einsum with the rule's recipe."""
+    model, x = OwnEinsum((D, 48)), _x(5)
+    params = model.init(jax.random.key(0), "BTD,DF->BTF", x)
+    converted = qwix.quantize_model(model, NVFP4Provider([Rule(".*", RTN)]))
+    want = jax_nvfp4.einsum("BTD,DF->BTF", x, params["params"]["w"], recipe=RTN)
+    assert_same_tree(converted.apply(params, "BTD,DF->BTF", x), want)
