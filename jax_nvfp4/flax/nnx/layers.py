@@ -65,11 +65,19 @@ def observer_of(module: NVFP4DotGeneral) -> Callable[..., jax.Array] | None:
 class NVFP4Op(nnx.Module):
     """An NVFP4 operation as an NNX module: its recipe and, with stochastic rounding, its own RNG stream."""
 
-    def __init__(self, recipe: Recipe = DEFAULT_RECIPE, *, rngs: nnx.Rngs | nnx.RngStream | None = None) -> None:
+    def __init__(
+        self,
+        recipe: Recipe = DEFAULT_RECIPE,
+        *,
+        rngs: nnx.Rngs | nnx.RngStream | None = None,
+        stack: tuple[int, ...] = (),
+    ) -> None:
         """Args:
         recipe: the NVFP4 recipe; ``Recipe()`` by default (``MXFP8()``: the GEMMs in MXFP8).
         rngs: an ``nnx.Rngs`` (its ``"nvfp4"`` stream, else its ``default``)
           or an ``nnx.RngStream``; used only with ``recipe.needs_rng_key``.
+        stack: the leading axes of a layer stacked by ``nnx.vmap`` (its parameters' extra axes): the stream
+          holds a key a layer, so that ``nnx.scan`` over the stack hands each layer its own.
         """
         if not isinstance(recipe, (Recipe, MXFP8)):
             raise TypeError(f"recipe must be a jax_nvfp4.Recipe or a jax_nvfp4.MXFP8, got {type(recipe).__name__}")
@@ -87,7 +95,8 @@ class NVFP4Op(nnx.Module):
                     )
                 rngs = rngs[RNG_STREAM]
             # A fork of the stream (one key from it), tagged "nvfp4" whichever stream it came from.
-            self.rngs = nnx.RngStream(rngs(), tag=RNG_STREAM)
+            key = rngs()
+            self.rngs = nnx.RngStream(jax.random.split(key, stack) if stack else key, tag=RNG_STREAM)
 
     def next_key(self) -> jax.Array | None:
         """A fresh stochastic-rounding key from the stream when the recipe needs one and the stream is given."""
@@ -304,7 +313,7 @@ def _route(node, attr: str, path: str, rules, op_cls: type, plain, rngs, replace
             setattr(node, attr, nnx.static(plain))  # a function again, not data as the op was
             return
         carried = op.rngs is not None and recipe.needs_rng_key
-        new = op_cls(recipe, rngs=None if carried else rngs)
+        new = op_cls(recipe, rngs=None if carried else rngs, stack=_stack(node))
         if carried:
             new.rngs = op.rngs  # the layer's stream goes on where it was
         setattr(node, attr, nnx.data(new))
@@ -316,7 +325,20 @@ def _route(node, attr: str, path: str, rules, op_cls: type, plain, rngs, replace
             f"{type(node).__name__} at {path!r} has its own {attr}; a rule cannot replace it "
             f"(exclude it with Rule({path!r}, None))"
         )
-    setattr(node, attr, nnx.data(op_cls(recipe, rngs=rngs)))
+    setattr(node, attr, nnx.data(op_cls(recipe, rngs=rngs, stack=_stack(node))))
+
+
+def _stack(layer: nnx.Linear | nnx.LinearGeneral | nnx.Einsum) -> tuple[int, ...]:
+    """The leading axes of a layer made by ``nnx.vmap`` (a stack of layers for ``nnx.scan``): its kernel's axes
+    before the ones the layer declares."""
+    if isinstance(layer, nnx.Einsum):
+        declared = len(layer.kernel_shape)
+    elif isinstance(layer, nnx.LinearGeneral):
+        declared = len(layer.batch_axis) + len(layer.in_features) + len(layer.out_features)
+    else:
+        declared = 2
+    shape = layer.kernel[...].shape
+    return tuple(shape[: len(shape) - declared])
 
 
 __all__ = [
