@@ -37,7 +37,15 @@ from qwix._src.utils import flax_util
 from jax_nvfp4.flax.linen.convert import layer_dot_general
 from jax_nvfp4.flax.linen.layers import stream_key
 from jax_nvfp4.flax.nnx.layers import NVFP4DotGeneral, NVFP4Einsum, NVFP4RaggedDot
-from jax_nvfp4.flax.rules import OnUnmatched, Rule, check_on_unmatched, check_rules, report_unmatched
+from jax_nvfp4.flax.rules import (
+    OnUnmatched,
+    Rule,
+    check_layer_operands,
+    check_on_unmatched,
+    check_rules,
+    report_unmatched,
+)
+from jax_nvfp4.linear.einsum import contracted_sizes
 from jax_nvfp4.linear.einsum import einsum as nvfp4_einsum
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.moe.ragged_dot import ragged_dot as nvfp4_ragged_dot
@@ -116,7 +124,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
         op = getattr(module, name, None)
         if op is None or op.recipe != recipe:
             rngs = self.rngs if self.rngs is not None else getattr(module, "qwix_rngs", None)
-            op = op_cls(recipe, rngs=rngs)
+            op = op_cls(recipe, rngs=rngs, path=_spelled(module))
             setattr(module, name, nnx.data(op))
         return op
 
@@ -146,6 +154,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
             return jnp.einsum(subscripts, *operands, **kwargs)
         if isinstance(module, nnx.Module):
             return self._nnx_op(module, op_id, NVFP4Einsum, recipe)(subscripts, lhs, rhs, **kwargs)
+        check_layer_operands(type(module).__name__, _spelled(module), lhs, rhs, contracted_sizes(subscripts, lhs, rhs))
         return nvfp4_einsum(subscripts, lhs, rhs, recipe=recipe, rng_key=stream_key(module, recipe), **kwargs)
 
     def ragged_dot(self, lhs, rhs, group_sizes, *args, **kwargs):
@@ -155,6 +164,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
             return lax.ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
         if isinstance(module, nnx.Module):
             return self._nnx_op(module, op_id, NVFP4RaggedDot, recipe)(lhs, rhs, group_sizes, *args, **kwargs)
+        check_layer_operands(type(module).__name__, _spelled(module), lhs, rhs, lhs.shape[-1:])
         key = stream_key(module, recipe)
         return nvfp4_ragged_dot(lhs, rhs, group_sizes, *args, recipe=recipe, rng_key=key, **kwargs)
 

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
+from jax_nvfp4.core.formats import INPUT_DTYPES
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.mxfp8 import MXFP8
 
@@ -102,6 +103,24 @@ def keep_ends(
     return (*rules, Rule(".*", Recipe() if recipe is None else recipe))
 
 
+def check_layer_operands(layer: str, path: str | None, lhs, rhs, contracted: Sequence[int]) -> None:
+    """TypeError / ValueError naming the layer (``layer`` at ``path``) whose GEMM cannot run in NVFP4: operands that
+    are not bfloat16, float16 or float32 (integers, complex), or a contraction of size 0 (nothing to quantize),
+    before any kernel sees them; ``contracted``: the sizes of the contracted axes."""
+    where = layer if path is None else f"{layer} at {path!r}"
+    keep = f" (keep the layer in its precision with Rule({path!r}, None))" if path is not None else ""
+    for name, operand in (("inputs", lhs), ("kernel", rhs)):
+        dtype = getattr(operand, "dtype", None)
+        if dtype not in INPUT_DTYPES:
+            raise TypeError(
+                f"{where}: NVFP4 GEMMs take bfloat16, float16 or float32 operands, its {name} are {dtype}{keep}"
+            )
+    if 0 in contracted:
+        raise ValueError(
+            f"{where}: its GEMM contracts an axis of size 0 (sizes {tuple(contracted)}), nothing to quantize{keep}"
+        )
+
+
 class UnmatchedRuleWarning(UserWarning):
     """A rule matched no layer of the model (``quantize_model``, ``nvfp4_rules``)."""
 
@@ -164,6 +183,7 @@ def report_unmatched(
 __all__ = [
     "Rule",
     "UnmatchedRuleWarning",
+    "check_layer_operands",
     "check_on_unmatched",
     "check_rules",
     "keep_ends",

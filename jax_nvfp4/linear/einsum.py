@@ -57,6 +57,12 @@ def _sum_alone(x: jax.Array, term: str, other: str, out: str) -> tuple[jax.Array
     return x.sum(dropped), "".join(c for i, c in enumerate(term) if i not in dropped)
 
 
+def contracted_sizes(subscripts: str, lhs, rhs) -> list[int]:
+    """The sizes of the axes ``einsum(subscripts, lhs, rhs)`` contracts (labels of both operands, not the output)."""
+    a, b, out = _expand(subscripts, (len(lhs.shape), len(rhs.shape)))
+    return [lhs.shape[a.index(c)] for c in a if c in b and c not in out]
+
+
 def _produced_sharding(out_sharding, out: str, produced: str):
     """``out_sharding`` (of the einsum's result, labels ``out``) for ``dot_general``'s result, labels ``produced``
     (the same labels in dot_general's order): each label keeps its mesh axes."""

@@ -363,3 +363,35 @@ def test_linen_scan_stacked_layers_and_dtypes(param_dtype, dtype):
     _assert_trains_as_its_twin(
         _linen_train(model, params, x, target, rngs), _linen_train(plain, params, x, target, rngs)
     )
+
+
+# ---- Operands NVFP4 cannot take: an error naming the layer --------------------------------------------------
+
+
+def test_operands_nvfp4_cannot_take_name_the_layer():
+    """Complex operands (integers likewise), or a contraction of size 0, in a layer a rule matches: an error naming its
+    path and the rule that keeps it, raised before any kernel sees them."""
+
+    class Two(nnx.Module):
+        def __init__(self, rngs, **kw):
+            self.blocks = nnx.List([nnx.Linear(D, D, rngs=rngs), nnx.Linear(D, D, rngs=rngs, **kw)])
+
+        def __call__(self, x):
+            return self.blocks[1](self.blocks[0](x))
+
+    complex_model = nvfp4_nnx.quantize_model(Two(nnx.Rngs(0), param_dtype=jnp.complex64), [Rule(".*", RTN)])
+    with pytest.raises(TypeError, match=r"layer at 'blocks/1'.*inputs are complex64.*Rule\('blocks/1', None\)"):
+        complex_model(jnp.ones((2, D)))
+    empty = nvfp4_nnx.quantize_model(nnx.Einsum("bk,kf->bf", (0, 8), rngs=nnx.Rngs(0)), [Rule(".*", RTN)])
+    with pytest.raises(ValueError, match=r"at '': its GEMM contracts an axis of size 0"):
+        empty(jnp.ones((2, 0)))
+
+    class Complex(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, param_dtype=jnp.complex64, name="proj")(x)
+
+    x = jnp.ones((2, 4), jnp.float32)
+    params = Complex().init(jax.random.key(0), x)
+    with pytest.raises(TypeError, match=r"Dense at 'proj'.*inputs are complex64"):
+        quantize_model(Complex(), [Rule(".*", RTN)]).apply(params, x)

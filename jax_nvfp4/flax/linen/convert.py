@@ -20,9 +20,17 @@ import jax.numpy as jnp
 
 from jax_nvfp4.flax.linen import diagnostics
 from jax_nvfp4.flax.linen.layers import NVFP4Layer, stream_key
-from jax_nvfp4.flax.rules import OnUnmatched, Rule, check_on_unmatched, check_rules, recipe_for, report_unmatched
+from jax_nvfp4.flax.rules import (
+    OnUnmatched,
+    Rule,
+    check_layer_operands,
+    check_on_unmatched,
+    check_rules,
+    recipe_for,
+    report_unmatched,
+)
 from jax_nvfp4.linear.dot_general import dot_general
-from jax_nvfp4.linear.einsum import einsum
+from jax_nvfp4.linear.einsum import contracted_sizes, einsum
 from jax_nvfp4.linear.recipe import Recipe
 
 _LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
@@ -51,6 +59,8 @@ def layer_dot_general(module: nn.Module, recipe: Recipe):
     from the layer's ``"nvfp4"`` stream, and the diagnostics' observer (``quantize_model`` and the Qwix provider)."""
 
     def nvfp4_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+        contracted = [lhs.shape[int(d)] for d in dimension_numbers[0][0]]
+        check_layer_operands(type(module).__name__, module_path(module), lhs, rhs, contracted)
         key = stream_key(module, recipe)
         y = dot_general(
             lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, rng_key=key, **kw
@@ -83,6 +93,7 @@ def _einsum_call(module: nn.Einsum, recipe: Recipe, inputs, einsum_str: str | No
         bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
     inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+    check_layer_operands("nn.Einsum", module_path(module), inputs, kernel, contracted_sizes(einsum_str, inputs, kernel))
     y = einsum(
         einsum_str,
         inputs,

@@ -29,9 +29,9 @@ from flax import nnx
 from jax_nvfp4.core.tensor import CachedWeight, QuantizedWeight
 from jax_nvfp4.flax.linen.layers import RNG_STREAM
 from jax_nvfp4.flax.linen.layers import promote_dtype as _promote_each
-from jax_nvfp4.flax.rules import OnUnmatched, check_rules, recipe_for, report_unmatched
+from jax_nvfp4.flax.rules import OnUnmatched, check_layer_operands, check_rules, recipe_for, report_unmatched
 from jax_nvfp4.linear.dot_general import dot_general, quantize_weight
-from jax_nvfp4.linear.einsum import einsum
+from jax_nvfp4.linear.einsum import contracted_sizes, einsum
 from jax_nvfp4.linear.recipe import Recipe
 from jax_nvfp4.moe.ragged_dot import ragged_dot
 from jax_nvfp4.mxfp8 import MXFP8
@@ -71,6 +71,7 @@ class NVFP4Op(nnx.Module):
         *,
         rngs: nnx.Rngs | nnx.RngStream | None = None,
         stack: tuple[int, ...] = (),
+        path: str | None = None,
     ) -> None:
         """Args:
         recipe: the NVFP4 recipe; ``Recipe()`` by default (``MXFP8()``: the GEMMs in MXFP8).
@@ -78,10 +79,12 @@ class NVFP4Op(nnx.Module):
           or an ``nnx.RngStream``; used only with ``recipe.needs_rng_key``.
         stack: the leading axes of a layer stacked by ``nnx.vmap`` (its parameters' extra axes): the stream
           holds a key a layer, so that ``nnx.scan`` over the stack hands each layer its own.
+        path: the layer's path in its model (``quantize_model`` gives it), for errors that name the layer.
         """
         if not isinstance(recipe, (Recipe, MXFP8)):
             raise TypeError(f"recipe must be a jax_nvfp4.Recipe or a jax_nvfp4.MXFP8, got {type(recipe).__name__}")
         self.recipe = recipe
+        self.path = path
         if not (rngs is None or isinstance(rngs, (nnx.Rngs, nnx.RngStream))):
             raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None, got {type(rngs).__name__}")
         self.rngs: nnx.RngStream | None = nnx.data(None)
@@ -101,6 +104,10 @@ class NVFP4Op(nnx.Module):
     def next_key(self) -> jax.Array | None:
         """A fresh stochastic-rounding key from the stream when the recipe needs one and the stream is given."""
         return self.rngs() if self.recipe.needs_rng_key and self.rngs is not None else None
+
+    def _check(self, lhs, rhs, contracted) -> None:
+        """A clear error, naming the layer, for operands NVFP4 cannot take."""
+        check_layer_operands("the NVFP4 layer", self.path, lhs, rhs, contracted)
 
     def _key(self, kwargs: dict) -> None:
         """Put a fresh stochastic-rounding key in ``kwargs`` when none is given."""
@@ -130,6 +137,7 @@ class NVFP4DotGeneral(NVFP4Op):
         observer = observer_of(self)
         if observer is not None:
             return observer(self, lhs, rhs, dimension_numbers, precision, preferred_element_type, kwargs)
+        self._check(lhs, rhs, [lhs.shape[int(d)] for d in dimension_numbers[0][0]])
         self._key(kwargs)
         cache = getattr(self, "weight_cache", None)
         if cache is not None and not isinstance(rhs, QuantizedWeight):
@@ -144,6 +152,7 @@ class NVFP4Einsum(NVFP4Op):
     def __call__(self, subscripts: str, lhs, rhs, **kwargs):
         """``jax_nvfp4.einsum`` (every keyword of ``jnp.einsum``) with this module's recipe and, if it rounds
         stochastically, a new key."""
+        self._check(lhs, rhs, contracted_sizes(subscripts, lhs, rhs))
         self._key(kwargs)
         return einsum(subscripts, lhs, rhs, recipe=self.recipe, **kwargs)
 
@@ -154,6 +163,7 @@ class NVFP4RaggedDot(NVFP4Op):
 
     def __call__(self, lhs, rhs, group_sizes, *args, **kwargs):
         """``jax_nvfp4.ragged_dot`` (every argument of ``lax.ragged_dot``) with this module's recipe and a new key."""
+        self._check(lhs, rhs, lhs.shape[-1:])
         self._key(kwargs)
         return ragged_dot(lhs, rhs, group_sizes, *args, recipe=self.recipe, **kwargs)
 
@@ -313,7 +323,7 @@ def _route(node, attr: str, path: str, rules, op_cls: type, plain, rngs, replace
             setattr(node, attr, nnx.static(plain))  # a function again, not data as the op was
             return
         carried = op.rngs is not None and recipe.needs_rng_key
-        new = op_cls(recipe, rngs=None if carried else rngs, stack=_stack(node))
+        new = op_cls(recipe, rngs=None if carried else rngs, stack=_stack(node), path=path)
         if carried:
             new.rngs = op.rngs  # the layer's stream goes on where it was
         setattr(node, attr, nnx.data(new))
@@ -325,7 +335,7 @@ def _route(node, attr: str, path: str, rules, op_cls: type, plain, rngs, replace
             f"{type(node).__name__} at {path!r} has its own {attr}; a rule cannot replace it "
             f"(exclude it with Rule({path!r}, None))"
         )
-    setattr(node, attr, nnx.data(op_cls(recipe, rngs=rngs, stack=_stack(node))))
+    setattr(node, attr, nnx.data(op_cls(recipe, rngs=rngs, stack=_stack(node), path=path)))
 
 
 def _stack(layer: nnx.Linear | nnx.LinearGeneral | nnx.Einsum) -> tuple[int, ...]:
