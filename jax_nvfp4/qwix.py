@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 from jax import lax
-from qwix._src.utils import flax_util
+from qwix._src.utils import flax_util  # Qwix's current module, its path and find_param (not exported)
 
 from jax_nvfp4.flax.linen.convert import layer_dot_general
 from jax_nvfp4.flax.linen.layers import stream_key

@@ -51,5 +51,5 @@ def test_the_check_sees_a_private_import(tmp_path):
 
 def test_modules_live_in_layer_folders():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert top == ["__init__.py", "__main__.py", "build_info.py", "checkpoint.py", "diagnostics.py"]
+    assert top == ["__init__.py", "__main__.py", "build_info.py", "checkpoint.py", "diagnostics.py", "qwix.py"]
     assert all(not p.name.startswith("_") or p.name in ("__init__.py", "__main__.py") for p in MODULES)

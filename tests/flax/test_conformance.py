@@ -113,7 +113,7 @@ class ZooDecoder(nnx.Module):
         return self.embed.attend(x, out_sharding=_act(P("fsdp", None, None), self.sharded))  # tied: left alone
 
 
-def _tokens(shape=(8, 16), vocab=96, seed=0):
+def _zoo_tokens(shape=(8, 16), vocab=96, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
 
 
@@ -155,7 +155,7 @@ ZOO_RULES = [Rule(".*", Recipe())]
 def test_zoo_decoder_converts_every_projection_and_trains():
     """q/k/v/o (multi-axis GQA einsums), gate/up/down: 7 GEMMs a block in NVFP4, the tied head and the attention
     scores as they are; paths as the rules see them, one a layer."""
-    tokens = _tokens()
+    tokens = _zoo_tokens()
     model = nvfp4_nnx.quantize_model(ZooDecoder(nnx.Rngs(0)), ZOO_RULES, rngs=nnx.Rngs(nvfp4=1))
     paths = sorted("/".join(map(str, p)) for p, n in nnx.iter_graph(model) if isinstance(n, NVFP4Op))
     assert len(paths) == 14 and paths[0] == "layers/0/layers/0/k_proj/einsum_op", paths
@@ -170,7 +170,7 @@ def test_zoo_decoder_step_on_an_explicit_mesh_equals_unsharded():
     """fsdp=2 x tensor=4, Explicit: the parameters sharded by their metadata, every projection called with
     ``out_sharding``; a training step's loss and gradients equal the unsharded model's (module docstring), and
     each gradient carries its parameter's sharding."""
-    tokens = _tokens()
+    tokens = _zoo_tokens()
 
     def step(model, tokens):
         return nnx.value_and_grad(_lm_loss)(model, tokens)

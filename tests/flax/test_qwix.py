@@ -63,7 +63,7 @@ class OwnLM(nn.Module):
         return x
 
 
-def _x(seed=0, shape=(2, 16, D)):
+def _qwix_batch(seed=0, shape=(2, 16, D)):
     return normal(shape, seed, jnp.bfloat16)
 
 
@@ -79,7 +79,7 @@ def test_a_model_that_calls_jnp_einsum_itself_is_converted():
     """Our quantize_model sees no Flax layer in OwnAttention and says to use the provider; the provider routes
     every weight projection (x and w quantized forward, dy and the columnwise copies backward) and leaves the
     attention scores' einsums of two activations as they are."""
-    model, x = OwnLM(), _x()
+    model, x = OwnLM(), _qwix_batch()
     params = model.init(jax.random.key(0), x)
     with pytest.warns(UnmatchedRuleWarning, match="jax_nvfp4.qwix.NVFP4Provider"):
         quantize_model(OwnAttention(), [Rule(".*", RTN)]).init(jax.random.key(0), x)
@@ -98,7 +98,7 @@ def test_a_model_that_calls_jnp_einsum_itself_is_converted():
 def test_linen_provider_gives_quantize_models_bytes_with_stochastic_rounding():
     """Where both convert a model (its Dense layers), the provider's step is our quantize_model's, byte for byte:
     the same op, recipe and keys (the layer's "nvfp4" stream)."""
-    model, x, key = OwnLM(), _x(1), jax.random.key(5)
+    model, x, key = OwnLM(), _qwix_batch(1), jax.random.key(5)
     params = model.init(jax.random.key(0), x)
     rules = [Rule("layer_.*", None), Rule(r"up_\d", Recipe()), Rule(r"mlp_\d", MXFP8())]
     ours = jax.jit(jax.value_and_grad(_linen_loss(quantize_model(model, rules), key)))(params, x)
@@ -106,7 +106,7 @@ def test_linen_provider_gives_quantize_models_bytes_with_stochastic_rounding():
     assert_same_tree(theirs, ours)
 
 
-class NNXBlock(nnx.Module):
+class ZooBlock(nnx.Module):
     """An NNX block as model zoos write one: q/o as ``nnx.Einsum``, the MLP as ``nnx.Linear``, an own weight
     contracted by ``jnp.einsum`` in the block itself."""
 
@@ -132,10 +132,10 @@ def _nnx_loss(model, x):
 def test_nnx_provider_gives_quantize_models_bytes():
     """Round to nearest: the forward and backward passes of the provider's model are our quantize_model's, byte for
     byte (the own einsum aside: quantize_model cannot see it, so it is kept by a rule in both)."""
-    x = _x(2)
+    x = _qwix_batch(2)
     rules = [Rule(".*", RTN)]
-    ours = nvfp4_nnx.quantize_model(NNXBlock(nnx.Rngs(0)), rules)
-    theirs = qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule("", None), *rules]), x)
+    ours = nvfp4_nnx.quantize_model(ZooBlock(nnx.Rngs(0)), rules)
+    theirs = qwix.quantize_model(ZooBlock(nnx.Rngs(0)), NVFP4Provider([Rule("", None), *rules]), x)
     got, want = (nnx.jit(nnx.value_and_grad(_nnx_loss))(m, x) for m in (theirs, ours))
     assert_same_tree(got[0], want[0])
     assert_same_tree(nnx.state(got[1], nnx.Param), nnx.state(want[1], nnx.Param))
@@ -144,10 +144,10 @@ def test_nnx_provider_gives_quantize_models_bytes():
 def test_nnx_provider_trains_with_stochastic_rounding_and_an_optimizer():
     """Every GEMM of the block (the own einsum included) in NVFP4 with stochastic rounding: each op keeps its own
     stream on the module (``nvfp4_<op id>``), a step takes new keys, the same seed gives the same steps."""
-    x = _x(3)
+    x = _qwix_batch(3)
 
     def run():
-        model = qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule(".*")], rngs=nnx.Rngs(nvfp4=1)), x)
+        model = qwix.quantize_model(ZooBlock(nnx.Rngs(0)), NVFP4Provider([Rule(".*")], rngs=nnx.Rngs(nvfp4=1)), x)
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
         @nnx.jit
@@ -166,14 +166,14 @@ def test_nnx_provider_trains_with_stochastic_rounding_and_an_optimizer():
 
 
 def test_provider_reports_a_rule_that_matches_nothing_and_checks_its_arguments():
-    x = _x(4)
+    x = _qwix_batch(4)
     with pytest.warns(UnmatchedRuleWarning, match="'nothing/.*'"):
-        qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule("nothing/.*"), Rule(".*", RTN)]), x)
+        qwix.quantize_model(ZooBlock(nnx.Rngs(0)), NVFP4Provider([Rule("nothing/.*"), Rule(".*", RTN)]), x)
     with pytest.raises(ValueError, match="matched no layer"):
-        qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule("x")], on_unmatched="raise"), x)
+        qwix.quantize_model(ZooBlock(nnx.Rngs(0)), NVFP4Provider([Rule("x")], on_unmatched="raise"), x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnmatchedRuleWarning)
-        qwix.quantize_model(NNXBlock(nnx.Rngs(0)), NVFP4Provider([Rule(".*", RTN)]), x)
+        qwix.quantize_model(ZooBlock(nnx.Rngs(0)), NVFP4Provider([Rule(".*", RTN)]), x)
     with pytest.raises(TypeError, match=r"jax_nvfp4\.flax\.Rule"):
         NVFP4Provider([qwix.QtRule()])
     with pytest.raises(TypeError, match=r"nnx\.Rngs"):
@@ -182,7 +182,7 @@ def test_provider_reports_a_rule_that_matches_nothing_and_checks_its_arguments()
 
 def test_jax_nvfp4_ops_are_what_the_provider_runs():
     """The provider's NVFP4 einsum in a module is jax_nvfp4.einsum with the rule's recipe."""
-    model, x = OwnEinsum((D, 48)), _x(5)
+    model, x = OwnEinsum((D, 48)), _qwix_batch(5)
     params = model.init(jax.random.key(0), "BTD,DF->BTF", x)
     converted = qwix.quantize_model(model, NVFP4Provider([Rule(".*", RTN)]))
     want = jax_nvfp4.einsum("BTD,DF->BTF", x, params["params"]["w"], recipe=RTN)
