@@ -9,7 +9,8 @@ convert gives the same bytes. The paths are Qwix's, which are the rules' of ``qu
 ``module.path`` joined by ``/`` (``"layer_0/attn/q_einsum"``), NNX attribute paths (``"layers/0/attn/q_proj"``).
 
 What is routed: a call whose second operand (``einsum``: either operand) is a parameter of the module making the
-call (Qwix's ``find_param``: the parameter itself, or under ``jit`` a unary op of it such as a cast). A product of
+call (Qwix's ``find_param``: the parameter itself, or under ``jit`` a unary op of it such as a cast; failing
+those, an operand of the exact shape of one of the module's parameters, Qwix's heuristic). A product of
 two activations (attention scores, ``"BTNH,BSNH->BTNS"``) stays as it is, whatever the rules say: NVFP4's recipe
 is for a layer's weight times its inputs. A weight given as ``einsum``'s first operand is swapped to the second.
 
@@ -144,18 +145,18 @@ class NVFP4Provider(qwix.QuantizationProvider):
         (made the second)."""
         if len(operands) != 2 or not isinstance(subscripts, str) or "->" not in subscripts:
             return jnp.einsum(subscripts, *operands, **kwargs)
-        lhs, rhs = operands
+        equation, (lhs, rhs) = subscripts, operands
         if flax_util.find_param(rhs) is None and _is_param(lhs):
             inputs, out = subscripts.split("->")
             a, b = inputs.split(",")
-            subscripts, lhs, rhs = f"{b},{a}->{out}", rhs, lhs
+            equation, lhs, rhs = f"{b},{a}->{out}", rhs, lhs
         recipe, op_id, module = self._route("einsum", rhs)
         if recipe is None:
-            return jnp.einsum(subscripts, *operands, **kwargs)
+            return jnp.einsum(subscripts, *operands, **kwargs)  # as called, not swapped
         if isinstance(module, nnx.Module):
-            return self._nnx_op(module, op_id, NVFP4Einsum, recipe)(subscripts, lhs, rhs, **kwargs)
-        check_layer_operands(type(module).__name__, _spelled(module), lhs, rhs, contracted_sizes(subscripts, lhs, rhs))
-        return nvfp4_einsum(subscripts, lhs, rhs, recipe=recipe, rng_key=stream_key(module, recipe), **kwargs)
+            return self._nnx_op(module, op_id, NVFP4Einsum, recipe)(equation, lhs, rhs, **kwargs)
+        check_layer_operands(type(module).__name__, _spelled(module), lhs, rhs, contracted_sizes(equation, lhs, rhs))
+        return nvfp4_einsum(equation, lhs, rhs, recipe=recipe, rng_key=stream_key(module, recipe), **kwargs)
 
     def ragged_dot(self, lhs, rhs, group_sizes, *args, **kwargs):
         """``lax.ragged_dot``, in NVFP4 where a rule matches and ``rhs`` (the experts' weights) is the module's."""

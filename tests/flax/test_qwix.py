@@ -211,10 +211,24 @@ def test_provider_reports_a_rule_that_matches_nothing_and_checks_its_arguments()
         NVFP4Provider([Rule(".*")], rngs=jax.random.key(0))
 
 
+class WeightFirst(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.einsum("FD,BTD->BTF", self.param("w", nn.initializers.normal(0.1), (48, D)), x)
+
+
 def test_jax_nvfp4_ops_are_what_the_provider_runs():
-    """The provider's NVFP4 einsum in a module is jax_nvfp4.einsum with the rule's recipe."""
+    """The provider's NVFP4 einsum in a module is jax_nvfp4.einsum with the rule's recipe, a weight given first
+    made the second operand; kept by a rule, or matched by none, the call runs as written."""
     model, x = OwnEinsum((D, 48)), _qwix_batch(5)
     params = model.init(jax.random.key(0), "BTD,DF->BTF", x)
     converted = qwix.quantize_model(model, NVFP4Provider([Rule(".*", RTN)]))
     want = jax_nvfp4.einsum("BTD,DF->BTF", x, params["params"]["w"], recipe=RTN)
     assert_same_tree(converted.apply(params, "BTD,DF->BTF", x), want)
+    first = WeightFirst()
+    params = first.init(jax.random.key(0), x)
+    want = jax_nvfp4.einsum("BTD,FD->BTF", x, params["params"]["w"], recipe=RTN)
+    assert_same_tree(qwix.quantize_model(first, NVFP4Provider([Rule(".*", RTN)])).apply(params, x), want)
+    for rules in ([Rule(".*", None)], [Rule("elsewhere", RTN)]):
+        kept = qwix.quantize_model(first, NVFP4Provider(rules, on_unmatched="ignore"))
+        assert_same_tree(kept.apply(params, x), first.apply(params, x))
