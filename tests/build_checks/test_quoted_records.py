@@ -230,3 +230,16 @@ def test_the_residuals_quoted_are_their_record():
         f"{mb['NVFP4 both']} MB"
     )
     assert quoted in _normalized("README.md"), f"the README should say: {quoted!r}"
+
+
+def test_the_gemma_figures_quoted_are_their_record():
+    """gemma through the Qwix provider (benchmarks.gemma_qwix): the held-out losses and their gap, in the README
+    and the benchmarks page."""
+    rows = {cells[0]: cells for cells in table_cells((RESULTS / "gemma-qwix-cpu8-amd-epyc-2core.md").read_text())}
+    nvfp4, bf16 = rows["NVFP4, held-out"][5], rows["bf16, held-out"][5]
+    gap = f"{100 * (float(nvfp4) / float(bf16) - 1):+.2f}%"
+    for page, quoted in (
+        ("README.md", f"held-out loss {nvfp4} against bf16's {bf16} ({gap})"),
+        ("docs/benchmarks.md", f"the held-out loss is {nvfp4} against bf16's {bf16} ({gap})"),
+    ):
+        assert quoted in _normalized(page), f"{page} should say: {quoted!r}"
