@@ -17,14 +17,18 @@ is for a layer's weight times its inputs. A weight given as ``einsum``'s first o
 Stochastic-rounding keys: linen modules draw them from the ``"nvfp4"`` RNG stream (``apply(..., rngs={"nvfp4":
 key})``), per module, as ``quantize_model``'s layers do. NNX modules get an ``NVFP4DotGeneral`` / ``NVFP4Einsum`` /
 ``NVFP4RaggedDot`` op per intercepted call, kept on the module as ``nvfp4_<op id>`` (``nvfp4_dot_general0``) with its
-own stream, forked at Qwix's first (eager) run from the provider's ``rngs`` or else the ``rngs=`` given to
-``qwix.quantize_model``, in the order the calls first run (``nnx.quantize_model`` forks them in graph order: with
-stochastic rounding the two give other keys, with the same statistics).
+own stream, whose key is ``fold_in(k, crc32("<module path>:<op id>"))``, ``k`` one key drawn at Qwix's first (eager)
+run from the provider's ``rngs`` or else the ``rngs=`` given to ``qwix.quantize_model`` (``nnx.quantize_model`` forks
+its layers' streams from ``rngs`` in graph order instead: with stochastic rounding the two give other keys, with the
+same statistics). The layers of a stack that a model runs by ``scan`` share one module path, and so one key.
+
+A call that contracts no axis (an RMSNorm's scale, ``"...k,k->...k"``) is not a GEMM and stays as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Iterable
 
 import flax.linen as nn
@@ -36,7 +40,7 @@ from jax import lax
 from qwix._src.utils import flax_util  # Qwix's current module, its path and find_param (not exported)
 
 from jax_nvfp4.flax.linen.convert import layer_dot_general
-from jax_nvfp4.flax.linen.layers import stream_key
+from jax_nvfp4.flax.linen.layers import RNG_STREAM, stream_key
 from jax_nvfp4.flax.nnx.layers import NVFP4DotGeneral, NVFP4Einsum, NVFP4RaggedDot
 from jax_nvfp4.flax.rules import (
     OnUnmatched,
@@ -70,9 +74,10 @@ class NVFP4Provider(qwix.QuantizationProvider):
     Args:
       rules: ``jax_nvfp4.flax.Rule`` objects (the same as for ``quantize_model``): the first whose ``module_path``
         fullmatches the path of the module making a call decides its recipe; ``None`` keeps it as it is.
-      rngs: NNX only: the ``nnx.Rngs`` whose ``"nvfp4"`` (else ``default``) stream each NVFP4 op forks its
-        stochastic-rounding stream from; without it, the ``rngs=`` given to ``qwix.quantize_model`` (MaxText gives
-        none: pass it here). Linen draws from the ``"nvfp4"`` stream of ``apply``.
+      rngs: NNX only: the ``nnx.Rngs`` whose ``"nvfp4"`` (else ``default``) stream gives, at Qwix's first run, the
+        key that each NVFP4 op's stochastic-rounding stream is derived from; without it, the ``rngs=`` given to
+        ``qwix.quantize_model`` (MaxText gives none: pass it here). Linen draws from the ``"nvfp4"`` stream of
+        ``apply``.
       on_unmatched: a rule that matched no routed call at Qwix's first run (``init`` for linen) is reported
         as by ``quantize_model``: ``"warn"``, ``"raise"`` or ``"ignore"``.
       disable_jit: Qwix's own option (intercept inside jitted functions such as ``jnp.matmul`` too).
@@ -92,6 +97,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
             raise TypeError(f"NVFP4Provider's rngs must be an nnx.Rngs or None, got {type(rngs).__name__}")
         self.rngs = rngs
         self.seen: set[str] = set()  # the paths of the modules whose calls were routed or kept by a rule
+        self._stream_key: jax.Array | None = None  # NNX: the key each op's stream is derived from
         qwix_rules = [RecipeRule(module_path=r.module_path, recipe=r.recipe) for r in self.rules]
         super().__init__(qwix_rules, disable_jit=disable_jit)
 
@@ -103,18 +109,32 @@ class NVFP4Provider(qwix.QuantizationProvider):
             "jax.lax.ragged_dot": self.ragged_dot,
         }
 
+    def process_model_inputs(self, model, model_args, model_kwargs):
+        """At Qwix's first NNX run (eager, outside any trace): one key from the ``"nvfp4"`` (else ``default``) stream
+        of ``rngs`` (the provider's, else ``qwix.quantize_model``'s), from which each op's stream is derived."""
+        rngs = self.rngs if self.rngs is not None else getattr(model, "qwix_rngs", None)
+        if self._stream_key is None and isinstance(model, nnx.Module) and rngs is not None:
+            if RNG_STREAM not in rngs and "default" not in rngs:
+                raise ValueError(
+                    f"NVFP4Provider takes its stochastic-rounding keys from the {RNG_STREAM!r} stream of rngs (else "
+                    f"its 'default' stream), and rngs has only {sorted(rngs)}: pass e.g. nnx.Rngs({RNG_STREAM}=seed)"
+                )
+            self._stream_key = rngs[RNG_STREAM]()
+        return super().process_model_inputs(model, model_args, model_kwargs)
+
     def process_model_output(self, method_name, model_output):
         """After Qwix's first run, report the rules that matched no routed call (``on_unmatched``)."""
         if not self._initial_run_complete:
             report_unmatched(self.rules, self.seen, self.on_unmatched, "NVFP4Provider", layers_only=False)
         return super().process_model_output(method_name, model_output)
 
-    def _route(self, op_name: str, weight) -> tuple[Recipe | MXFP8 | None, str | None, object]:
+    def _route(self, op_name: str, weight, contracts: bool) -> tuple[Recipe | MXFP8 | None, str | None, object]:
         """The recipe of the current call (None: as it is), its Qwix op id and the calling module; ``weight``: the
-        operand that must be a parameter of that module for the call to be routed."""
+        operand that must be a parameter of that module for the call to be routed, ``contracts``: whether the call
+        contracts an axis (a GEMM; not a scale such as an RMSNorm's ``"...k,k->...k"``)."""
         rule, op_id = self._get_current_rule_and_op_id(op_name)
         module = flax_util.get_current_module()
-        if rule is None or flax_util.find_param(weight) is None:
+        if rule is None or not contracts or flax_util.find_param(weight) is None:
             return None, op_id, module
         self.seen.add(_spelled(module))
         return rule.recipe, op_id, module
@@ -124,14 +144,22 @@ class NVFP4Provider(qwix.QuantizationProvider):
         name = f"nvfp4_{op_id}"
         op = getattr(module, name, None)
         if op is None or op.recipe != recipe:
-            rngs = self.rngs if self.rngs is not None else getattr(module, "qwix_rngs", None)
-            op = op_cls(recipe, rngs=rngs, path=_spelled(module))
+            path = _spelled(module)
+            # Made where the call first runs, which may be inside a transform of the model's (a scan or a
+            # jax.checkpoint over its layers, as MaxText's decoder runs them): no stream from outside is drawn
+            # from there, and the stream's key is computed now, not traced.
+            with jax.ensure_compile_time_eval():
+                stream = None
+                if self._stream_key is not None:
+                    key = jax.random.fold_in(self._stream_key, zlib.crc32(f"{path}:{op_id}".encode()))
+                    stream = nnx.RngStream(key, tag=RNG_STREAM)
+                op = op_cls(recipe, rngs=stream, path=path)
             setattr(module, name, nnx.data(op))
         return op
 
     def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         """``lax.dot_general``, in NVFP4 where a rule matches and ``rhs`` is the module's weight."""
-        recipe, op_id, module = self._route("dot_general", rhs)
+        recipe, op_id, module = self._route("dot_general", rhs, bool(dimension_numbers[0][0]))
         if recipe is None:
             return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
         if isinstance(module, nnx.Module):
@@ -150,7 +178,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
             inputs, out = subscripts.split("->")
             a, b = inputs.split(",")
             equation, lhs, rhs = f"{b},{a}->{out}", rhs, lhs
-        recipe, op_id, module = self._route("einsum", rhs)
+        recipe, op_id, module = self._route("einsum", rhs, _contracts(equation, lhs, rhs))
         if recipe is None:
             return jnp.einsum(subscripts, *operands, **kwargs)  # as called, not swapped
         if isinstance(module, nnx.Module):
@@ -160,7 +188,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
 
     def ragged_dot(self, lhs, rhs, group_sizes, *args, **kwargs):
         """``lax.ragged_dot``, in NVFP4 where a rule matches and ``rhs`` (the experts' weights) is the module's."""
-        recipe, op_id, module = self._route("ragged_dot", rhs)
+        recipe, op_id, module = self._route("ragged_dot", rhs, True)
         if recipe is None:
             return lax.ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
         if isinstance(module, nnx.Module):
@@ -168,6 +196,14 @@ class NVFP4Provider(qwix.QuantizationProvider):
         check_layer_operands(type(module).__name__, _spelled(module), lhs, rhs, lhs.shape[-1:])
         key = stream_key(module, recipe)
         return nvfp4_ragged_dot(lhs, rhs, group_sizes, *args, recipe=recipe, rng_key=key, **kwargs)
+
+
+def _contracts(equation: str, lhs, rhs) -> bool:
+    """Whether ``einsum(equation, lhs, rhs)`` contracts an axis (False too where jnp.einsum is to judge it)."""
+    try:
+        return bool(contracted_sizes(equation, lhs, rhs))
+    except ValueError:
+        return False
 
 
 def _is_param(x) -> bool:

@@ -105,8 +105,8 @@ def keep_ends(
 
 def check_layer_operands(layer: str, path: str | None, lhs, rhs, contracted: Sequence[int]) -> None:
     """TypeError / ValueError naming the layer (``layer`` at ``path``) whose GEMM cannot run in NVFP4: operands that
-    are not bfloat16, float16 or float32 (integers, complex), or a contraction of size 0 (nothing to quantize),
-    before any kernel sees them; ``contracted``: the sizes of the contracted axes."""
+    are not bfloat16, float16 or float32 (integers, complex), no contracted axis (a scale, not a GEMM) or one of
+    size 0 (nothing to quantize), before any kernel sees them; ``contracted``: the sizes of the contracted axes."""
     where = layer if path is None else f"{layer} at {path!r}"
     keep = f" (keep the layer in its precision with Rule({path!r}, None))" if path is not None else ""
     for name, operand in (("inputs", lhs), ("kernel", rhs)):
@@ -115,6 +115,8 @@ def check_layer_operands(layer: str, path: str | None, lhs, rhs, contracted: Seq
             raise TypeError(
                 f"{where}: NVFP4 GEMMs take bfloat16, float16 or float32 operands, its {name} are {dtype}{keep}"
             )
+    if not contracted:
+        raise ValueError(f"{where}: it contracts no axis, so it is no GEMM to run in NVFP4{keep}")
     if 0 in contracted:
         raise ValueError(
             f"{where}: its GEMM contracts an axis of size 0 (sizes {tuple(contracted)}), nothing to quantize{keep}"

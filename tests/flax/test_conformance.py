@@ -369,8 +369,8 @@ def test_linen_scan_stacked_layers_and_dtypes(param_dtype, dtype):
 
 
 def test_operands_nvfp4_cannot_take_name_the_layer():
-    """Complex operands (integers likewise), or a contraction of size 0, in a layer a rule matches: an error naming its
-    path and the rule that keeps it, raised before any kernel sees them."""
+    """Complex operands (integers likewise), no contraction or one of size 0, in a layer a rule matches: an error
+    naming its path and the rule that keeps it, raised before any kernel sees them."""
 
     class Two(nnx.Module):
         def __init__(self, rngs, **kw):
@@ -386,6 +386,11 @@ def test_operands_nvfp4_cannot_take_name_the_layer():
     nvfp4_nnx.quantize_model(empty, [Rule(".*", RTN)])
     with pytest.raises(ValueError, match=r"at '': its GEMM contracts an axis of size 0"):
         empty(jnp.ones((2, 0)))
+    scale = nvfp4_nnx.quantize_model(
+        nnx.Einsum("bd,d->bd", (D,), kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0)), [Rule(".*", RTN)]
+    )
+    with pytest.raises(ValueError, match=r"contracts no axis, so it is no GEMM"):
+        scale(jnp.ones((2, D)))
 
     class Complex(nn.Module):
         @nn.compact

@@ -232,3 +232,61 @@ def test_jax_nvfp4_ops_are_what_the_provider_runs():
     for rules in ([Rule(".*", None)], [Rule("elsewhere", RTN)]):
         kept = qwix.quantize_model(first, NVFP4Provider(rules, on_unmatched="ignore"))
         assert_same_tree(kept.apply(params, x), first.apply(params, x))
+
+
+class CheckpointedLayer(nnx.Module):
+    """A projection and an RMSNorm-style scale (``"...k,k->...k"``, which contracts nothing)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(normal((D, D), 10, jnp.float32) * 0.1)
+        self.scale = nnx.Param(jnp.full((D,), 1.5))
+
+    def __call__(self, x):
+        return jnp.einsum("...k,k->...k", jnp.einsum("bd,df->bf", x, self.w[...]), self.scale[...])
+
+
+class CheckpointedStack(nnx.Module):
+    """Its layer run inside ``jax.checkpoint`` of a split / merge function, as MaxText's NNX decoder runs its
+    layers (at Qwix's first run too, where the provider makes its ops)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.layer = CheckpointedLayer(rngs)
+
+    def __call__(self, x):
+        def pure(graph, state, x):
+            layer = nnx.merge(graph, state)
+            return layer(x), nnx.split(layer)
+
+        y, (graph, state) = jax.checkpoint(pure, static_argnums=(0,))(*nnx.split(self.layer), x)
+        self.layer = nnx.merge(graph, state)
+        return y
+
+
+def test_nnx_ops_made_inside_a_transform_train_and_a_scale_stays_as_it_is():
+    """The provider makes the layer's op inside the model's jax.checkpoint with stochastic rounding (drawing from an
+    outer stream there raised TraceContextError), the op's key derived from its path; the norm's scale einsum
+    contracts no axis and is not routed (it was: its scale quantized to FP4)."""
+    x = normal((16, D), 11, jnp.float32)
+    provider = NVFP4Provider([Rule(".*")], rngs=nnx.Rngs(nvfp4=0))
+    model = qwix.quantize_model(CheckpointedStack(nnx.Rngs(0)), provider, x)
+    assert provider.seen == {"layer"}
+    assert [name for name in vars(model.layer) if name.startswith("nvfp4_")] == ["nvfp4_einsum0"]
+    plain = CheckpointedLayer(nnx.Rngs(0))
+    want = jax_nvfp4.einsum("bd,df->bf", x, plain.w[...], recipe=Recipe()) * 1.5
+    assert_same_tree(model(x), want)
+    drawn = int(model.layer.nvfp4_einsum0.rngs.count[...])
+    losses = _nnx_train_steps(model, x, steps=4)
+    assert losses[-1] < losses[0]
+    assert int(model.layer.nvfp4_einsum0.rngs.count[...]) == drawn + 4  # a key a step
+
+
+def _nnx_train_steps(model, x, steps):
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        loss, grads = nnx.value_and_grad(_nnx_loss)(model, x)
+        optimizer.update(model, grads)
+        return loss
+
+    return [float(step(model, optimizer)) for _ in range(steps)]
