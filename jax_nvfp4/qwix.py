@@ -17,10 +17,11 @@ is for a layer's weight times its inputs. A weight given as ``einsum``'s first o
 Stochastic-rounding keys: linen modules draw them from the ``"nvfp4"`` RNG stream (``apply(..., rngs={"nvfp4":
 key})``), per module, as ``quantize_model``'s layers do. NNX modules get an ``NVFP4DotGeneral`` / ``NVFP4Einsum`` /
 ``NVFP4RaggedDot`` op per intercepted call, kept on the module as ``nvfp4_<op id>`` (``nvfp4_dot_general0``) with its
-own stream, whose key is ``fold_in(k, crc32("<module path>:<op id>"))``, ``k`` one key drawn at Qwix's first (eager)
-run from the provider's ``rngs`` or else the ``rngs=`` given to ``qwix.quantize_model`` (``nnx.quantize_model`` forks
-its layers' streams from ``rngs`` in graph order instead: with stochastic rounding the two give other keys, with the
-same statistics). The layers of a stack that a model runs by ``scan`` share one module path, and so one key.
+own stream, forked (as ``NVFP4Op`` forks one) from a stream keyed ``fold_in(k, crc32("<module path>:<op id>"))``,
+``k`` one key drawn at Qwix's first (eager) run from the provider's ``rngs`` or else the ``rngs=`` given to
+``qwix.quantize_model`` (``nnx.quantize_model`` forks its layers' streams from ``rngs`` in graph order instead: with
+stochastic rounding the two give other keys, with the same statistics). The layers of a stack that a model runs by
+``scan`` share one module path, and so one key.
 
 A call that contracts no axis (an RMSNorm's scale, ``"...k,k->...k"``) is not a GEMM and stays as it is.
 """
