@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_same_tree, normal, quantized_shapes
+from helpers import CPUS, assert_same_tree, needs_8_cpus, normal, quantized_shapes
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4
 from jax_nvfp4 import MXFP8, Recipe
@@ -290,3 +292,49 @@ def _nnx_train_steps(model, x, steps):
         return loss
 
     return [float(step(model, optimizer)) for _ in range(steps)]
+
+
+class ShardedBlock(nnx.Module):
+    """``nnx.Einsum`` and ``nnx.Linear`` projections as zoo models call them on Explicit meshes (``out_sharding``)."""
+
+    def __init__(self, rngs: nnx.Rngs, sharded: bool):
+        meta = (lambda names: {"sharding_names": names}) if sharded else (lambda names: {})
+        self.q = nnx.Einsum("BTD,DNH->BTNH", (D, 8, 8), kernel_metadata=meta(("fsdp", "tensor", None)), rngs=rngs)
+        self.o = nnx.Einsum("BTNH,NHD->BTD", (8, 8, D), kernel_metadata=meta(("tensor", None, "fsdp")), rngs=rngs)
+        self.up = nnx.Linear(D, 2 * D, kernel_metadata=meta(("fsdp", "tensor")), rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, kernel_metadata=meta(("tensor", "fsdp")), rngs=rngs)
+        self.sharded = sharded
+
+    def __call__(self, x):
+        def spec(*entries):
+            return P(*entries) if self.sharded else None
+
+        x = x + self.o(self.q(x, out_sharding=spec("fsdp", None, "tensor", None)), out_sharding=spec("fsdp"))
+        return x + self.down(
+            jax.nn.gelu(self.up(x, out_sharding=spec("fsdp", None, "tensor"))), out_sharding=spec("fsdp")
+        )
+
+
+@needs_8_cpus
+def test_provider_on_an_explicit_mesh_equals_unsharded():
+    """fsdp=2 x tensor=4, Explicit, the calls passing ``out_sharding``: converted by the provider (its first run on
+    the mesh), a step's loss and gradients are the unsharded model's to float32 rounding, each gradient typed as
+    its parameter."""
+    x = normal((8, 16, D), 12, jnp.float32)
+
+    def step(model, x):
+        return nnx.value_and_grad(_nnx_loss)(model, x)
+
+    rules = [Rule(".*", RTN)]
+    want_loss, want = nnx.jit(step)(qwix.quantize_model(ShardedBlock(nnx.Rngs(0), False), NVFP4Provider(rules), x), x)
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=CPUS[:8])
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, P("fsdp"))
+        provider = NVFP4Provider(rules)
+        loss, grads = nnx.jit(step)(qwix.quantize_model(ShardedBlock(nnx.Rngs(0), True), provider, xs), xs)
+        assert jax.typeof(grads.q.kernel[...]).sharding.spec == P("fsdp", "tensor", None)
+    assert provider.seen == {"q", "o", "up", "down"}
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    leaves = zip(jax.tree.leaves(nnx.state(grads, nnx.Param)), jax.tree.leaves(nnx.state(want, nnx.Param)), strict=True)
+    for g, w in leaves:
+        np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-6 * float(np.max(np.abs(w))))
