@@ -181,15 +181,7 @@ def test_nnx_provider_trains_with_stochastic_rounding_and_an_optimizer():
 
     def run():
         model = qwix.quantize_model(ZooBlock(nnx.Rngs(0)), NVFP4Provider([Rule(".*")], rngs=nnx.Rngs(nvfp4=1)), x)
-        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer):
-            loss, grads = nnx.value_and_grad(_nnx_loss)(model, x)
-            optimizer.update(model, grads)
-            return loss
-
-        return model, [float(step(model, optimizer)) for _ in range(8)]
+        return model, _nnx_train_steps(model, x, steps=8)
 
     model, losses = run()
     assert losses[-1] < 0.7 * losses[0]
