@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import flax.linen as nn
 import jax
@@ -42,7 +42,7 @@ from qwix._src.utils import flax_util  # Qwix's current module, its path and fin
 
 from jax_nvfp4.flax.linen.convert import layer_dot_general
 from jax_nvfp4.flax.linen.layers import RNG_STREAM, stream_key
-from jax_nvfp4.flax.nnx.layers import NVFP4DotGeneral, NVFP4Einsum, NVFP4RaggedDot
+from jax_nvfp4.flax.nnx.layers import NVFP4DotGeneral, NVFP4Einsum, NVFP4RaggedDot, nvfp4_stream
 from jax_nvfp4.flax.rules import (
     OnUnmatched,
     Rule,
@@ -115,12 +115,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
         of ``rngs`` (the provider's, else ``qwix.quantize_model``'s), from which each op's stream is derived."""
         rngs = self.rngs if self.rngs is not None else getattr(model, "qwix_rngs", None)
         if self._stream_key is None and isinstance(model, nnx.Module) and rngs is not None:
-            if RNG_STREAM not in rngs and "default" not in rngs:
-                raise ValueError(
-                    f"NVFP4Provider takes its stochastic-rounding keys from the {RNG_STREAM!r} stream of rngs (else "
-                    f"its 'default' stream), and rngs has only {sorted(rngs)}: pass e.g. nnx.Rngs({RNG_STREAM}=seed)"
-                )
-            self._stream_key = rngs[RNG_STREAM]()
+            self._stream_key = nvfp4_stream(rngs)()
         return super().process_model_inputs(model, model_args, model_kwargs)
 
     def process_model_output(self, method_name, model_output):
@@ -129,13 +124,13 @@ class NVFP4Provider(qwix.QuantizationProvider):
             report_unmatched(self.rules, self.seen, self.on_unmatched, "NVFP4Provider", layers_only=False)
         return super().process_model_output(method_name, model_output)
 
-    def _route(self, op_name: str, weight, contracts: bool) -> tuple[Recipe | MXFP8 | None, str | None, object]:
-        """The recipe of the current call (None: as it is), its Qwix op id and the calling module; ``weight``: the
-        operand that must be a parameter of that module for the call to be routed, ``contracts``: whether the call
-        contracts an axis (a GEMM; not a scale such as an RMSNorm's ``"...k,k->...k"``)."""
+    def _route(self, op_name: str, is_gemm: Callable[[], bool]) -> tuple[Recipe | MXFP8 | None, str | None, object]:
+        """The recipe of the current call (None: as it is), its Qwix op id and the calling module. ``is_gemm``, asked
+        only where a rule matches: whether the call contracts an axis (not a scale such as an RMSNorm's
+        ``"...k,k->...k"``) with a parameter of that module as its weight operand."""
         rule, op_id = self._get_current_rule_and_op_id(op_name)
         module = flax_util.get_current_module()
-        if rule is None or not contracts or flax_util.find_param(weight) is None:
+        if rule is None or not is_gemm():
             return None, op_id, module
         self.seen.add(_spelled(module))
         return rule.recipe, op_id, module
@@ -160,7 +155,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
 
     def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         """``lax.dot_general``, in NVFP4 where a rule matches and ``rhs`` is the module's weight."""
-        recipe, op_id, module = self._route("dot_general", rhs, bool(dimension_numbers[0][0]))
+        recipe, op_id, module = self._route("dot_general", lambda: bool(dimension_numbers[0][0]) and _is_weight(rhs))
         if recipe is None:
             return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
         if isinstance(module, nnx.Module):
@@ -175,11 +170,12 @@ class NVFP4Provider(qwix.QuantizationProvider):
         if len(operands) != 2 or not isinstance(subscripts, str) or "->" not in subscripts:
             return jnp.einsum(subscripts, *operands, **kwargs)
         equation, (lhs, rhs) = subscripts, operands
-        if flax_util.find_param(rhs) is None and _is_param(lhs):
+        weight = _is_weight(rhs)
+        if not weight and _is_param(lhs):
             inputs, out = subscripts.split("->")
             a, b = inputs.split(",")
-            equation, lhs, rhs = f"{b},{a}->{out}", rhs, lhs
-        recipe, op_id, module = self._route("einsum", rhs, _contracts(equation, lhs, rhs))
+            equation, lhs, rhs, weight = f"{b},{a}->{out}", rhs, lhs, True
+        recipe, op_id, module = self._route("einsum", lambda: weight and _contracts(equation, lhs, rhs))
         if recipe is None:
             return jnp.einsum(subscripts, *operands, **kwargs)  # as called, not swapped
         if isinstance(module, nnx.Module):
@@ -189,7 +185,7 @@ class NVFP4Provider(qwix.QuantizationProvider):
 
     def ragged_dot(self, lhs, rhs, group_sizes, *args, **kwargs):
         """``lax.ragged_dot``, in NVFP4 where a rule matches and ``rhs`` (the experts' weights) is the module's."""
-        recipe, op_id, module = self._route("ragged_dot", rhs, True)
+        recipe, op_id, module = self._route("ragged_dot", lambda: _is_weight(rhs))
         if recipe is None:
             return lax.ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
         if isinstance(module, nnx.Module):
@@ -207,8 +203,14 @@ def _contracts(equation: str, lhs, rhs) -> bool:
         return False
 
 
+def _is_weight(x) -> bool:
+    """Whether ``x`` is a parameter of the calling module (Qwix's ``find_param``)."""
+    return flax_util.find_param(x) is not None
+
+
 def _is_param(x) -> bool:
-    return isinstance(x, jax.Array | jax.core.Tracer) and flax_util.find_param(x) is not None
+    """``_is_weight`` for an operand that may not be an array (einsum's first, which is usually not a weight)."""
+    return isinstance(x, jax.Array | jax.core.Tracer) and _is_weight(x)
 
 
 __all__ = ["NVFP4Provider", "RecipeRule"]

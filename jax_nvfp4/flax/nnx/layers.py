@@ -62,6 +62,17 @@ def observer_of(module: NVFP4DotGeneral) -> Callable[..., jax.Array] | None:
     return _OBSERVERS.get().get(id(module))
 
 
+def nvfp4_stream(rngs: nnx.Rngs) -> nnx.RngStream:
+    """The stream of ``rngs`` that NVFP4's stochastic-rounding keys come from: its ``"nvfp4"`` one, else its
+    ``default`` (ValueError, saying what to pass, with neither)."""
+    if RNG_STREAM not in rngs and "default" not in rngs:
+        raise ValueError(
+            f"NVFP4 layers take their stochastic-rounding keys from the {RNG_STREAM!r} stream of rngs (else its "
+            f"'default' stream), and rngs has only {sorted(rngs)}: pass e.g. nnx.Rngs(..., {RNG_STREAM}=seed)"
+        )
+    return rngs[RNG_STREAM]
+
+
 class NVFP4Op(nnx.Module):
     """An NVFP4 operation as an NNX module: its recipe and, with stochastic rounding, its own RNG stream."""
 
@@ -90,13 +101,7 @@ class NVFP4Op(nnx.Module):
         self.rngs: nnx.RngStream | None = nnx.data(None)
         if rngs is not None and recipe.needs_rng_key:
             if isinstance(rngs, nnx.Rngs):
-                if RNG_STREAM not in rngs and "default" not in rngs:
-                    raise ValueError(
-                        f"NVFP4 layers take their stochastic-rounding keys from the {RNG_STREAM!r} stream of "
-                        f"rngs (else its 'default' stream), and rngs has only {sorted(rngs)}: pass e.g. "
-                        f"nnx.Rngs(..., {RNG_STREAM}=seed)"
-                    )
-                rngs = rngs[RNG_STREAM]
+                rngs = nvfp4_stream(rngs)
             # A fork of the stream (one key from it), tagged "nvfp4" whichever stream it came from.
             key = rngs()
             self.rngs = nnx.RngStream(jax.random.split(key, stack) if stack else key, tag=RNG_STREAM)
@@ -360,6 +365,7 @@ __all__ = [
     "NVFP4RaggedDot",
     "WeightCache",
     "cached_weights",
+    "nvfp4_stream",
     "quantize_model",
     "quantize_params",
 ]
