@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import CPUS, needs_8_cpus, normal, quantized_shapes
+from helpers import CPUS, needs_8_cpus, nnx_adam_losses, normal, quantized_shapes
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -122,16 +122,8 @@ def _lm_loss(model, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def _nnx_train(model, loss, *batch, steps=STEPS):
-    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer, *batch):
-        value, grads = nnx.value_and_grad(loss)(model, *batch)
-        optimizer.update(model, grads)
-        return value
-
-    return [float(step(model, optimizer, *batch)) for _ in range(steps)]
+def _nnx_train(model, loss, *batch):
+    return nnx_adam_losses(model, loss, *batch, steps=STEPS, learning_rate=3e-3)
 
 
 def _forward_quantizes(fn, *args) -> int:

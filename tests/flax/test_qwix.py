@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import CPUS, assert_same_tree, needs_8_cpus, normal, quantized_shapes
+from helpers import CPUS, assert_same_tree, needs_8_cpus, nnx_adam_losses, normal, quantized_shapes
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -181,7 +181,7 @@ def test_nnx_provider_trains_with_stochastic_rounding_and_an_optimizer():
 
     def run():
         model = qwix.quantize_model(ZooBlock(nnx.Rngs(0)), NVFP4Provider([Rule(".*")], rngs=nnx.Rngs(nvfp4=1)), x)
-        return model, _nnx_train_steps(model, x, steps=8)
+        return model, nnx_adam_losses(model, _nnx_loss, x, steps=8, learning_rate=1e-2)
 
     model, losses = run()
     assert losses[-1] < 0.7 * losses[0]
@@ -269,21 +269,9 @@ def test_nnx_ops_made_inside_a_transform_train_and_a_scale_stays_as_it_is():
     want = jax_nvfp4.einsum("bd,df->bf", x, plain.w[...], recipe=Recipe()) * 1.5
     assert_same_tree(model(x), want)
     drawn = int(model.layer.nvfp4_einsum0.rngs.count[...])
-    losses = _nnx_train_steps(model, x, steps=4)
+    losses = nnx_adam_losses(model, _nnx_loss, x, steps=4, learning_rate=1e-2)
     assert losses[-1] < losses[0]
     assert int(model.layer.nvfp4_einsum0.rngs.count[...]) == drawn + 4  # a key a step
-
-
-def _nnx_train_steps(model, x, steps):
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer):
-        loss, grads = nnx.value_and_grad(_nnx_loss)(model, x)
-        optimizer.update(model, grads)
-        return loss
-
-    return [float(step(model, optimizer)) for _ in range(steps)]
 
 
 class ShardedBlock(nnx.Module):

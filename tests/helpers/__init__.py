@@ -9,6 +9,7 @@ tests/ is on sys.path because tests/conftest.py lives there. The modules:
 - ``golden``: the golden files (tests/golden/) and the check against one, and the stochastic-rounding vectors;
 - ``sr_place``: a slice's place in the whole tensor for stochastic rounding, and the parts it must reproduce;
 - ``gemm``: the GEMM's float64 oracle, hand-built operands, the dense layer's problem and gradients;
+- ``training``: a few Adam steps of an NNX model (the Flax tests' training loop);
 - ``cuda_host``: the CUDA kernels on the CPU through the host model (``from helpers import cuda_host``; not
   imported here: only the CUDA tests load the host model's module and, under pytest-xdist, its thread setting).
 """
@@ -70,6 +71,7 @@ from .kernel_cases import (
     reference_quantize,
     tensors,
 )
+from .training import nnx_adam_losses
 
 __all__ = [
     "COMBINATIONS",
@@ -108,6 +110,7 @@ __all__ = [
     "load_sr",
     "needs_8_cpus",
     "needs_8_devices",
+    "nnx_adam_losses",
     "normal",
     "one_per_family",
     "option_cases",
