@@ -48,7 +48,7 @@ def _compile(tiles: dict, dump: str, kernel: str = "as stored") -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.offline_gpu import hopper
+    from benchmarks.offline_gpu import compile_for
     from jax_nvfp4.ops import fused_gemm, fused_ragged_gemm
 
     m, k, n = SHAPE
@@ -80,7 +80,7 @@ def _compile(tiles: dict, dump: str, kernel: str = "as stored") -> None:
             options = {"out_dtype": jnp.bfloat16, "tiles": t, "interpret": False}
             return fused_ragged_gemm.fused_segment_gemm(a, sa, c, sc, segments, s1, ra, rc, **options)
 
-    with hopper() as on_h100:
+    with compile_for("h100") as on_h100:
         jax.jit(f).trace(*[on_h100(shape, dtype) for shape, dtype in shapes]).lower().compile()
 
 

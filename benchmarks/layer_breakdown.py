@@ -22,15 +22,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import re
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 import jax_nvfp4
+from benchmarks import roofline
+from benchmarks.offline_gpu import TARGETS, target, target_of
 from benchmarks.profile_trace import instruction_seconds
-from benchmarks.timing import Report, device_name
+from benchmarks.timing import Report, commit, device_name
 
 DENSE = (((1,), (0,)), ((), ()))
 # Instructions that move no data of their own: views, tuples, parameters, constants.
@@ -122,10 +127,10 @@ def compiled_step(dot, shape: tuple[int, int, int], target: str = "default", pro
 
     if target == "default":
         return jax.jit(step).lower(*[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]).compile()
-    from benchmarks.offline_gpu import hopper
+    from benchmarks.offline_gpu import compile_for
 
-    with hopper() as on_h100:
-        return jax.jit(step).trace(*[on_h100(s, jnp.bfloat16) for s in shapes]).lower().compile()
+    with compile_for(target) as on_gpu:
+        return jax.jit(step).trace(*[on_gpu(s, jnp.bfloat16) for s in shapes]).lower().compile()
 
 
 def _shapes(shape: tuple[int, int, int], experts: int) -> tuple[tuple[int, ...], ...]:
@@ -160,46 +165,105 @@ def layer_dots(recipe: jax_nvfp4.Recipe, shape: tuple[int, int, int], experts: i
     return nvfp4, lambda x, w: lax.ragged_dot(x, w, sizes)
 
 
+def minimum_outside_gemms(shape: tuple[int, int, int], experts: int = 0) -> float:
+    """The fewest bytes the recipe's passes outside the GEMMs can move: x, W and dy read once in bf16, and each
+    quantized copy the GEMMs read written once (x and dy rowwise and columnwise, W in 16x16 blocks once, which
+    both of its GEMMs read), at 4 bits a value and one E4M3 scale per 16."""
+    m, k, n = shape
+    w = k * n * max(experts, 1)
+    return 2.0 * (m * k + w + m * n) + (0.5 + 1 / 16) * (2 * m * k + w + 2 * m * n)
+
+
+def _mma(kernel: Kernel, found: dict[str, set[str]]) -> str:
+    """The tensor-core MMA a kernel runs, from its PTX: e.g. ``tcgen05 mxf4nvf4`` (FP4), ``wgmma bf16``."""
+    names = found.get(re.sub(r"[.\-]", "_", kernel.name), set())  # PTX symbols: "fusion.1" is fusion_1
+    if not names:
+        return "library call" if kernel.what.startswith(("__cublas", "__cudnn")) else ""
+    short = set()
+    for n in names:
+        kind = re.search(r"kind::(\w+)", n) or re.search(r"\.(bf16|f16|e4m3|e5m2|tf32)\b", n)
+        short.add(f"{n.split('.')[0]} {kind.group(1) if kind else ''}".strip())
+    return ", ".join(sorted(short))
+
+
+def _ptx_mma(dump: str | None) -> dict[str, set[str]]:
+    """The MMA instructions of the PTX dumped so far, then the dump emptied for the next compile."""
+    if dump is None:
+        return {}
+    found = roofline.mma_instructions(dump)
+    for f in os.listdir(dump):
+        shutil.rmtree(os.path.join(dump, f)) if os.path.isdir(os.path.join(dump, f)) else os.remove(
+            os.path.join(dump, f)
+        )
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8192,4096,4096", help="M,K,N: x [M, K] . W [K, N]")
-    parser.add_argument("--impl", default="auto", help="the recipe's GEMM impl (auto, emulated, scaled_dot, fused)")
+    parser.add_argument("--impl", default="auto", help="the recipe's GEMM impl (auto, emulated, scaled_dot, ...)")
     parser.add_argument(
-        "--target", default="default", choices=("default", "h100"), help="JAX's backend, or an H100 offline"
+        "--target", default="default", choices=("default", *TARGETS), help="JAX's backend, or a GPU offline"
     )
     parser.add_argument("--producer", default="none", choices=("none", "gelu"), help="x an input, or a gelu's output")
     parser.add_argument("--rht-amax-estimate", action="store_true", help="Recipe(rht_amax_estimate=True)")
-    parser.add_argument("--time", action="store_true", help="also time each kernel (jax.profiler; not with h100)")
+    parser.add_argument("--time", action="store_true", help="also time each kernel (jax.profiler; not offline)")
     parser.add_argument("--experts", type=int, default=0, help="G > 0: a mixture-of-experts layer (ragged_dot)")
     parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
     if args.time and args.target != "default":
         parser.error("--time runs the step: only on JAX's own backend")
-    if args.target == "h100":
+    dump = None
+    if args.target != "default" or os.environ.get("JAX_PLATFORMS", "") != "cpu":
+        # XLA's PTX, to read which MMA each GEMM runs (read once, at the backend's start: set before it).
+        dump = tempfile.mkdtemp(prefix="layer_breakdown_ptx_")
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_emitter_re=.*"
+    if args.target != "default":
         from benchmarks.offline_gpu import prepare
 
         prepare()
     recipe = jax_nvfp4.Recipe(impl=args.impl, rht_amax_estimate=args.rht_amax_estimate)
     nvfp4_dot, bf16_dot = layer_dots(recipe, shape, args.experts)
     nvfp4_step = compiled_step(nvfp4_dot, shape, args.target, args.producer, args.experts)
-    nvfp4 = kernels(nvfp4_step.as_text())
+    nvfp4_hlo = nvfp4_step.as_text()
+    nvfp4, nvfp4_mma = kernels(nvfp4_hlo), _ptx_mma(dump)
     bf16_step = compiled_step(bf16_dot, shape, args.target, args.producer, args.experts)
-    bf16 = kernels(bf16_step.as_text())
+    bf16_hlo = bf16_step.as_text()
+    bf16, bf16_mma = kernels(bf16_hlo), _ptx_mma(dump)
+    if dump:
+        shutil.rmtree(dump)
     if args.time:
         inputs = step_inputs(shape, args.experts)
         for step, found in ((nvfp4_step, nvfp4), (bf16_step, bf16)):
             seconds = instruction_seconds(step, *inputs)
             for k in found:
                 k.seconds = seconds.get(k.name, 0.0)
-    ms = (lambda ks: f" | {sum(k.seconds for k in ks) * 1e3:.3f}") if args.time else (lambda ks: "")
-    ms_head, ms_rule = (" ms |", "---:|") if args.time else ("", "")
-    if args.target == "h100":
-        from benchmarks.offline_gpu import H100
-
-        machine = f"{H100} (sm_90), compiled offline: no GPU attached, XLA's untuned GEMM configs"
+    if args.target != "default":
+        gpu = target(args.target)
+        capability = ".".join(map(str, gpu.capability))
+        machine = f"{gpu.device_kind} (sm_{capability}), compiled offline: no GPU attached, XLA's untuned GEMM configs"
     else:
+        gpu = target_of(device_name()) if jax.default_backend() == "gpu" else None
         machine = f"{device_name()} ({jax.default_backend()})"
+    model = {}
+    if gpu is not None:
+        for ks, hlo in ((nvfp4, nvfp4_hlo), (bf16, bf16_hlo)):
+            found = roofline.dots(hlo)
+            model.update({id(k): roofline.seconds(gpu, k.read + k.written, found.get(k.name)) for k in ks})
+    mmas = {id(k): _mma(k, found) for ks, found in ((nvfp4, nvfp4_mma), (bf16, bf16_mma)) for k in ks}
+    columns = [("MMA (PTX)", "---", lambda ks: mmas[id(ks[0])] if len(ks) == 1 else "")] if dump else []
+    if model:
+        columns.append(("model us", "---:", lambda ks: f"{sum(model[id(k)] for k in ks) * 1e6:.1f}"))
+    if args.time:
+        columns.append(("ms", "---:", lambda ks: f"{sum(k.seconds for k in ks) * 1e3:.3f}"))
+
+    def extra(ks, total_row=False) -> str:
+        cells = ["" if total_row and head.startswith("MMA") else cell(ks) for head, _, cell in columns]
+        return "".join(f" | {c}" for c in cells)
+
+    heads = "".join(f" {head} |" for head, _, _ in columns)
+    rules = "".join(f"{rule}|" for _, rule, _ in columns)
 
     mb = 1e6
     m, k, n = shape
@@ -210,64 +274,92 @@ def main() -> None:
         )
     else:
         layer = f"x [M, K] . W [K, N] = {m} x {k} . {k} x {n}"
+    model_note = (
+        f" Model: `benchmarks.roofline`, each kernel max(bytes / HBM bandwidth, FLOPs / dense tensor peak of its dot's "
+        f"operand type) with the published figures of the {gpu.device_kind} ({gpu.source}); a model, not a timing."
+        if model
+        else ""
+    )
     report = Report(
         args.out,
         [
             f"# One {'mixture-of-experts' if args.experts else 'linear'} layer, kernel by kernel: {machine}",
             "",
-            f"{datetime.date.today()}, jax {jax.__version__}; `python -m benchmarks.layer_breakdown --shape "
-            f"{args.shape} --impl {args.impl} --target {args.target} --producer {args.producer}"
+            f"{datetime.date.today()}, jax {jax.__version__}, commit {commit()}; `python -m benchmarks.layer_breakdown "
+            f"--shape {args.shape} --impl {args.impl} --target {args.target} --producer {args.producer}"
             f"{' --rht-amax-estimate' if args.rht_amax_estimate else ''}"
             f"{f' --experts {args.experts}' if args.experts else ''}`: forward + backward (`jax.vjp`, a bf16 "
             f"cotangent) of {layer}, bf16, the full recipe (RHT, stochastic rounding, 16x16 weight blocks). "
             "Bytes: each kernel's operands read once and its result written once (the least HBM traffic it can "
-            "have), from the compiled HLO. "
+            "have), from the compiled HLO."
+            + (" MMA: the tensor-core instructions of the kernel's PTX as XLA emitted it." if dump else "")
+            + model_note
             + (
-                "Times: the mean of 5 runs traced by jax.profiler (benchmarks.profile_trace), "
+                " Times: the mean of 5 runs traced by jax.profiler (benchmarks.profile_trace), "
                 f"{'device' if jax.default_backend() != 'cpu' else 'host'} time."
                 if args.time
-                else "No times (`--time` traces a run)."
+                else " No times (`--time` traces a run)."
             ),
             "",
-            f"| # | kernel | what | from | MB read | MB written |{ms_head}",
-            f"|---:|---|---|---|---:|---:|{ms_rule}",
+            f"| # | kernel | what | from | MB read | MB written |{heads}",
+            f"|---:|---|---|---|---:|---:|{rules}",
         ],
     )
     shown = [k for k in nvfp4 if k.read + k.written >= 1e5]
     for i, k in enumerate(shown):
-        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f}{ms([k])} |")
+        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f}{extra([k])} |")
     small = [k for k in nvfp4 if k.read + k.written < 1e5]
     report.add(
         f"| | {len(small)} more under 0.1 MB each | | | {sum(k.read for k in small) / mb:.2f} | "
-        f"{sum(k.written for k in small) / mb:.2f}{ms(small)} |"
+        f"{sum(k.written for k in small) / mb:.2f}{extra(small, True)} |"
     )
     report.add("")
-    report.add(f"| | kernels | MB read | MB written | MB in all | x bf16's |{ms_head}")
-    report.add(f"|---|---:|---:|---:|---:|---:|{ms_rule}")
+    totals = [c for c in columns if not c[0].startswith("MMA")]
+    heads = "".join(f" {head} |" for head, _, _ in totals)
+    rules = "".join(f"{rule}|" for _, rule, _ in totals)
+
+    def sums(ks) -> str:
+        return "".join(f" | {cell(ks)}" for _, _, cell in totals)
+
+    report.add(f"| | kernels | MB read | MB written | MB in all | x bf16's |{heads}")
+    report.add(f"|---|---:|---:|---:|---:|---:|{rules}")
     bf16_total = sum(k.read + k.written for k in bf16)
     for cat in CATEGORIES:
         ks = [k for k in nvfp4 if category(k) == cat]
         moved = sum(k.read + k.written for k in ks)
         report.add(
             f"| NVFP4 {cat} | {len(ks)} | {sum(k.read for k in ks) / mb:.1f} | "
-            f"{sum(k.written for k in ks) / mb:.1f} | {moved / mb:.1f} | {moved / bf16_total:.2f}{ms(ks)} |"
+            f"{sum(k.written for k in ks) / mb:.1f} | {moved / mb:.1f} | {moved / bf16_total:.2f}{sums(ks)} |"
         )
     total = sum(k.read + k.written for k in nvfp4)
     report.add(
         f"| **NVFP4** | {len(nvfp4)} | {sum(k.read for k in nvfp4) / mb:.1f} | "
-        f"{sum(k.written for k in nvfp4) / mb:.1f} | {total / mb:.1f} | {total / bf16_total:.2f}{ms(nvfp4)} |"
+        f"{sum(k.written for k in nvfp4) / mb:.1f} | {total / mb:.1f} | {total / bf16_total:.2f}{sums(nvfp4)} |"
     )
     report.add(
         f"| **bf16** | {len(bf16)} | {sum(k.read for k in bf16) / mb:.1f} | "
-        f"{sum(k.written for k in bf16) / mb:.1f} | {bf16_total / mb:.1f} | 1.00{ms(bf16)} |"
+        f"{sum(k.written for k in bf16) / mb:.1f} | {bf16_total / mb:.1f} | 1.00{sums(bf16)} |"
     )
+    report.add("")
+    outside = sum(k.read + k.written for k in nvfp4 if category(k) != "GEMM")
+    least = minimum_outside_gemms(shape, args.experts)
+    report.add(
+        f"Outside the GEMMs the NVFP4 step moves {outside / mb:.1f} MB, {outside / least:.2f}x the fewest it can "
+        f"({least / mb:.1f} MB: x, W and dy read once in bf16, each quantized copy the GEMMs read written once)."
+    )
+    if model:
+        nv, bf = (sum(model[id(k)] for k in ks) for ks in (nvfp4, bf16))
+        report.add(
+            f"Modeled on the {gpu.device_kind}: NVFP4 {nv * 1e6:.1f} us, bf16 {bf * 1e6:.1f} us, **{nv / bf:.2f}x "
+            "bf16's time**."
+        )
     report.add("")
     report.add("bf16's kernels:")
     report.add("")
-    report.add(f"| # | kernel | what | from | MB read | MB written |{ms_head}")
-    report.add(f"|---:|---|---|---|---:|---:|{ms_rule}")
+    report.add(f"| # | kernel | what | from | MB read | MB written |{''.join(f' {h} |' for h, _, _ in columns)}")
+    report.add(f"|---:|---|---|---|---:|---:|{''.join(f'{r}|' for _, r, _ in columns)}")
     for i, k in enumerate(bf16):
-        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f}{ms([k])} |")
+        report.add(f"| {i} | `{k.name}` | {k.what} | {k.op} | {k.read / mb:.1f} | {k.written / mb:.1f}{extra([k])} |")
     report.save()
 
 

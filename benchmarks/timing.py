@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
+import subprocess
 import time
 
 import jax
@@ -36,6 +38,20 @@ def queued_seconds(fn, *args, calls: int, rounds: int = 3) -> float:
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - start) / calls)
     return best
+
+
+def commit() -> str:
+    """The checkout's commit (short), marked where jax_nvfp4/ has uncommitted changes; "?" outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--", "../jax_nvfp4")
+        return git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes under jax_nvfp4/)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
 
 
 def device_name() -> str:

@@ -41,7 +41,7 @@ from jax.typing import DTypeLike
 from jax_nvfp4.core.checks import check_out_dtype, check_real
 from jax_nvfp4.core.formats import E2M1_MAX, E4M3_MAX
 from jax_nvfp4.core.tensor import NVFP4Tensor, check_tensor
-from jax_nvfp4.linear.block_sum import GemmImpl, resolve_impl
+from jax_nvfp4.linear.block_sum import GemmImpl, check_impl
 from jax_nvfp4.ops.gemm import decode_scale, gemm_p, scale_product, split
 
 
@@ -148,7 +148,7 @@ def batched_gemm(
     ca, cc = _Copy.of(a, a_columnwise), _Copy.of(c, c_columnwise, c_transposed)
     if ca.contract_ndim != cc.contract_ndim or ca.length != cc.length:
         raise ValueError("the two GEMM operands contract different axes")
-    y, *kept = _gemm(ca, cc, jnp.dtype(out_dtype), bias, resolve_impl(impl, "the GEMM's impl"), keep_c)
+    y, *kept = _gemm(ca, cc, jnp.dtype(out_dtype), bias, check_impl(impl, "the GEMM's impl"), keep_c)
     if not keep_c:
         return y
     data, scale = kept[0], lax.bitcast_convert_type(kept[1], jnp.float8_e4m3fn)
@@ -218,12 +218,14 @@ def gemm(
       impl: how the block sums run: ``"emulated"`` (the blocks dequantized to
         bf16, then a bf16 dot with float32 accumulation), ``"scaled_dot"``
         (``lax.scaled_dot`` on float4_e2m1fn codes and E4M3 scales: XLA's own
-        block-scaled dot, the FP4 tensor cores on Blackwell), ``"fused"`` (a
-        Pallas GEMM that decodes the packed operands in its tiles, with no bf16
-        copy in memory: for GPUs without FP4 tensor cores; interpreted, slowly,
-        off the GPU) or ``"auto"`` (``scaled_dot`` where it runs natively, see
-        ``native_scaled_dot``; ``emulated`` elsewhere). The scales' epilogue is
-        ours either way.
+        block-scaled dot, a Triton GEMM on the FP4 tensor cores on Blackwell),
+        ``"cudnn"`` (``jax.nn.scaled_matmul``: cuDNN's block-scaled GEMM on
+        Blackwell), ``"fused"`` (a Pallas GEMM that decodes the packed operands
+        in its tiles, with no bf16 copy in memory: for GPUs without FP4 tensor
+        cores; interpreted, slowly, off the GPU) or ``"auto"`` (``scaled_dot``
+        where the devices it is compiled for have FP4 tensor cores, ``emulated``
+        elsewhere: ``jax_nvfp4.linear.block_sum``). The scales' epilogue is ours
+        either way.
 
     Returns:
       ``[*a.shape[:-1], *c.shape[:-1]]``: ``sum_k a[..., k] * c[..., k]`` of the
@@ -235,7 +237,7 @@ def gemm(
     check_tensor("gemm's a", a)
     check_tensor("gemm's c", c)
     out_dtype = check_out_dtype(out_dtype, "out_dtype", "gemm")
-    impl = resolve_impl(impl, "gemm's impl")
+    impl = check_impl(impl, "gemm's impl")
     if a.data is None or c.data is None:
         raise ValueError("gemm needs the rowwise copy of both operands (quantize with rowwise=True)")
     if a.cols != c.cols:

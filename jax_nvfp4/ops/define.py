@@ -68,6 +68,7 @@ def define(
     adapt: Callable | None = None,
     shared: Sequence[int] = (),
     xla_on_gpu: Callable[..., bool] = lambda **_: False,
+    resolve: Callable[..., dict] | None = None,
 ) -> Primitive:
     """Declare primitive ``name`` backed by FFI target ``name`` (multiple results).
 
@@ -85,6 +86,8 @@ def define(
       xla_on_gpu: (**params) -> whether to lower the op through the reference
         (XLA's own ops) on a GPU even where the kernel is built: for ops XLA
         fuses into the op that produces their input, saving the kernel's read.
+      resolve: (devices, **params) -> params: parameters decided while the op is lowered, for the devices
+        of that compilation (None where the lowering has none), such as the GEMM's ``impl="auto"``.
     """
     kernel_prim = Primitive(name + "_kernel")
     kernel_prim.multiple_results = True
@@ -122,9 +125,13 @@ def define(
     def partitioned(params: tuple) -> Callable:
         return _custom_partitioned(kernel_prim, dict(params), partitioning, adapt)
 
-    mlir.register_lowering(
-        prim, mlir.lower_fun(lambda *a, **p: partitioned(tuple(sorted(p.items())))(*a), multiple_results=True)
-    )
+    def lowering(ctx, *args, **params):
+        if resolve is not None:
+            params = resolve(_lowering_devices(ctx), **params)
+        fn = partitioned(tuple(sorted(params.items())))
+        return mlir.lower_fun(lambda *a: fn(*a), multiple_results=True)(ctx, *args)
+
+    mlir.register_lowering(prim, lowering)
     # custom_partitioning needs the device assignment while lowering; jit only
     # passes it for primitives in this set (custom_partitioning's own is there,
     # but ours hides it inside a lowering rule, as TransformerEngine's do).
@@ -154,6 +161,16 @@ def define(
 
     ad.primitive_jvps[prim] = no_jvp
     return prim
+
+
+def _lowering_devices(ctx) -> list | None:
+    """The devices a lowering compiles for: jit's device assignment (compile-only devices for an AOT target),
+    or a shard_map's mesh; None where the lowering has none (``jax.export``)."""
+    context = ctx.module_context.axis_context
+    devices = getattr(context, "device_assignment", None)
+    if devices is None and isinstance(getattr(context, "mesh", None), jax.sharding.Mesh):
+        devices = context.mesh.devices.flat
+    return None if devices is None else list(devices)
 
 
 def _dims(sharding, ndim: int) -> Dims:

@@ -4,8 +4,10 @@ y[b, i, j] = sum over the ``contract_ndim`` axes L of a[b, i, l] * c[b, j, l] ti
 global decode scales fp32(amax / 2688) of a and c (amax [B] each); the last L axis is packed and blocked,
 ``length`` values long. ``impl`` says how the float32 sum is made (``jax_nvfp4.linear.block_sum``): "emulated",
 exactly, with a bf16 dot (an E2M1 value times an E4M3 scale is exact in bfloat16 and the products in
-float32; only the float32 accumulation rounds), or "scaled_dot", by ``lax.scaled_dot`` on the codes as
-float4_e2m1fn, or "fused", by a Pallas GEMM that decodes the packed operands in its tiles. One primitive,
+float32; only the float32 accumulation rounds), "scaled_dot", by ``lax.scaled_dot`` on the codes as
+float4_e2m1fn, "cudnn", by ``jax.nn.scaled_matmul`` on the same operands, or "fused", by a Pallas GEMM that
+decodes the packed operands in its tiles; "auto" is decided while the primitive is lowered, for the devices of
+that compilation (``block_sum.resolve_impl``). One primitive,
 so that it partitions as a whole: whatever collective brings the operands to the layout of the output moves
 their packed codes and scales, never dequantized values. Scales travel as their E4M3 bytes (uint8): XLA on
 CPU widens float8 collectives to f16.
@@ -31,6 +33,7 @@ from jax import lax
 from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.formats import BLOCK, E2M1_MAX, E4M3_MAX
 from jax_nvfp4.core.transpose import transpose_codes, transpose_scales
+from jax_nvfp4.linear.block_sum import resolve_impl
 from jax_nvfp4.ops.define import Partitioning, define, shaped
 from jax_nvfp4.ops.dequantize import dequantize
 from jax_nvfp4.ops.fused_gemm import fused_gemm
@@ -144,10 +147,13 @@ def _scaled_dot_operand(data: jax.Array, scale: jax.Array, contract_ndim: int, l
     return codes.reshape(b, math.prod(rows), -1), scale.reshape(b, math.prod(rows), -1)
 
 
-def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length) -> jax.Array:
-    """The float32 sum over L by ``lax.scaled_dot`` (XLA's block-scaled dot: FP4 tensor cores where it has them)."""
+def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length, cudnn=False) -> jax.Array:
+    """The float32 sum over L by ``lax.scaled_dot`` (XLA's block-scaled dot: FP4 tensor cores where it has them),
+    or with ``cudnn`` by ``jax.nn.scaled_matmul`` (cuDNN's block-scaled GEMM on Blackwell)."""
     a, a_s = _scaled_dot_operand(a_data, a_scale, contract_ndim, length)
     c, c_s = _scaled_dot_operand(c_data, c_scale, contract_ndim, length)
+    if cudnn:
+        return jax.nn.scaled_matmul(a, c, a_s, c_s, preferred_element_type=jnp.float32)
     return lax.scaled_dot(
         a, c, lhs_scale=a_s, rhs_scale=c_s, dimension_numbers=_BATCHED_NT, preferred_element_type=jnp.float32
     )
@@ -158,7 +164,12 @@ def _reference(
     c_packed_rows=0,
 ):  # fmt: skip
     _check_packed_rows(c_data.shape, contract_ndim, keep_c, c_packed_rows)
-    if c_packed_rows and impl == "scaled_dot":  # a block scale along the contraction: the columnwise copy's bytes
+    if impl == "auto":  # bound outside a lowering that decides it (``define``'s resolve): the devices in context
+        impl = resolve_impl(impl)
+    if c_packed_rows and impl in (
+        "scaled_dot",
+        "cudnn",
+    ):  # a block scale along the contraction: the columnwise copy's bytes
         c_data = transpose_codes(c_data, length, c_packed_rows)
         c_scale = transpose_scales(c_scale, length, c_packed_rows)
         c_packed_rows = 0
@@ -176,7 +187,8 @@ def _reference(
         )
         y = (acc * scale[:, None, None]).astype(out_dtype)
     else:
-        acc = _scaled_dot_sum(a_data, a_scale, c_data, c_scale, contract_ndim=contract_ndim, length=length)
+        sums = {"contract_ndim": contract_ndim, "length": length, "cudnn": impl == "cudnn"}
+        acc = _scaled_dot_sum(a_data, a_scale, c_data, c_scale, **sums)
         y = (acc * scale[:, None, None]).astype(out_dtype)
     y = y.reshape(a_data.shape[0], *a_rows, *c_rows)
     return (y, c_data, c_scale) if keep_c else (y,)
@@ -281,9 +293,15 @@ def _partition(
     return [a_op, a_op, (b,), c_op, c_op, (b,)], [tuple(out), *([c_op, c_op] if keep_c else [])], local
 
 
+def _resolve(devices, *, impl, **params) -> dict:
+    """The GEMM's parameters for a compilation for ``devices`` (None: unknown): ``impl="auto"`` decided."""
+    return {**params, "impl": resolve_impl(impl, "the GEMM's impl", devices)}
+
+
 gemm_p = define(
     "nvfp4_gemm",
     abstract_eval=_abstract,
     reference=_reference,
     partitioning=Partitioning(_rule, _partition),
+    resolve=_resolve,
 )

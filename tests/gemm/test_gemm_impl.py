@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_nvfp4
-from benchmarks.offline_gpu import HOPPER_MESH
+from benchmarks.offline_gpu import TARGETS
 from jax_nvfp4 import QuantizeSpec, Recipe
 from jax_nvfp4.linear.block_sum import has_fp4_tensor_cores, native_scaled_dot, resolve_impl
 
@@ -194,7 +194,7 @@ def test_the_fused_cuda_training_step_reads_packed_operands():
     codes (as uint32 words, eight values a word), E4M3 bytes and the global decode scale (GEMMs of one shape share one
     lowered function), dgrad's the variant that reads W's kept 16x16-block copy transposed; no block is dequantized
     and XLA runs no dot."""
-    with jax.sharding.use_abstract_mesh(HOPPER_MESH):
+    with jax.sharding.use_abstract_mesh(TARGETS["h100"].abstract_mesh):
         gemms, module = _train_step_for_cuda(Recipe(impl="fused"))
     assert gemms == ["fused"] * 6
     calls = re.findall(rf"stablehlo\.custom_call @{re.escape(TRITON)}\((.*?)\n", module)

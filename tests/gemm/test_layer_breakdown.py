@@ -74,12 +74,12 @@ def test_the_offline_hopper_target_names_what_it_needs():
     """--target h100 compiles with jax's CUDA plugin; where it is not installed, the error says how to get it."""
     import pytest
 
-    from benchmarks.offline_gpu import hopper_devices, plugin_installed
+    from benchmarks.offline_gpu import devices, plugin_installed
 
     if plugin_installed():
         pytest.skip("the CUDA plugin is installed here")
     with pytest.raises(RuntimeError, match=f"pip install jax-cuda13-plugin=={jax.__version__}"):
-        hopper_devices()
+        devices("h100")
 
 
 def test_a_gemms_decode_scale_is_not_a_dequantize_pass():
