@@ -176,7 +176,7 @@ def minimum_outside_gemms(shape: tuple[int, int, int], experts: int = 0) -> floa
 
 def _mma(kernel: Kernel, found: dict[str, set[str]]) -> str:
     """The tensor-core MMA a kernel runs, from its PTX: e.g. ``tcgen05 mxf4nvf4`` (FP4), ``wgmma bf16``."""
-    names = found.get(re.sub(r"[.\-]", "_", kernel.name), set())  # PTX symbols: "fusion.1" is fusion_1
+    names = found.get(kernel.name, set())
     if not names:
         return "library call" if kernel.what.startswith(("__cublas", "__cudnn")) else ""
     short = set()
@@ -248,9 +248,9 @@ def main() -> None:
         machine = f"{device_name()} ({jax.default_backend()})"
     model = {}
     if gpu is not None:
-        for ks, hlo in ((nvfp4, nvfp4_hlo), (bf16, bf16_hlo)):
-            found = roofline.dots(hlo)
-            model.update({id(k): roofline.seconds(gpu, k.read + k.written, found.get(k.name)) for k in ks})
+        for ks, hlo, mma in ((nvfp4, nvfp4_hlo, nvfp4_mma), (bf16, bf16_hlo, bf16_mma)):
+            seconds = roofline.modeled(hlo, gpu, mma)
+            model.update({id(k): seconds[k.name] for k in ks})
     mmas = {id(k): _mma(k, found) for ks, found in ((nvfp4, nvfp4_mma), (bf16, bf16_mma)) for k in ks}
     columns = [("MMA (PTX)", "---", lambda ks: mmas[id(ks[0])] if len(ks) == 1 else "")] if dump else []
     if model:

@@ -98,23 +98,43 @@ def dots(hlo: str) -> dict[str, Dot]:
 
 
 def mma_instructions(dump: str | Path) -> dict[str, set[str]]:
-    """The tensor-core MMA instructions in the PTX XLA dumped to ``dump`` (``--xla_dump_to`` with
-    ``--xla_dump_emitter_re=.*``), by kernel (PTX entry) name: ``tcgen05.mma...`` on Blackwell, ``wgmma...``
-    on Hopper, ``mma.sync...`` before."""
-    out: dict[str, set[str]] = {}
+    """The tensor-core MMA instructions each kernel runs, by HLO instruction name, from what XLA dumped to ``dump``
+    (``--xla_dump_to`` with ``--xla_dump_emitter_re=.*``): its PTX (``tcgen05.mma...`` on Blackwell,
+    ``wgmma...`` on Hopper, ``mma.sync...`` before), joined to the instructions by the thunk sequence, since XLA
+    emits one kernel for identical fusions and names it after the first."""
+    by_symbol: dict[str, set[str]] = {}
     for ptx in sorted(Path(dump).glob("*.ptx")):
-        text = ptx.read_text()
-        for body in re.split(r"\.entry ", text)[1:]:
+        for body in re.split(r"\.entry ", ptx.read_text())[1:]:
             name = body[: body.index("(")].strip()
             found = set(re.findall(r"\b(tcgen05\.mma[\w.:]*|wgmma\.mma_async[\w.:]*|mma\.sync[\w.:]*)", body))
             if found:
-                out.setdefault(name, set()).update(found)
+                by_symbol.setdefault(name, set()).update(found)
+    out: dict[str, set[str]] = {}
+    for metadata in sorted(Path(dump).glob("*.thunk_metadata.txt")):
+        sequence = metadata.with_name(metadata.name.replace("thunk_metadata", "thunk_sequence"))
+        if not sequence.exists():
+            continue
+        symbols = dict(re.findall(r"^(\d+): kCustomKernel\s+\[[^\]]*\]\s+(\S+)", sequence.read_text(), re.M))
+        pairs = re.findall(r'profile_annotation: "([^"]+)"\s+thunk_id: (\d+)', metadata.read_text())
+        for instruction, thunk in pairs:
+            symbol = symbols.get(f"{int(thunk):03d}")
+            if symbol in by_symbol:
+                out[instruction] = by_symbol[symbol]
     return out
 
 
-def peak(target, dtype: str) -> float:
-    """The dense tensor-core peak (FLOP/s) of ``target`` (an ``offline_gpu.Target``) for operands of HLO type
-    ``dtype``: FP4 needs FP4 tensor cores (Blackwell); elsewhere XLA widens it, at bf16's rate."""
+def peak(target, dtype: str, mma: set[str] = frozenset()) -> float:
+    """The dense tensor-core peak (FLOP/s) of ``target`` (an ``offline_gpu.Target``) for a dot on operands of HLO
+    type ``dtype`` whose kernel runs the MMA instructions ``mma`` (from its PTX; empty: unknown, a library call):
+    the MMA's own rate where the PTX names it (a kernel that widens FP4 codes for an f16 MMA runs at bf16's),
+    else the operands'. FP4 needs FP4 tensor cores (Blackwell); elsewhere it is widened, at bf16's rate."""
+    kinds = " ".join(mma)
+    if "mxf4" in kinds and target.fp4_flops:
+        return target.fp4_flops
+    if "f8f6f4" in kinds or "e4m3" in kinds or "e5m2" in kinds:
+        return target.fp8_flops
+    if kinds:
+        return target.bf16_flops
     if dtype.startswith("f4") and target.fp4_flops:
         return target.fp4_flops
     if dtype.startswith("f8"):
@@ -122,7 +142,18 @@ def peak(target, dtype: str) -> float:
     return target.bf16_flops
 
 
-def seconds(target, moved_bytes: float, dot: Dot | None) -> float:
+def seconds(target, moved_bytes: float, dot: Dot | None, mma: set[str] = frozenset()) -> float:
     """One kernel's modeled time on ``target``: max(bytes / HBM bandwidth, FLOPs / tensor peak)."""
     memory = moved_bytes / target.hbm_bytes_per_s
-    return max(memory, dot.flops / peak(target, dot.dtype)) if dot else memory
+    return max(memory, dot.flops / peak(target, dot.dtype, mma)) if dot else memory
+
+
+def modeled(hlo: str, target, mma: dict[str, set[str]] | None = None) -> dict[str, float]:
+    """Each kernel's modeled seconds on ``target``, by name, for compiled HLO text (``layer_breakdown.kernels``);
+    ``mma``: the MMAs each kernel runs (``mma_instructions``), where its PTX was dumped."""
+    from benchmarks.layer_breakdown import kernels
+
+    found, mma = dots(hlo), mma or {}
+    return {
+        k.name: seconds(target, k.read + k.written, found.get(k.name), mma.get(k.name, set())) for k in kernels(hlo)
+    }

@@ -8,7 +8,13 @@ packed operands in its tiles), and with bf16 layers, all in one process, and the
 ``impl="auto"`` picks the first on this machine as the table says. Prints a markdown table; ``--out FILE`` also
 writes it there.
 
+``--target b200`` (or another ``benchmarks.offline_gpu`` target) runs nothing: it compiles the bf16 step and the
+NVFP4 one (``impl="auto"``, decided for that GPU) for that GPU offline and counts them instead, kernel by kernel
+(``benchmarks.layer_breakdown``): kernels, bytes, the GEMMs whose PTX runs FP4 MMAs, and the roofline model's time
+(``benchmarks.roofline``).
+
     python -m benchmarks.train_step_impl [--d-model 2048] [--layers 2] [--batch 8] [--seq-len 512] [--repeats 5]
+                                         [--target b200]
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import Report, device_name, median_seconds
+from benchmarks import roofline
+from benchmarks.layer_breakdown import _mma, _ptx_mma, category, kernels
+from benchmarks.offline_gpu import TARGETS, target
+from benchmarks.timing import Report, commit, device_name, median_seconds
 from examples.lm.data import VOCAB
 from examples.lm.model import TransformerLM, build_model, next_byte_loss
 from jax_nvfp4.linear.block_sum import resolve_impl
@@ -55,9 +64,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--target", choices=tuple(TARGETS), help="compile for this GPU offline and model it")
     parser.add_argument("--out", help="also write the markdown report to this file")
     args = parser.parse_args()
     args.weight_blocks = "16x16"
+    if args.target:
+        return offline(args)
 
     tokens = args.batch * args.seq_len
     report = Report(
@@ -98,6 +110,59 @@ def main() -> None:
     faster = min(impls, key=times.get)
     report.add("")
     report.add(f"Faster NVFP4 GEMM here: `{faster}` ({times[faster] / times['bf16']:.2f}x the bf16 step).")
+    report.save()
+
+
+def offline(args: argparse.Namespace) -> None:
+    """The bf16 and NVFP4 steps compiled for ``args.target`` offline: counted and modeled, not run."""
+    import shutil
+    import tempfile
+
+    from benchmarks.offline_gpu import compile_for, prepare
+
+    dump = tempfile.mkdtemp(prefix="train_step_ptx_")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_emitter_re=.*"
+    prepare()
+    gpu = target(args.target)
+    tokens = args.batch * args.seq_len
+    report = Report(
+        args.out,
+        [
+            f"# Training step of the example model, compiled offline for the {gpu.device_kind}: counted and modeled",
+            "",
+            f"{datetime.date.today()}, jax {jax.__version__}, commit {commit()}; `python -m benchmarks.train_step_impl "
+            f"--d-model {args.d_model} --layers {args.layers} --heads {args.heads} --batch {args.batch} --seq-len "
+            f"{args.seq_len} --target {args.target}` ({tokens} tokens a step, SGD): compiled for the {gpu.device_kind} "
+            "(sm_" + ".".join(map(str, gpu.capability)) + ") with no GPU attached (XLA's untuned GEMM configs); "
+            'nothing runs. NVFP4: the full recipe in every linear layer of the blocks, `impl="auto"`; embeddings '
+            "and head bf16. Bytes: each kernel's operands read once and its result written once. FP4 GEMMs: the "
+            "GEMM kernels whose PTX holds a `kind::mxf4nvf4` MMA. Model: `benchmarks.roofline` with the published "
+            f"figures ({gpu.source}); a model, not a timing.",
+            "",
+            "| step | kernels | GEMM kernels | FP4 GEMMs | GB moved | modeled ms | x bf16 |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ],
+    )
+    batch = jnp.zeros((args.batch, args.seq_len + 1), jnp.int32)
+    modeled = {}
+    for variant in ("bf16", "auto"):
+        model = model_for(variant, args)
+        params = jax.eval_shape(model.init, jax.random.key(0), batch[:1, :-1])["params"]
+        key = jax.eval_shape(lambda: jax.random.key(1))
+        with compile_for(args.target) as on_gpu:
+            args_ = jax.tree.map(lambda a: on_gpu(a.shape, a.dtype), (params, batch, key))
+            hlo = step_fn(model).trace(*args_).lower().compile().as_text()
+        found, mma = kernels(hlo), _ptx_mma(dump)
+        gemms = [k for k in found if category(k) == "GEMM" and roofline.dots(hlo).get(k.name)]
+        fp4 = [k for k in gemms if "mxf4nvf4" in _mma(k, mma)]
+        modeled[variant] = sum(roofline.modeled(hlo, gpu, mma).values())
+        name = "bf16 (nn.Dense, nn.DenseGeneral)" if variant == "bf16" else 'NVFP4, impl="auto"'
+        moved = sum(k.read + k.written for k in found) / 1e9
+        report.add(
+            f"| {name} | {len(found)} | {len(gemms)} | {len(fp4)} | {moved:.2f} | {modeled[variant] * 1e3:.3f} | "
+            f"{modeled[variant] / modeled['bf16']:.2f} |"
+        )
+    shutil.rmtree(dump)
     report.save()
 
 

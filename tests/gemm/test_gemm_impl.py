@@ -54,30 +54,33 @@ def _operand(rng, lead: tuple[int, ...], k: int, row_scaled: bool, e4m3_max: int
     e4m3_max=st.tuples(st.sampled_from([448, 256]), st.sampled_from([448, 256])),
     bias=st.booleans(),
     out_dtype=st.sampled_from(OUT_DTYPES),
+    impl=st.sampled_from(["scaled_dot", "cudnn"]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_scaled_dot_is_the_emulation_bit_for_bit_where_sums_are_exact(
-    a_lead, n, k, row_scaled, e4m3_max, bias, out_dtype, seed
+    a_lead, n, k, row_scaled, e4m3_max, bias, out_dtype, impl, seed
 ):
     """Random codes and scales, per-tensor or per-row amaxes, E = 448 or 256, a bias, every output
     dtype, ragged K (zero codes pad the last block) and batch axes: the same bytes, but for the sign of
-    a zero sum, which is the accumulator's (scaled_dot adds the padding's +0 products to a sum of -0s)."""
+    a zero sum, which is the accumulator's (scaled_dot adds the padding's +0 products to a sum of -0s).
+    ``lax.scaled_dot`` and ``jax.nn.scaled_matmul`` (impl="cudnn") alike."""
     rng = np.random.default_rng(seed)
     a = _operand(rng, a_lead, k, row_scaled[0], e4m3_max[0])
     c = _operand(rng, (n,), k, row_scaled[1], e4m3_max[1])
     b = jnp.asarray(rng.standard_normal(n), jnp.float32) if bias else None
-    got = jax_nvfp4.gemm(a, c, out_dtype, b, impl="scaled_dot")
+    got = jax_nvfp4.gemm(a, c, out_dtype, b, impl=impl)
     want = jax_nvfp4.gemm(a, c, out_dtype, b, impl="emulated")
     assert got.shape == (*a_lead, n) and got.dtype == out_dtype
     assert_same_bytes(got + 0, want + 0)  # -0 + 0 = +0; every other value unchanged
 
 
-def test_scaled_dot_ignores_a_nonzero_pad_nibble():
+@pytest.mark.parametrize("impl", ["scaled_dot", "cudnn"])
+def test_scaled_dot_ignores_a_nonzero_pad_nibble(impl):
     """An odd K leaves the last byte's high nibble outside the row: whatever it holds adds nothing."""
     rng = np.random.default_rng(1)
     a, c = _operand(rng, (4,), 33, False, 448), _operand(rng, (3,), 33, False, 448)
     dirty = dataclasses.replace(a, data=a.data.at[:, -1].set(a.data[:, -1] | 0x70))
-    assert_same_bytes(jax_nvfp4.gemm(dirty, c, impl="scaled_dot"), jax_nvfp4.gemm(a, c, impl="emulated"))
+    assert_same_bytes(jax_nvfp4.gemm(dirty, c, impl=impl), jax_nvfp4.gemm(a, c, impl="emulated"))
 
 
 def test_dot_general_gemms_are_the_scaled_dot_gemms():
