@@ -5,15 +5,18 @@ stochastic rounding, 16x16 weight blocks) and of ``lax.dot_general`` for the def
 kernel of the compiled program's entry computation (custom calls, fusions, dots, copies, collectives) with the
 bytes it must read and write: its operands and its result, each once, the least HBM traffic it can have. Read
 from the compiled HLO only: nothing runs, so it works offline on any backend (on the CPU the GEMMs are XLA's own
-fusions; a GPU build shows the same custom calls and dequantize passes). ``--target h100`` compiles for an H100
-(sm_90) on a machine without a GPU (``benchmarks.offline_gpu``: jax's CUDA plugin, and a build with the CUDA
-module for the recipe's kernels), so the table shows XLA's GPU fusions. ``--time`` also runs the step (random
-inputs and cotangent) under ``jax.profiler`` and puts each kernel's time beside its bytes
-(``benchmarks.profile_trace``): device time on a GPU, host time on the CPU. ``--experts G`` makes the layer a
+fusions; a GPU build shows the same custom calls and dequantize passes). ``--target b200`` (or h100, h200)
+compiles for that GPU on a machine without one (``benchmarks.offline_gpu``: jax's CUDA plugin, and a build with
+the CUDA module for the recipe's kernels), so the table shows XLA's GPU fusions. For a GPU, compiled offline or
+attached, it also shows the tensor-core MMA each kernel's PTX runs (an FP4 GEMM's is ``tcgen05 mxf4nvf4``) and the
+roofline model's time (``benchmarks.roofline``: the GPU's published peaks; a model, not a timing), and the bytes
+outside the GEMMs against the fewest the recipe's passes can move. ``--time`` also runs the step (random inputs
+and cotangent) under ``jax.profiler`` and puts each kernel's time beside its bytes (``benchmarks.profile_trace``):
+device time on a GPU, host time on the CPU. ``--experts G`` makes the layer a
 mixture of experts instead: ``jax_nvfp4.ragged_dot`` of x [M, K] (M / G tokens an expert) and W [G, K, N] against
 ``lax.ragged_dot``.
 
-    python -m benchmarks.layer_breakdown [--shape 8192,4096,4096] [--impl auto] [--target h100] [--time]
+    python -m benchmarks.layer_breakdown [--shape 8192,4096,4096] [--impl auto] [--target b200] [--time]
                                          [--experts G] [--out results.md]
 """
 
@@ -215,7 +218,7 @@ def main() -> None:
     if args.time and args.target != "default":
         parser.error("--time runs the step: only on JAX's own backend")
     dump = None
-    if args.target != "default" or os.environ.get("JAX_PLATFORMS", "") != "cpu":
+    if args.target != "default" or shutil.which("nvidia-smi"):
         # XLA's PTX, to read which MMA each GEMM runs (read once, at the backend's start: set before it).
         dump = tempfile.mkdtemp(prefix="layer_breakdown_ptx_")
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_emitter_re=.*"

@@ -99,10 +99,12 @@ class Recipe:
       row_scaled_gradients: the same for dy (dgrad output rows, wgrad output
         rows per output feature).
       impl: how the three GEMMs sum their blocks: "emulated" (bf16 dot),
-        "scaled_dot" (``lax.scaled_dot``, FP4 tensor cores on Blackwell),
-        "fused" (a Pallas GEMM decoding the packed operands in its tiles,
-        for Hopper) or "auto" (scaled_dot where it runs natively); see
-        ``jax_nvfp4.gemm``.
+        "scaled_dot" (``lax.scaled_dot``: a Triton GEMM on the FP4 tensor
+        cores on Blackwell), "cudnn" (``jax.nn.scaled_matmul``: cuDNN's NVFP4
+        GEMM on Blackwell), "fused" (a Pallas GEMM decoding the packed
+        operands in its tiles, for Hopper) or "auto" (scaled_dot where the
+        devices it is compiled for are Blackwell, decided while it lowers;
+        emulated elsewhere); see ``jax_nvfp4.gemm``.
     """
 
     weight_block_2d: bool = True

@@ -38,14 +38,17 @@ class MXFP8:
     Attributes:
       impl: how the GEMMs sum their blocks: ``"emulated"`` (dequantized to bfloat16, float32 accumulation),
         ``"scaled_dot"`` (``lax.scaled_dot`` on E4M3 values and E8M0 scales) or ``"auto"`` (``scaled_dot`` on
-        Blackwell GPUs, ``emulated`` elsewhere; ``jax_nvfp4.linear.block_sum``).
+        Blackwell GPUs, ``emulated`` elsewhere; ``jax_nvfp4.linear.block_sum``). MXFP8's GEMMs are XLA's own ops,
+        so ``"auto"`` is decided when they are traced, for the devices in context (the mesh's, else JAX's),
+        not while they lower as the NVFP4 GEMM's is.
     """
 
     impl: GemmImpl = "auto"
 
     def __post_init__(self) -> None:
-        # "fused" is the NVFP4 GEMM's Pallas kernel, which decodes E2M1 codes: no MXFP8 counterpart.
-        check_choice("MXFP8.impl", self.impl, tuple(i for i in GEMM_IMPLS if i != "fused"))
+        # "fused" is the NVFP4 GEMM's Pallas kernel, which decodes E2M1 codes, and "cudnn" its cuDNN call: no
+        # MXFP8 counterparts here.
+        check_choice("MXFP8.impl", self.impl, tuple(i for i in GEMM_IMPLS if i not in ("fused", "cudnn")))
 
     needs_rng_key = False  # round to nearest everywhere: no random bits (a Recipe's attribute, for the layers)
 

@@ -29,7 +29,7 @@ def test_every_block_product_is_exact_in_bfloat16():
     assert np.array_equal(np.signbit(got.astype(np.float32)), np.signbit(want))  # -0 stays -0
 
 
-GEMM_IMPLS = pytest.mark.parametrize("impl", ["emulated", "scaled_dot", "fused"])
+GEMM_IMPLS = pytest.mark.parametrize("impl", ["emulated", "scaled_dot", "cudnn", "fused"])
 
 
 @GEMM_IMPLS
@@ -51,7 +51,7 @@ def test_sums_are_exact_when_float32_can_hold_them(impl):
     k=st.integers(1, 100),
     seed=st.integers(0, 2**32 - 1),
     out_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
-    impl=st.sampled_from(["emulated", "scaled_dot", "fused"]),
+    impl=st.sampled_from(["emulated", "scaled_dot", "cudnn", "fused"]),
 )
 def test_gemm_is_the_float64_product_up_to_float32_accumulation(m, n, k, seed, out_dtype, impl):
     rng = np.random.default_rng(seed)

@@ -80,7 +80,7 @@ def test_transposing_needs_16x16_blocks_and_the_rowwise_copy():
         with_columnwise_copy(quantize(x, block_2d=True, rowwise=False, columnwise=True))
 
 
-@pytest.mark.parametrize("impl", ["emulated", "scaled_dot"])
+@pytest.mark.parametrize("impl", ["emulated", "scaled_dot", "cudnn"])
 @pytest.mark.parametrize("four_over_six", [None, FourOverSix(operands="weights")])
 def test_dgrad_reads_the_forward_copy_transposed(impl, four_over_six):
     """The backward pass keeps W's rowwise copy alone, and dx is the GEMM with W quantized along N, bit for bit:

@@ -207,8 +207,9 @@ def test_errors():
         jax_nvfp4.ragged_dot(x, jnp.ones((2, 32, 16), jnp.bfloat16), jnp.array([2, 2]), recipe=jax_nvfp4.MXFP8())
     with pytest.raises(ValueError, match=r"MXFP8\.impl"):
         jax_nvfp4.MXFP8(impl="fast")
-    with pytest.raises(ValueError, match=r"MXFP8\.impl"):  # the NVFP4 GEMM's Pallas kernel: no MXFP8 one
-        jax_nvfp4.MXFP8(impl="fused")
+    for nvfp4_only in ("fused", "cudnn"):  # the NVFP4 GEMM's Pallas kernel and cuDNN call: no MXFP8 ones
+        with pytest.raises(ValueError, match=r"MXFP8\.impl"):
+            jax_nvfp4.MXFP8(impl=nvfp4_only)
     from jax_nvfp4.flax import Rule
 
     with pytest.raises(TypeError, match=r"a jax_nvfp4\.MXFP8 or None"):
