@@ -71,19 +71,42 @@ class Kernel:
     seconds: float = 0.0  # its time in a traced run (--time)
 
 
+def computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
+    """Compiled HLO text's entry computation's name, and every computation's instruction lines by name."""
+    out: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            current = out.setdefault(head.group(2), [])
+            entry = head.group(2) if head.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return entry, out
+
+
 def kernels(hlo: str) -> list[Kernel]:
-    """The data-moving instructions of the entry computation of compiled HLO text, in program order."""
-    entry = hlo[hlo.index("\nENTRY ") :]
-    entry = entry[: entry.index("\n}")]
+    """The data-moving instructions of the entry computation of compiled HLO text, in program order; a ``call``'s
+    are those of the computation it calls (on a GPU a call launches no kernel of its own)."""
+    entry, found = computations(hlo)
+    return _kernels(found, entry)
+
+
+def _kernels(found: dict[str, list[str]], name: str) -> list[Kernel]:
     shapes: dict[str, str] = {}
     out = []
-    for line in entry.splitlines()[1:]:
+    for line in found[name]:
         m = INSTRUCTION.match(line)
         if not m:
             continue
         name, shape, opcode, operands, rest = m.groups()
         shapes[name] = shape
         if opcode in FREE:
+            continue
+        if opcode == "call":
+            out += _kernels(found, re.search(r"to_apply=%([\w.\-]+)", rest).group(1))
             continue
         target = re.search(r'custom_call_target="([^"]+)"', rest)
         kind = re.search(r"kind=(k\w+)", rest)
@@ -111,7 +134,8 @@ def category(k: Kernel) -> str:
             return key
     if "reduce_max" in k.op:  # an amax XLA computes itself (on a GPU), with its producer where it fused
         return "amax"
-    gemm_call = "triton" in k.what or "gemm" in k.what  # a Pallas kernel (the fused GEMM) or cuBLAS
+    # a Pallas kernel (the fused GEMM), cuBLAS or cuDNN
+    gemm_call = "triton" in k.what or "gemm" in k.what or k.what in roofline.LIBRARY_GEMMS
     if gemm_call or k.what == "dot" or "dot" in k.name or "ynn" in k.name or "_gemm" in k.op:
         return "GEMM"  # the dots and their epilogues (the scale product, the cast)
     return "other"

@@ -74,16 +74,21 @@ def _dot_of(instructions: list[re.Match], computations: dict, seen: set, shapes:
 
 def dots(hlo: str) -> dict[str, Dot]:
     """The dot each kernel of compiled HLO text's entry computation runs, by kernel name (the kernels without one
-    are left out): fusions holding a dot or scaled-dot, and cuBLAS / cuDNN GEMM calls."""
+    are left out): fusions holding a dot or scaled-dot, and cuBLAS / cuDNN GEMM calls, a ``call``'s included."""
     computations = _computations(hlo)
     entry = re.search(r"^ENTRY %([\w.\-]+) ", hlo, re.M).group(1)
-    instructions = computations[entry]
+    return _dots(computations, computations[entry])
+
+
+def _dots(computations: dict, instructions: list[re.Match]) -> dict[str, Dot]:
     shapes = {m.group(1): m.group(2) for m in instructions}
     out = {}
     for m in instructions:
         name, shape, opcode, operands, rest = m.groups()
         target = re.search(r'custom_call_target="([^"]+)"', rest)
-        if target and target.group(1) in LIBRARY_GEMMS:
+        if opcode == "call":
+            out.update(_dots(computations, computations.get(re.search(r"to_apply=%([\w.\-]+)", rest).group(1), [])))
+        elif target and target.group(1) in LIBRARY_GEMMS:
             lhs = re.findall(r"%([\w.\-]+)", operands)[0]
             dtype, lhs_dims = _dims(shapes.get(lhs, ""))
             contracting = re.search(r'"lhs_contracting_dimensions":\["?([\d",]*)"?\]', rest)

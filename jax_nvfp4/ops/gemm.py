@@ -152,6 +152,7 @@ def _scaled_dot_sum(a_data, a_scale, c_data, c_scale, *, contract_ndim, length, 
     or with ``cudnn`` by ``jax.nn.scaled_matmul`` (cuDNN's block-scaled GEMM on Blackwell)."""
     a, a_s = _scaled_dot_operand(a_data, a_scale, contract_ndim, length)
     c, c_s = _scaled_dot_operand(c_data, c_scale, contract_ndim, length)
+
     if cudnn:
         return jax.nn.scaled_matmul(a, c, a_s, c_s, preferred_element_type=jnp.float32)
     return lax.scaled_dot(
@@ -293,8 +294,13 @@ def _partition(
 
 
 def _resolve(devices, *, impl, **params) -> dict:
-    """The GEMM's parameters for a compilation for ``devices`` (None: unknown): ``impl="auto"`` decided."""
-    return {**params, "impl": resolve_impl(impl, "the GEMM's impl", devices)}
+    """The GEMM's parameters for a compilation for ``devices`` (None: unknown): ``impl="auto"`` decided, and
+    ``"cudnn"`` (cuDNN's GEMM, a GPU's) made ``"scaled_dot"``, the same sum, for other devices (jax 0.10's
+    ``jax.nn.scaled_matmul`` lowers on CUDA only)."""
+    impl = resolve_impl(impl, "the GEMM's impl", devices)
+    if impl == "cudnn" and devices is not None and not all(d.platform == "gpu" for d in devices):
+        impl = "scaled_dot"
+    return {**params, "impl": impl}
 
 
 gemm_p = define(
