@@ -275,8 +275,11 @@ def main() -> None:
         machine = f"{device_name()} ({jax.default_backend()})"
     model = {}
     if gpu is not None:
+        # A Pallas GEMM (impl="fused") is one of the layer's three GEMMs, each 2 M K N FLOPs (M: all tokens), on f16
+        # MMAs (its decoded tiles).
+        pallas = roofline.Dot(2.0 * shape[0] * shape[1] * shape[2], "f16")
         for ks, hlo, mma in ((nvfp4, nvfp4_hlo, nvfp4_mma), (bf16, bf16_hlo, bf16_mma)):
-            seconds = roofline.modeled(hlo, gpu, mma)
+            seconds = roofline.modeled(hlo, gpu, mma, pallas)
             model.update({id(k): seconds[k.name] for k in ks})
     mmas = {id(k): _mma(k, found) for ks, found in ((nvfp4, nvfp4_mma), (bf16, bf16_mma)) for k in ks}
     columns = [("MMA (PTX)", "---", lambda ks: mmas[id(ks[0])] if len(ks) == 1 else "")] if dump else []

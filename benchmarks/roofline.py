@@ -153,12 +153,19 @@ def seconds(target, moved_bytes: float, dot: Dot | None, mma: set[str] = frozens
     return max(memory, dot.flops / peak(target, dot.dtype, mma)) if dot else memory
 
 
-def modeled(hlo: str, target, mma: dict[str, set[str]] | None = None) -> dict[str, float]:
+TRITON_CALL = "__gpu$xla.gpu.triton"
+"""A Pallas kernel's custom call: its dot is in its Triton code, not in the HLO."""
+
+
+def modeled(hlo: str, target, mma: dict[str, set[str]] | None = None, pallas_dot: Dot | None = None) -> dict:
     """Each kernel's modeled seconds on ``target``, by name, for compiled HLO text (``layer_breakdown.kernels``);
-    ``mma``: the MMAs each kernel runs (``mma_instructions``), where its PTX was dumped."""
+    ``mma``: the MMAs each kernel runs (``mma_instructions``), where its PTX was dumped; ``pallas_dot``: the dot of
+    each Pallas kernel, which the HLO does not show (the caller knows its GEMMs' sizes)."""
     from benchmarks.layer_breakdown import kernels
 
     found, mma = dots(hlo), mma or {}
+    if pallas_dot is not None:
+        found |= {k.name: pallas_dot for k in kernels(hlo) if k.what == TRITON_CALL and k.name not in found}
     return {
         k.name: seconds(target, k.read + k.written, found.get(k.name), mma.get(k.name, set())) for k in kernels(hlo)
     }

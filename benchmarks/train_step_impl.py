@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks import roofline
 from benchmarks.layer_breakdown import _mma, _ptx_mma, category, kernels
-from benchmarks.offline_gpu import TARGETS, target
+from benchmarks.offline_gpu import TARGETS, target, target_of
 from benchmarks.timing import Report, commit, device_name, median_seconds
 from examples.lm.data import VOCAB
 from examples.lm.model import TransformerLM, build_model, next_byte_loss
@@ -72,6 +72,7 @@ def main() -> None:
         return offline(args)
 
     tokens = args.batch * args.seq_len
+    gpu = target_of(device_name()) if jax.default_backend() == "gpu" else None  # the roofline model's GPU
     report = Report(
         args.out,
         [
@@ -82,10 +83,16 @@ def main() -> None:
             f"--batch {args.batch} --seq-len {args.seq_len}` ({tokens} tokens a step, SGD), median of "
             f"{args.repeats}, all in one process. NVFP4: the full recipe (RHT, stochastic rounding, 16x16 weight "
             f'blocks) in every linear layer of the blocks; embeddings and head bf16. `impl="auto"` resolves to '
-            f"`{resolve_impl('auto', 'benchmark')}` here.",
+            f"`{resolve_impl('auto', 'benchmark')}` here."
+            + (
+                f" Model: `benchmarks.roofline` on the compiled step with the {gpu.device_kind}'s published figures "
+                f"({gpu.source}); a model, not a timing."
+                if gpu
+                else ""
+            ),
             "",
-            "| layers' GEMMs | ms/step | tokens/s | x bf16 |",
-            "|---|---:|---:|---:|",
+            f"| layers' GEMMs | ms/step | tokens/s | x bf16 |{' modeled ms |' if gpu else ''}",
+            f"|---|---:|---:|---:|{'---:|' if gpu else ''}",
         ],
     )
     batch = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (args.batch, args.seq_len + 1)), jnp.int32)
@@ -106,7 +113,12 @@ def main() -> None:
         times[variant] = median_seconds(run, repeats=args.repeats)
         ms = 1e3 * times[variant]
         name = "bf16 (nn.Dense, nn.DenseGeneral)" if variant == "bf16" else f'NVFP4, impl="{variant}"'
-        report.add(f"| {name} | {ms:.1f} | {tokens / times[variant]:,.0f} | {times[variant] / times['bf16']:.2f} |")
+        model_ms = ""
+        if gpu:
+            hlo = step.lower(state["params"], batch, key).compile().as_text()
+            model_ms = f" {sum(roofline.modeled(hlo, gpu).values()) * 1e3:.3f} |"
+        ratio = times[variant] / times["bf16"]
+        report.add(f"| {name} | {ms:.1f} | {tokens / times[variant]:,.0f} | {ratio:.2f} |{model_ms}")
     faster = min(impls, key=times.get)
     report.add("")
     report.add(f"Faster NVFP4 GEMM here: `{faster}` ({times[faster] / times['bf16']:.2f}x the bf16 step).")
@@ -125,6 +137,7 @@ def offline(args: argparse.Namespace) -> None:
     prepare()
     gpu = target(args.target)
     tokens = args.batch * args.seq_len
+    gpu = target_of(device_name()) if jax.default_backend() == "gpu" else None  # the roofline model's GPU
     report = Report(
         args.out,
         [

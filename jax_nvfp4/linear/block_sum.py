@@ -1,4 +1,4 @@
-"""How the NVFP4 GEMMs sum their blocks: ``"emulated"``, ``"scaled_dot"``, ``"fused"``, or ``"auto"``.
+"""How the NVFP4 GEMMs sum their blocks: ``"emulated"``, ``"scaled_dot"``, ``"cudnn"``, ``"fused"``, or ``"auto"``.
 
 All give y = acc * (global and per-row decode scales) with the same float32 epilogue
 (``jax_nvfp4.gemm``); they differ in how the float32 block sums ``acc`` are computed:
@@ -11,7 +11,7 @@ All give y = acc * (global and per-row decode scales) with the same float32 epil
   output cast in its epilogue; elsewhere (CPU, Hopper) it decomposes into convert, multiply and dot.
 - ``"cudnn"``: ``jax.nn.scaled_matmul``, cuDNN's block-scaled GEMM on Blackwell (FP4 tensor cores too),
   which writes a float32 result that a second pass scales and casts, after a pass that swizzles each
-  operand's scales to cuDNN's layout. Decomposed elsewhere, as ``"scaled_dot"``.
+  operand's scales to cuDNN's layout. Off the GPU it lowers as ``"scaled_dot"`` (the same sum).
 - ``"fused"``: a Pallas GEMM (``jax_nvfp4.ops.fused_gemm``) that loads the packed codes and E4M3
   scales and decodes them in its tiles (exactly, as ``"emulated"``) for a bf16 dot with float32
   accumulation, and applies the global scale and the cast itself: no bf16 copy of an operand in

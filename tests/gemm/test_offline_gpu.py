@@ -106,9 +106,10 @@ def test_the_blackwell_target_compiles_scaled_matmul_to_cudnns_nvfp4_gemm():
 
 
 def _layer(name: str) -> str:
-    argv = ["--shape", "256,256,256", "--target", name]
-    return _in_fresh_python(f"import sys; sys.argv = ['layer_breakdown', *{argv!r}]\nfrom benchmarks import layer_breakdown\n"
-                "layer_breakdown.main()")  # fmt: skip
+    argv = ["layer_breakdown", "--shape", "256,256,256", "--target", name]
+    return _in_fresh_python(
+        f"import sys\nsys.argv = {argv!r}\nfrom benchmarks import layer_breakdown\nlayer_breakdown.main()"
+    )
 
 
 @needs_plugin
