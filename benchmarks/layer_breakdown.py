@@ -87,14 +87,14 @@ def computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
     return entry, out
 
 
-def kernels(hlo: str) -> list[Kernel]:
-    """The data-moving instructions of the entry computation of compiled HLO text, in program order; a ``call``'s
-    are those of the computation it calls (on a GPU a call launches no kernel of its own)."""
+def kernels(hlo: str, gpu: bool = False) -> list[Kernel]:
+    """The data-moving instructions of the entry computation of compiled HLO text, in program order; with ``gpu``
+    a ``call``'s are those of the computation it calls (a GPU runs its kernels; the CPU runs a call as one)."""
     entry, found = computations(hlo)
-    return _kernels(found, entry)
+    return _kernels(found, entry, gpu)
 
 
-def _kernels(found: dict[str, list[str]], name: str) -> list[Kernel]:
+def _kernels(found: dict[str, list[str]], name: str, gpu: bool) -> list[Kernel]:
     shapes: dict[str, str] = {}
     out = []
     for line in found[name]:
@@ -105,8 +105,8 @@ def _kernels(found: dict[str, list[str]], name: str) -> list[Kernel]:
         shapes[name] = shape
         if opcode in FREE:
             continue
-        if opcode == "call":
-            out += _kernels(found, re.search(r"to_apply=%([\w.\-]+)", rest).group(1))
+        if opcode == "call" and gpu:
+            out += _kernels(found, re.search(r"to_apply=%([\w.\-]+)", rest).group(1), gpu)
             continue
         target = re.search(r'custom_call_target="([^"]+)"', rest)
         kind = re.search(r"kind=(k\w+)", rest)
@@ -201,7 +201,7 @@ def minimum_outside_gemms(shape: tuple[int, int, int], experts: int = 0) -> floa
     return 2.0 * (m * k + w + m * n) + (0.5 + 1 / 16) * (2 * m * k + w + 2 * m * n)
 
 
-def _mma(kernel: Kernel, found: dict[str, set[str]]) -> str:
+def mma_label(kernel: Kernel, found: dict[str, set[str]]) -> str:
     """The tensor-core MMA a kernel runs, from its PTX: e.g. ``tcgen05 mxf4nvf4`` (FP4), ``wgmma bf16``."""
     names = found.get(kernel.name, set())
     if not names:
@@ -213,15 +213,17 @@ def _mma(kernel: Kernel, found: dict[str, set[str]]) -> str:
     return ", ".join(sorted(short))
 
 
-def _ptx_mma(dump: str | None) -> dict[str, set[str]]:
-    """The MMA instructions of the PTX dumped so far, then the dump emptied for the next compile."""
+def dumped_mmas(dump: str | None) -> dict[str, set[str]]:
+    """The MMA instructions of each kernel in the PTX dumped to ``dump`` so far (``roofline.mma_instructions``),
+    then the dump emptied for the next compile."""
     if dump is None:
         return {}
     found = roofline.mma_instructions(dump)
-    for f in os.listdir(dump):
-        shutil.rmtree(os.path.join(dump, f)) if os.path.isdir(os.path.join(dump, f)) else os.remove(
-            os.path.join(dump, f)
-        )
+    for entry in os.scandir(dump):
+        if entry.is_dir():
+            shutil.rmtree(entry.path)
+        else:
+            os.remove(entry.path)
     return found
 
 
@@ -254,10 +256,11 @@ def main() -> None:
     nvfp4_dot, bf16_dot = layer_dots(recipe, shape, args.experts)
     nvfp4_step = compiled_step(nvfp4_dot, shape, args.target, args.producer, args.experts)
     nvfp4_hlo = nvfp4_step.as_text()
-    nvfp4, nvfp4_mma = kernels(nvfp4_hlo), _ptx_mma(dump)
+    on_gpu = args.target != "default" or jax.default_backend() == "gpu"
+    nvfp4, nvfp4_mma = kernels(nvfp4_hlo, on_gpu), dumped_mmas(dump)
     bf16_step = compiled_step(bf16_dot, shape, args.target, args.producer, args.experts)
     bf16_hlo = bf16_step.as_text()
-    bf16, bf16_mma = kernels(bf16_hlo), _ptx_mma(dump)
+    bf16, bf16_mma = kernels(bf16_hlo, on_gpu), dumped_mmas(dump)
     if dump:
         shutil.rmtree(dump)
     if args.time:
@@ -281,7 +284,7 @@ def main() -> None:
         for ks, hlo, mma in ((nvfp4, nvfp4_hlo, nvfp4_mma), (bf16, bf16_hlo, bf16_mma)):
             seconds = roofline.modeled(hlo, gpu, mma, pallas)
             model.update({id(k): seconds[k.name] for k in ks})
-    mmas = {id(k): _mma(k, found) for ks, found in ((nvfp4, nvfp4_mma), (bf16, bf16_mma)) for k in ks}
+    mmas = {id(k): mma_label(k, found) for ks, found in ((nvfp4, nvfp4_mma), (bf16, bf16_mma)) for k in ks}
     columns = [("MMA (PTX)", "---", lambda ks: mmas[id(ks[0])] if len(ks) == 1 else "")] if dump else []
     if model:
         columns.append(("model us", "---:", lambda ks: f"{sum(model[id(k)] for k in ks) * 1e6:.1f}"))
@@ -305,8 +308,9 @@ def main() -> None:
     else:
         layer = f"x [M, K] . W [K, N] = {m} x {k} . {k} x {n}"
     model_note = (
-        f" Model: `benchmarks.roofline`, each kernel max(bytes / HBM bandwidth, FLOPs / dense tensor peak of its dot's "
-        f"operand type) with the published figures of the {gpu.device_kind} ({gpu.source}); a model, not a timing."
+        f" Model: `benchmarks.roofline`, each kernel max(bytes / HBM bandwidth, FLOPs / dense tensor peak of its MMA, "
+        f"or of its dot's operand type where no PTX names one) with the published figures of the {gpu.device_kind} "
+        f"({gpu.source}); a model, not a timing."
         if model
         else ""
     )

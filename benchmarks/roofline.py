@@ -165,7 +165,8 @@ def modeled(hlo: str, target, mma: dict[str, set[str]] | None = None, pallas_dot
 
     found, mma = dots(hlo), mma or {}
     if pallas_dot is not None:
-        found |= {k.name: pallas_dot for k in kernels(hlo) if k.what == TRITON_CALL and k.name not in found}
+        found |= {k.name: pallas_dot for k in kernels(hlo, gpu=True) if k.what == TRITON_CALL and k.name not in found}
     return {
-        k.name: seconds(target, k.read + k.written, found.get(k.name), mma.get(k.name, set())) for k in kernels(hlo)
+        k.name: seconds(target, k.read + k.written, found.get(k.name), mma.get(k.name, set()))
+        for k in kernels(hlo, gpu=True)
     }

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.layer_breakdown import _mma, _ptx_mma, category, kernels
+from benchmarks.layer_breakdown import category, dumped_mmas, kernels, mma_label
 from benchmarks.offline_gpu import TARGETS, target, target_of
 from benchmarks.timing import Report, commit, device_name, median_seconds
 from examples.lm.data import VOCAB
@@ -165,9 +165,9 @@ def offline(args: argparse.Namespace) -> None:
         with compile_for(args.target) as on_gpu:
             args_ = jax.tree.map(lambda a: on_gpu(a.shape, a.dtype), (params, batch, key))
             hlo = step_fn(model).trace(*args_).lower().compile().as_text()
-        found, mma = kernels(hlo), _ptx_mma(dump)
+        found, mma = kernels(hlo, gpu=True), dumped_mmas(dump)
         gemms = [k for k in found if category(k) == "GEMM" and roofline.dots(hlo).get(k.name)]
-        fp4 = [k for k in gemms if "mxf4nvf4" in _mma(k, mma)]
+        fp4 = [k for k in gemms if "mxf4nvf4" in mma_label(k, mma)]
         modeled[variant] = sum(roofline.modeled(hlo, gpu, mma).values())
         name = "bf16 (nn.Dense, nn.DenseGeneral)" if variant == "bf16" else 'NVFP4, impl="auto"'
         moved = sum(k.read + k.written for k in found) / 1e9

@@ -3,8 +3,8 @@ the devices a GEMM is compiled for, not for those this process sees.
 
 The tests that compile for an offline GPU need jax's CUDA plugin (``benchmarks.offline_gpu``) and run each compile
 in a fresh process (the plugin registers its compile-only targets before JAX's first array); without the plugin
-they are skipped (CI installs it and sets NVFP4_EXPECT_CUDA_PLUGIN=1, which makes them run and fail without it),
-and the committed records (``benchmarks/results/*-offline-*``) hold what they would show.
+they are skipped. CI installs it in a folder of its own, named by NVFP4_CUDA_PLUGIN_PATH, and sets
+NVFP4_EXPECT_CUDA_PLUGIN=1, which makes them run and fail without it; the committed records (``benchmarks/results/*-offline-*``) hold what they would show.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from jax_nvfp4.linear import block_sum
 
 ROOT = Path(__file__).resolve().parents[2]
 DENSE = (((1,), (0,)), ((), ()))
+# CI installs the plugin in a folder of its own, which only these tests' fresh processes see: the rest of the suite
+# runs without it, as a user's does.
+PLUGIN_PATH = os.environ.get("NVFP4_CUDA_PLUGIN_PATH", "")
 needs_plugin = pytest.mark.skipif(
-    not plugin_installed() and not os.environ.get("NVFP4_EXPECT_CUDA_PLUGIN"),
+    not (plugin_installed() or PLUGIN_PATH or os.environ.get("NVFP4_EXPECT_CUDA_PLUGIN")),
     reason="jax's CUDA plugin (jax-cuda13-plugin) is not here",
 )
 
@@ -79,7 +82,8 @@ def test_auto_is_decided_for_the_devices_a_jit_compiles_for(monkeypatch):
 
 def _in_fresh_python(code: str) -> str:
     """``code`` in a fresh Python (the offline target must register before JAX's first array), its stdout."""
-    env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(filter(None, [str(ROOT), PLUGIN_PATH]))
+    env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONPATH=path)
     env.pop("XLA_FLAGS", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
