@@ -46,7 +46,7 @@ FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
 BYTES |= {"s64": 8, "u64": 8, "f64": 8, "f4e2m1fn": 0.5}
 SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
+INSTRUCTION = roofline.INSTRUCTION
 
 
 def shape_bytes(shape: str) -> float:
@@ -71,26 +71,10 @@ class Kernel:
     seconds: float = 0.0  # its time in a traced run (--time)
 
 
-def computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
-    """Compiled HLO text's entry computation's name, and every computation's instruction lines by name."""
-    out: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%([\w.\-]+) \(.*\{$", line)
-        if head:
-            current = out.setdefault(head.group(2), [])
-            entry = head.group(2) if head.group(1) else entry
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line)
-    return entry, out
-
-
 def kernels(hlo: str, gpu: bool = False) -> list[Kernel]:
     """The data-moving instructions of the entry computation of compiled HLO text, in program order; with ``gpu``
     a ``call``'s are those of the computation it calls (a GPU runs its kernels; the CPU runs a call as one)."""
-    entry, found = computations(hlo)
+    entry, found = roofline.computations(hlo)
     return _kernels(found, entry, gpu)
 
 

@@ -2,9 +2,10 @@
 
 Each kernel of the entry computation takes max(bytes / HBM bandwidth, FLOPs / tensor peak): its bytes are its
 operands read once and its result written once (``layer_breakdown.kernels``), its FLOPs those of the dot it
-holds (2 x the result's size x the contraction), at the dense tensor-core peak of the dot's operand type (FP4,
-FP8, or bf16 for anything wider). Launch gaps, caches, occupancy and tiles are left out, so it is the least
-time the program can take on that GPU: the budget our kernels must meet, and the list of what costs.
+holds (2 x the result's size x the contraction), at the dense tensor-core peak of the MMA its PTX names, else of
+the dot's operand type (FP4, FP8, or bf16 for anything wider). Launch gaps, caches, occupancy and tiles are left
+out, so it is the least time the program can take on that GPU: the budget our kernels must meet, and the list of
+what costs.
 
 Which MMA a GEMM kernel runs is read from the PTX the compiler left (``mma_instructions``), not assumed: a
 Blackwell NVFP4 GEMM holds ``tcgen05.mma ... kind::mxf4nvf4``; cuBLAS and cuDNN calls leave no PTX.
@@ -17,7 +18,7 @@ import math
 import re
 from pathlib import Path
 
-COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{$")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
 ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 DOTS = ("dot", "scaled-dot")
@@ -37,18 +38,25 @@ def _dims(shape: str) -> tuple[str, list[int]]:
     return m.group(1), [int(d) for d in m.group(2).split(",") if d]
 
 
-def _computations(hlo: str) -> dict[str, list[re.Match]]:
-    out: dict[str, list[re.Match]] = {}
-    current = None
+def computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
+    """Compiled HLO text's entry computation's name, and every computation's instruction lines by name."""
+    out: dict[str, list[str]] = {}
+    entry, current = "", None
     for line in hlo.splitlines():
         head = COMPUTATION.match(line)
         if head:
-            current = out.setdefault(head.group(1), [])
+            current = out.setdefault(head.group(2), [])
+            entry = head.group(2) if head.group(1) else entry
         elif line.startswith("}"):
             current = None
-        elif current is not None and (m := INSTRUCTION.match(line)):
-            current.append(m)
-    return out
+        elif current is not None:
+            current.append(line)
+    return entry, out
+
+
+def _instructions(hlo: str) -> tuple[str, dict[str, list[re.Match]]]:
+    entry, found = computations(hlo)
+    return entry, {name: [m for line in lines if (m := INSTRUCTION.match(line))] for name, lines in found.items()}
 
 
 def _dot_of(instructions: list[re.Match], computations: dict, seen: set, shapes: dict | None = None) -> Dot | None:
@@ -75,9 +83,8 @@ def _dot_of(instructions: list[re.Match], computations: dict, seen: set, shapes:
 def dots(hlo: str) -> dict[str, Dot]:
     """The dot each kernel of compiled HLO text's entry computation runs, by kernel name (the kernels without one
     are left out): fusions holding a dot or scaled-dot, and cuBLAS / cuDNN GEMM calls, a ``call``'s included."""
-    computations = _computations(hlo)
-    entry = re.search(r"^ENTRY %([\w.\-]+) ", hlo, re.M).group(1)
-    return _dots(computations, computations[entry])
+    entry, found = _instructions(hlo)
+    return _dots(found, found[entry])
 
 
 def _dots(computations: dict, instructions: list[re.Match]) -> dict[str, Dot]:

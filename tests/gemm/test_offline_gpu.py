@@ -4,7 +4,8 @@ the devices a GEMM is compiled for, not for those this process sees.
 The tests that compile for an offline GPU need jax's CUDA plugin (``benchmarks.offline_gpu``) and run each compile
 in a fresh process (the plugin registers its compile-only targets before JAX's first array); without the plugin
 they are skipped. CI installs it in a folder of its own, named by NVFP4_CUDA_PLUGIN_PATH, and sets
-NVFP4_EXPECT_CUDA_PLUGIN=1, which makes them run and fail without it; the committed records (``benchmarks/results/*-offline-*``) hold what they would show.
+NVFP4_EXPECT_CUDA_PLUGIN=1, which makes them run and fail without it. The committed records
+(``benchmarks/results/*-offline-*``) hold what they show at full size.
 """
 
 from __future__ import annotations
