@@ -197,6 +197,14 @@ def mma_label(kernel: Kernel, found: dict[str, set[str]]) -> str:
     return ", ".join(sorted(short))
 
 
+def ptx_dump() -> str:
+    """A new folder that XLA dumps its PTX to (for ``dumped_mmas``), from the backend's start: call before it, as
+    XLA reads its flags once."""
+    dump = tempfile.mkdtemp(prefix="xla_ptx_")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_emitter_re=.*"
+    return dump
+
+
 def dumped_mmas(dump: str | None) -> dict[str, set[str]]:
     """The MMA instructions of each kernel in the PTX dumped to ``dump`` so far (``roofline.mma_instructions``),
     then the dump emptied for the next compile."""
@@ -229,9 +237,7 @@ def main() -> None:
         parser.error("--time runs the step: only on JAX's own backend")
     dump = None
     if args.target != "default" or shutil.which("nvidia-smi"):
-        # XLA's PTX, to read which MMA each GEMM runs (read once, at the backend's start: set before it).
-        dump = tempfile.mkdtemp(prefix="layer_breakdown_ptx_")
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_emitter_re=.*"
+        dump = ptx_dump()
     if args.target != "default":
         from benchmarks.offline_gpu import prepare
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.layer_breakdown import category, dumped_mmas, kernels, mma_label
+from benchmarks.layer_breakdown import category, dumped_mmas, kernels, mma_label, ptx_dump
 from benchmarks.offline_gpu import TARGETS, target, target_of
 from benchmarks.timing import Report, commit, device_name, median_seconds
 from examples.lm.data import VOCAB
@@ -128,16 +128,13 @@ def main() -> None:
 def offline(args: argparse.Namespace) -> None:
     """The bf16 and NVFP4 steps compiled for ``args.target`` offline: counted and modeled, not run."""
     import shutil
-    import tempfile
 
     from benchmarks.offline_gpu import compile_for, prepare
 
-    dump = tempfile.mkdtemp(prefix="train_step_ptx_")
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_emitter_re=.*"
+    dump = ptx_dump()
     prepare()
     gpu = target(args.target)
     tokens = args.batch * args.seq_len
-    gpu = target_of(device_name()) if jax.default_backend() == "gpu" else None  # the roofline model's GPU
     report = Report(
         args.out,
         [

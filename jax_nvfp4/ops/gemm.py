@@ -165,8 +165,6 @@ def _reference(
     c_packed_rows=0,
 ):  # fmt: skip
     _check_packed_rows(c_data.shape, contract_ndim, keep_c, c_packed_rows)
-    if impl == "auto":  # bound outside a lowering that decides it (``define``'s resolve): the devices in context
-        impl = resolve_impl(impl)
     # A block-scaled dot takes c's blocks along the contraction: the columnwise copy's bytes, made in memory. (Its
     # float4 values transposed instead, XLA reads them transposed in the GEMM, whose MMA on Blackwell is then f16.)
     if c_packed_rows and impl in ("scaled_dot", "cudnn"):
