@@ -35,7 +35,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 # The settings that define a group (the model, its data and its training).
-SETTINGS = ("steps", "batch", "seq_len", "d_model", "layers", "heads", "lr", "weight_blocks", "eval_every", "moe")
+SETTINGS = (
+    "arch",
+    "steps",
+    "batch",
+    "seq_len",
+    "d_model",
+    "layers",
+    "heads",
+    "kv_heads",
+    "lr",
+    "weight_blocks",
+    "eval_every",
+    "moe",
+    "switch_at",
+    "switch_to",
+)
 
 
 def groups(paths: list[str]) -> list[tuple[argparse.Namespace, dict[int, dict]]]:

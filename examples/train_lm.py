@@ -69,7 +69,7 @@ import jax_nvfp4
 from examples.lm.data import prepare_data
 from examples.lm.distributed import join, rerun_as_processes
 from examples.lm.mesh import make_mesh, mesh_name, parse_mesh
-from examples.lm.model import MOE_TOP_K, RULE_RUNS, RUNS, build_model
+from examples.lm.model import ARCHS, MOE_TOP_K, RULE_RUNS, RUNS, build_model
 from examples.lm.report import describe_result, plot, plot_seeds, print_seed_table, provenance
 from examples.lm.training import train
 
@@ -91,6 +91,18 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument(
+        "--arch",
+        choices=tuple(ARCHS),
+        default="gpt",
+        help="the transformer block: " + "; ".join(f"{name}: {what}" for name, what in ARCHS.items()),
+    )
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="--arch llama/qwen3: key/value heads of the grouped-query attention (default: half of --heads)",
+    )
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="init and data seed, shared by every run")
     parser.add_argument(
@@ -214,6 +226,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.d_model % args.heads or min(args.steps, args.eval_every, args.batch, args.seeds) < 1:
         parser.error("--d-model must be a multiple of --heads; --steps, --eval-every, --batch and --seeds at least 1")
+    if args.arch == "gpt":
+        if args.kv_heads is not None:
+            parser.error("--kv-heads needs --arch llama or qwen3 (GPT-2's attention has a key/value head per head)")
+    else:
+        args.kv_heads = args.kv_heads or max(1, args.heads // 2)
+        if args.heads % args.kv_heads or (args.d_model // args.heads) % 2:
+            parser.error(
+                f"--arch {args.arch}: --heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads}) and "
+                "the head width (--d-model / --heads) even, for RoPE"
+            )
     if args.moe:
         unsupported = [n for n, on in (("--mesh", args.mesh), ("--save", args.save)) if on]
         unsupported += [f"the run {r}" for r in args.runs if r in RULE_RUNS]

@@ -70,10 +70,11 @@ def make_mesh(sizes: dict[str, int], args: argparse.Namespace) -> jax.sharding.M
         or EVAL_BATCH % batch_ways
         or args.d_model % sizes["fsdp"]
         or args.heads % sizes["tensor"]
+        or (getattr(args, "kv_heads", None) or args.heads) % sizes["tensor"]
     ):
         raise ValueError(
             f"--batch and the eval batch ({EVAL_BATCH}) must be multiples of data*fsdp, --d-model of fsdp, "
-            "--heads of tensor"
+            "--heads and --kv-heads of tensor"
         )
     # Auto axes (make_mesh defaults to Explicit): jit and the library's partitioning rules place the intermediates.
     return jax.make_mesh(

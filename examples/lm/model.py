@@ -60,6 +60,8 @@ class RuleRun(NamedTuple):
 
 
 ATTENTION = r"block\d+/(q|k|v|out)"  # the attention projections' paths
+MLP_DOWN = r"block\d+/mlp_down"  # the MLP's last projection (in the Llama-style block, of the gated product)
+HEAD = r"(.*/)?head"  # the output head, bf16 in every run (keep_ends' default keep)
 RULE_RUNS = {
     "full-keep-last": RuleRun("full", lambda n, r: keep_ends(n, last=1, recipe=r), "last block bf16"),
     "full-keep-ends": RuleRun(
@@ -70,11 +72,25 @@ RULE_RUNS = {
         lambda n, r: (Rule(ATTENTION, jax_nvfp4.MXFP8()), *keep_ends(n, last=0, recipe=r)),
         "attention projections MXFP8",
     ),
+    "full-keep-attn": RuleRun(
+        "full", lambda n, r: keep_ends(n, last=0, keep=(HEAD, ATTENTION), recipe=r), "attention projections bf16"
+    ),
+    "full-keep-down": RuleRun(
+        "full", lambda n, r: keep_ends(n, last=0, keep=(HEAD, MLP_DOWN), recipe=r), "MLP down projections bf16"
+    ),
 }
 RUNS = (*RECIPES, *RULE_RUNS, "bf16")
 MOE_TOP_K = 2  # --moe: experts per token
 # The settings that define the model (build_model's), saved with it by --save.
-MODEL_ARGS = ("d_model", "layers", "heads", "seq_len", "weight_blocks")
+MODEL_ARGS = ("arch", "d_model", "layers", "heads", "kv_heads", "seq_len", "weight_blocks")
+# The blocks --arch builds: GPT-2's, and the decoder of Llama (RMSNorm, RoPE, grouped-query attention, gated SiLU
+# MLP, no biases) with or without RMSNorm on q and k (Qwen3, Gemma 3, OLMo 2 have it).
+ARCHS = {
+    "gpt": "GPT-2-style block (pre-LayerNorm, multi-head attention, GELU MLP 4x, biases, learned positions)",
+    "llama": "Llama-style block (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP 3x, no biases)",
+    "qwen3": "Qwen3-style block (the Llama-style block with RMSNorm on q and k)",
+}
+ROPE_BASE = 10_000.0
 
 
 def next_byte_loss(
@@ -133,8 +149,36 @@ def layer_norm(name: str | None = None) -> nn.LayerNorm:
     )
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm block: causal multi-head self-attention, then a GELU MLP."""
+def rms_norm(axis: str = "embed", name: str | None = None) -> nn.RMSNorm:
+    return nn.RMSNorm(epsilon=1e-6, dtype=DTYPE, scale_init=logical(nn.initializers.ones, axis), name=name)
+
+
+def rope(x: jax.Array) -> jax.Array:
+    """Rotary position embedding of ``x`` [batch, length, heads, head_dim] (the rotate-half form of Llama),
+    computed in float32."""
+    half = x.shape[-1] // 2
+    freq = ROPE_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq  # [length, half]
+    cos, sin = jnp.cos(angle)[:, None], jnp.sin(angle)[:, None]  # broadcast over the heads
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention of q [b, length, heads, d] over k, v [b, length, kv_heads, d] (grouped-query:
+    every heads // kv_heads consecutive query heads share one key/value head); scores and softmax in float32,
+    bf16 being too coarse for the exponentials and their sum."""
+    b, length, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    q = q.reshape(b, length, k.shape[2], group, head_dim)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(q.dtype)
+    return jnp.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(b, length, heads, head_dim)
+
+
+class GPTBlock(nn.Module):
+    """Pre-LayerNorm block: causal multi-head self-attention, then a GELU MLP of hidden width 4 x d_model."""
 
     heads: int
     dense_cls: Callable[..., nn.Module]
@@ -155,11 +199,7 @@ class Block(nn.Module):
             bias_axes=("heads", "kv"),
         )
         q, k, v = (constrain(qkv(name=n)(h), self.mesh, *QKV) for n in ("q", "k", "v"))
-        # Scores and softmax in f32: bf16 is too coarse for the exponentials and their sum.
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(DTYPE)
-        attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        attn = causal_attention(q, k, v)
         out = self.dense_general_cls(
             d_model, axis=(-2, -1), dtype=DTYPE, name="out", kernel_axes=("heads", "kv", "embed"), bias_axes=("embed",)
         )
@@ -174,8 +214,57 @@ class Block(nn.Module):
         return constrain(x + down(h), self.mesh, *X)
 
 
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm block: causal grouped-query self-attention with RoPE (and RMSNorm on q and k if ``qk_norm``),
+    then a gated SiLU MLP ``down(silu(gate(h)) * up(h))`` of hidden width 3 x d_model; no biases."""
+
+    heads: int
+    kv_heads: int
+    qk_norm: bool
+    dense_cls: Callable[..., nn.Module]
+    dense_general_cls: Callable[..., nn.Module]
+    mesh: jax.sharding.Mesh | None = None
+    moe_cls: Callable[..., nn.Module] | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d_model = x.shape[-1]
+        head_dim = d_model // self.heads
+        h = rms_norm()(x)
+        proj = functools.partial(
+            self.dense_general_cls, dtype=DTYPE, use_bias=False, kernel_axes=("embed", "heads", "kv"), bias_axes=()
+        )
+        q = proj((self.heads, head_dim), name="q")(h)
+        k, v = (proj((self.kv_heads, head_dim), name=n)(h) for n in ("k", "v"))
+        if self.qk_norm:  # per head, over head_dim, before the rotation (Qwen3)
+            q, k = rms_norm("kv", "q_norm")(q), rms_norm("kv", "k_norm")(k)
+        q, k, v = (constrain(t, self.mesh, *QKV) for t in (rope(q), rope(k), v))
+        out = self.dense_general_cls(
+            d_model,
+            axis=(-2, -1),
+            dtype=DTYPE,
+            use_bias=False,
+            name="out",
+            kernel_axes=("heads", "kv", "embed"),
+            bias_axes=(),
+        )
+        x = constrain(x + out(causal_attention(q, k, v)), self.mesh, *X)
+        h = rms_norm()(x)
+        if self.moe_cls is not None:
+            return x + self.moe_cls(hidden=4 * d_model // MOE_TOP_K, top_k=MOE_TOP_K, name="moe")(h)
+        mlp = functools.partial(
+            self.dense_cls, 3 * d_model, dtype=DTYPE, use_bias=False, kernel_axes=("embed", "mlp"), bias_axes=()
+        )
+        h = nn.silu(mlp(name="mlp_gate")(h)) * mlp(name="mlp_up")(h)
+        h = constrain(h, self.mesh, "batch", "length", "mlp")
+        down = self.dense_cls(
+            d_model, dtype=DTYPE, use_bias=False, name="mlp_down", kernel_axes=("mlp", "embed"), bias_axes=()
+        )
+        return constrain(x + down(h), self.mesh, *X)
+
+
 class TransformerLM(nn.Module):
-    """Decoder-only byte-level language model; returns float32 logits."""
+    """Decoder-only byte-level language model of ``arch``'s blocks (ARCHS); returns float32 logits."""
 
     d_model: int
     layers: int
@@ -185,21 +274,31 @@ class TransformerLM(nn.Module):
     dense_general_cls: Callable[..., nn.Module] = with_axes(nn.DenseGeneral)
     mesh: jax.sharding.Mesh | None = None  # where to shard the activations
     moe_cls: Callable[..., nn.Module] | None = None
+    arch: str = "gpt"
+    kv_heads: int | None = None  # the Llama-style blocks' key/value heads (None: as many as heads)
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        gpt = self.arch == "gpt"
         init = nn.initializers.normal(0.02)  # one scale for both, so positions are not drowned out by tokens
         table = nn.Embed(VOCAB, self.d_model, embedding_init=logical(init, "vocab", "embed"), name="embed").embedding
         # Gather the table (FSDP) before the lookup, which is nn.Embed's: XLA cannot move a lookup's output from
         # the table's sharding to the batch's without gathering all of it (and says so on every compile).
         x = jnp.take(constrain(table.astype(DTYPE), self.mesh, "vocab", "act_embed"), tokens, axis=0)
-        pos = self.param("pos_embed", logical(init, "length", "embed"), (self.max_len, self.d_model))
-        x = constrain(x + pos[: tokens.shape[1]].astype(DTYPE), self.mesh, *X)
+        if gpt:  # learned positions (the Llama-style blocks rotate q and k instead)
+            pos = self.param("pos_embed", logical(init, "length", "embed"), (self.max_len, self.d_model))
+            x = x + pos[: tokens.shape[1]].astype(DTYPE)
+        x = constrain(x, self.mesh, *X)
+        layers = (self.dense_cls, self.dense_general_cls, self.mesh, self.moe_cls)
         for i in range(self.layers):
-            x = Block(self.heads, self.dense_cls, self.dense_general_cls, self.mesh, self.moe_cls, name=f"block{i}")(x)
-        x = layer_norm("final_norm")(x)
+            if gpt:
+                x = GPTBlock(self.heads, *layers, name=f"block{i}")(x)
+            else:
+                kv_heads = self.kv_heads or self.heads
+                x = LlamaBlock(self.heads, kv_heads, self.arch == "qwen3", *layers, name=f"block{i}")(x)
+        x = (layer_norm if gpt else rms_norm)(name="final_norm")(x)
         head = with_axes(nn.Dense)(
-            VOCAB, dtype=DTYPE, name="head", kernel_axes=("embed", "vocab"), bias_axes=("vocab",)
+            VOCAB, dtype=DTYPE, use_bias=gpt, name="head", kernel_axes=("embed", "vocab"), bias_axes=("vocab",)
         )
         return head(x).astype(jnp.float32)
 
@@ -229,7 +328,16 @@ def build_model(
             capacity_factor=getattr(args, "capacity_factor", 1.25),
         )
     model = TransformerLM(
-        args.d_model, args.layers, args.heads, args.seq_len, dense_cls, dense_general_cls, mesh, moe_cls
+        args.d_model,
+        args.layers,
+        args.heads,
+        args.seq_len,
+        dense_cls,
+        dense_general_cls,
+        mesh,
+        moe_cls,
+        arch=getattr(args, "arch", "gpt"),
+        kv_heads=getattr(args, "kv_heads", None),
     )
     if run in RULE_RUNS:  # the head stays bf16 in every run
         rule_run = RULE_RUNS[run]
