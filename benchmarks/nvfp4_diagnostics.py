@@ -6,16 +6,22 @@ and operand the relative quantization error, the share of blocks whose E4M3 scal
 the amax, and the share of nonzero values that quantize to zero. Writes a markdown report (the evolution of
 each operand's statistics over training, the last evaluation's worst layers, the full last table) and a plot.
 With ``--against RUN`` it also trains RUN (same seed, same batches) and reports, for the layers both runs hold in
-NVFP4, how each operand's relative error changed: which operands' errors fell.
+NVFP4, how each operand's relative error changed: which operands' errors fell. ``--json FILE`` writes the statistics;
+``--compare FILE ...`` draws those of several such files (e.g. one per ``--arch``) side by side, by kind of layer
+(q, k, v, out, mlp_gate, mlp_up, mlp_down: the mean over the blocks) and operand, at their last evaluation.
 
-    python -m benchmarks.nvfp4_diagnostics [--run full] [--against full] [--steps 1400] [--eval-every 350]
-        [--report FILE]
+    python -m benchmarks.nvfp4_diagnostics [--arch qwen3] [--run full] [--against full] [--steps 1400]
+        [--eval-every 350] [--report FILE] [--json FILE]
+    python -m benchmarks.nvfp4_diagnostics --compare GPT.json QWEN3.json --out blocks.png
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import json
+import pathlib
+import re
 import sys
 import time
 
@@ -28,7 +34,8 @@ import optax
 import jax_nvfp4
 from benchmarks.timing import Report, device_name
 from examples.lm.data import prepare_data, windows
-from examples.lm.model import RUNS, build_model, describe
+from examples.lm.model import ARCHS, RUNS, build_model, describe
+from examples.lm.report import provenance
 from examples.lm.training import train
 from examples.train_lm import make_parser
 from jax_nvfp4.flax import RNG_STREAM
@@ -68,6 +75,52 @@ def plot(history: dict[int, dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+KINDS = ("q", "k", "v", "out", "mlp_gate", "mlp_up", "mlp_down")  # the blocks' layers, in the order they run
+
+
+def layer_kind(path: str) -> str:
+    """A layer's path without its block (``block2/mlp_down`` -> ``mlp_down``)."""
+    return re.sub(r"^block\d+/", "", path)
+
+
+def plot_blocks(paths: list[str], out: str) -> None:
+    """Each file's last evaluation (``--json``): per kind of layer and operand, the relative error (top) and the
+    share of nonzero values quantized to 0 (bottom), the mean over the blocks; one bar per file, side by side."""
+    found = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    labels = [f"{d['args']['arch']} ({d['args']['run']}, final val {d['final_val_loss']:.4f})" for d in found]
+    lasts = [d["history"][max(d["history"], key=int)] for d in found]
+    found_kinds = {layer_kind(layer) for last in lasts for layer in last}
+    kinds = [k for k in KINDS if k in found_kinds] + sorted(found_kinds - set(KINDS))
+    fig, axes = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True)
+    slots = [(kind, op) for kind in kinds for op in OPERANDS]
+    width = 0.8 / len(found)
+    for ax, stat, what in zip(axes, ("rel_error", "zero"), ("relative error", "share of values -> 0"), strict=True):
+        for i, (last, label, hatch) in enumerate(zip(lasts, labels, ("", "//", "..", "xx"), strict=False)):
+            values = []
+            for kind, op in slots:
+                layers = [v[op][stat] for layer, v in last.items() if layer_kind(layer) == kind and op in v]
+                values.append(np.mean(layers) if layers else np.nan)
+            colors = [diagnostics.OPERAND_COLORS[op] for _, op in slots]
+            x = np.arange(len(slots)) + (i - (len(found) - 1) / 2) * width
+            ax.bar(x, values, width, color=colors, hatch=hatch, edgecolor="black", linewidth=0.3, label=label)
+        ax.set(ylabel=what)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(
+        fontsize=8,
+        title="hatch: the file; colour: x (blue), W (orange), dy (red)",
+        title_fontsize=8,
+        loc="lower left",
+        bbox_to_anchor=(0, 1.02),
+        ncol=len(found),
+    )
+    axes[1].set_xticks(np.arange(len(slots)), [f"{kind} {op}" for kind, op in slots], rotation=70, fontsize=7)
+    fig.suptitle("NVFP4's error by kind of layer and operand, mean over the blocks, at the last evaluation")
+    fig.tight_layout()  # leaves the legend above the top axes its room
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    print(f"wrote {out}")
 
 
 def common_means(history: dict, against: dict, step: int) -> dict[str, tuple[float, float, int]]:
@@ -113,24 +166,27 @@ def main() -> None:
     parser.add_argument("--run", default="full", choices=runs)
     parser.add_argument("--against", choices=runs, help="also train this run: which operands' errors changed")
     parser.add_argument("--report", help="also write the markdown report to this file")
+    parser.add_argument("--compare", nargs="+", metavar="JSON", help="plot these --json files' statistics to --out")
     args = parser.parse_args()
+    if args.compare:
+        plot_blocks(args.compare, args.out)
+        return
+    made_by = {**provenance(), "command": " ".join(["python -m benchmarks.nvfp4_diagnostics", *sys.argv[1:]])}
     print(f"jax {jax.__version__} on {jax.default_backend()} ({device_name()}), jax_nvfp4 {jax_nvfp4.__version__}")
     train_starts, data = prepare_data(args)
     history, result = diagnose(args.run, args, train_starts, data)
     steps = sorted(history)
-    cmd = f"python -m benchmarks.nvfp4_diagnostics --run {args.run} --steps {args.steps} --eval-every {args.eval_every}"
-    if args.against:
-        cmd += f" --against {args.against}"
+    cmd = made_by["command"]
     report = Report(
         args.report,
         [
             f"# NVFP4 diagnostics of the example while it trains: {device_name()} ({jax.default_backend()})",
             "",
-            f"{datetime.date.today()}, jax {jax.__version__}, `{cmd}`: the example's model (d_model {args.d_model}, "
-            f"{args.layers} blocks) trained with `{args.run}` ({describe(args.run, args)}; final val loss "
-            f"{result['final_val_loss']:.4f}, seed {args.seed}). At each evaluation, on that step's batch "
-            f"({args.batch}x{args.seq_len} tokens), `jax_nvfp4.flax.linen.diagnostics.collect_stats` quantizes every "
-            "NVFP4 layer's x (1x16 blocks), W (16x16) and dy (1x16, stochastic rounding with a fixed key), each "
+            f"{datetime.date.today()}, jax {jax.__version__}, `{cmd}`: the example's model ({ARCHS[args.arch]}, "
+            f"d_model {args.d_model}, {args.layers} blocks) trained with `{args.run}` ({describe(args.run, args)}; "
+            f"final val loss {result['final_val_loss']:.4f}, seed {args.seed}). At each evaluation, on that step's "
+            f"batch ({args.batch}x{args.seq_len} tokens), `jax_nvfp4.flax.linen.diagnostics.collect_stats` quantizes "
+            "every NVFP4 layer's x (1x16 blocks), W (16x16) and dy (1x16, stochastic rounding with a fixed key), each "
             "as the forward or dgrad GEMM sees it. rel. error: ||q(t) - t|| / ||t||; zero: share of nonzero "
             "values that quantize to 0; underflow: share of blocks whose E4M3 scale rounds to 0; saturated: "
             "share of blocks above the global amax (0 with the tensor's own amax).",
@@ -177,8 +233,12 @@ def main() -> None:
     report.add("")
     report.add(diagnostics.stats_table(last))
     report.save()
-    plot(history, args.out, f"NVFP4 diagnostics, {args.run}: d_model {args.d_model}, {args.layers} blocks")
+    plot(history, args.out, f"NVFP4 diagnostics, {args.run}: {args.arch}, d_model {args.d_model}, {args.layers} blocks")
     print(f"wrote {args.out}")
+    if args.json:
+        record = {"made_by": made_by, "args": vars(args), "final_val_loss": result["final_val_loss"]}
+        pathlib.Path(args.json).write_text(json.dumps({**record, "history": history}, indent=1))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

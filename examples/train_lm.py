@@ -69,7 +69,7 @@ import jax_nvfp4
 from examples.lm.data import prepare_data
 from examples.lm.distributed import join, rerun_as_processes
 from examples.lm.mesh import make_mesh, mesh_name, parse_mesh
-from examples.lm.model import ARCHS, MOE_TOP_K, RULE_RUNS, RUNS, build_model
+from examples.lm.model import ARCHS, MOE_TOP_K, RULE_RUNS, RUNS, build_model, kv_heads
 from examples.lm.report import describe_result, plot, plot_seeds, print_seed_table, provenance
 from examples.lm.training import train
 
@@ -229,13 +229,11 @@ def main() -> None:
     if args.arch == "gpt":
         if args.kv_heads is not None:
             parser.error("--kv-heads needs --arch llama or qwen3 (GPT-2's attention has a key/value head per head)")
-    else:
-        args.kv_heads = args.kv_heads or max(1, args.heads // 2)
-        if args.heads % args.kv_heads or (args.d_model // args.heads) % 2:
-            parser.error(
-                f"--arch {args.arch}: --heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads}) and "
-                "the head width (--d-model / --heads) even, for RoPE"
-            )
+    elif args.heads % kv_heads(args) or (args.d_model // args.heads) % 2:
+        parser.error(
+            f"--arch {args.arch}: --heads ({args.heads}) must be a multiple of --kv-heads ({kv_heads(args)}) and "
+            "the head width (--d-model / --heads) even, for RoPE"
+        )
     if args.moe:
         unsupported = [n for n, on in (("--mesh", args.mesh), ("--save", args.save)) if on]
         unsupported += [f"the run {r}" for r in args.runs if r in RULE_RUNS]

@@ -64,13 +64,15 @@ def make_mesh(sizes: dict[str, int], args: argparse.Namespace) -> jax.sharding.M
         raise ValueError(
             f"needs {n} devices, found {jax.device_count()}{cpu if jax.default_backend() == 'cpu' else ''}"
         )
+    from examples.lm.model import kv_heads  # here: the model imports this module's RULES
+
     batch_ways = sizes["data"] * sizes["fsdp"]
     if (
         args.batch % batch_ways
         or EVAL_BATCH % batch_ways
         or args.d_model % sizes["fsdp"]
         or args.heads % sizes["tensor"]
-        or (getattr(args, "kv_heads", None) or args.heads) % sizes["tensor"]
+        or kv_heads(args) % sizes["tensor"]
     ):
         raise ValueError(
             f"--batch and the eval batch ({EVAL_BATCH}) must be multiples of data*fsdp, --d-model of fsdp, "

@@ -294,13 +294,21 @@ class TransformerLM(nn.Module):
             if gpt:
                 x = GPTBlock(self.heads, *layers, name=f"block{i}")(x)
             else:
-                kv_heads = self.kv_heads or self.heads
-                x = LlamaBlock(self.heads, kv_heads, self.arch == "qwen3", *layers, name=f"block{i}")(x)
+                kv = self.kv_heads or self.heads
+                x = LlamaBlock(self.heads, kv, self.arch == "qwen3", *layers, name=f"block{i}")(x)
         x = (layer_norm if gpt else rms_norm)(name="final_norm")(x)
         head = with_axes(nn.Dense)(
             VOCAB, dtype=DTYPE, use_bias=gpt, name="head", kernel_axes=("embed", "vocab"), bias_axes=("vocab",)
         )
         return head(x).astype(jnp.float32)
+
+
+def kv_heads(args: argparse.Namespace) -> int:
+    """The key/value heads of the model's attention: --kv-heads, by default half of --heads in the Llama-style
+    blocks (grouped-query attention) and all of them in GPT-2's."""
+    if getattr(args, "arch", "gpt") == "gpt":
+        return args.heads
+    return getattr(args, "kv_heads", None) or max(1, args.heads // 2)
 
 
 def build_model(
@@ -336,8 +344,8 @@ def build_model(
         dense_general_cls,
         mesh,
         moe_cls,
-        arch=getattr(args, "arch", "gpt"),
-        kv_heads=getattr(args, "kv_heads", None),
+        arch=getattr(args, "arch", "gpt"),  # a model saved before --arch is GPT-2-style
+        kv_heads=kv_heads(args),
     )
     if run in RULE_RUNS:  # the head stays bf16 in every run
         rule_run = RULE_RUNS[run]
