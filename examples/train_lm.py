@@ -310,15 +310,15 @@ def main() -> None:
 
     if jax.process_index() > 0:  # several processes: process 0 writes the files
         return
-    plot(results, args)
-    print(f"wrote {args.out}")
-    if args.json:
+    if args.json:  # first: the results of a long run are kept whatever happens to the plot
         args_json = {**vars(args), "mesh": mesh_name(args.mesh)}
         out = {"made_by": made_by, "args": args_json, "results": results}
         if args.seeds > 1:
             out["results_by_seed"] = {str(seed): r for seed, r in by_seed.items()}
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")
+    plot(results, args)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

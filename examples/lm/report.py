@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 COLORS = {"plain": "tab:orange", "rht": "tab:green", "sr": "tab:purple", "full": "tab:red", "full-est": "tab:brown"}
 COLORS.update({"4o6": "tab:cyan", "4o6-mae": "tab:gray", "per-token": "tab:olive", "full-keep-last": "tab:pink"})
 COLORS.update({"full-keep-ends": "magenta", "full-mxfp8-attn": "gold", "bf16": "tab:blue"})
+COLORS.update({"full-keep-attn": "darkgreen", "full-keep-down": "navy"})
 
 
 def provenance() -> dict[str, Any]:

@@ -24,6 +24,7 @@ from examples.lm import distributed, training
 from examples.lm.data import VOCAB, prepare_data
 from examples.lm.mesh import BATCH, make_mesh, parse_mesh, sharded_params
 from examples.lm.model import RECIPES, RUNS, build_model, describe, next_byte_loss
+from examples.lm.report import COLORS
 from examples.lm.training import LOAD_BALANCE
 from jax_nvfp4.sharding.hlo import collectives
 
@@ -108,6 +109,14 @@ def test_the_four_over_six_and_per_token_runs_are_their_recipes():
     assert describe("full-keep-ends", args) == "NVFP4, 16x16 weights + RHT + SR, first and last blocks bf16 (by rules)"
     assert describe("full-mxfp8-attn", args).endswith("+ SR, attention projections MXFP8 (by rules)")
     assert describe("per-token", args) == "NVFP4, 16x16 weights + per-token scales (x, dy)"
+
+
+def test_every_run_has_its_colour_and_description():
+    """The plots draw each run in its colour (a run without one fails at the end of training)."""
+    assert set(COLORS) == set(RUNS)
+    args = _args("data=1")
+    assert describe("full-keep-down", args).endswith("+ SR, MLP down projections bf16 (by rules)")
+    assert describe("full-keep-attn", args).endswith("+ SR, attention projections bf16 (by rules)")
 
 
 def test_moe_blocks_train_in_nvfp4():
