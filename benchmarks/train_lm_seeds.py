@@ -53,21 +53,43 @@ SETTINGS = (
 )
 
 
+ABSENT = {"arch": "gpt"}  # what a file made before a setting existed ran (--arch: GPT-2's block, the only one)
+
+
+def _group_name(settings: argparse.Namespace) -> str:
+    return f"{settings.arch} d_model {settings.d_model}"
+
+
 def groups(paths: list[str]) -> list[tuple[argparse.Namespace, dict[int, dict]]]:
     """Per group of equal settings: (the settings, with the runs every seed has, in RUNS order; seed -> run ->
-    results), by d_model."""
+    results), by block and d_model. A precision schedule that switches to bf16 leaves the bf16 run as it is: such a
+    group without bf16 takes it from the same settings' group without the schedule (said so)."""
     found: dict[tuple, dict[int, dict]] = {}
     for path in paths:
         data = json.loads(pathlib.Path(path).read_text())
-        key = tuple(data["args"].get(k) for k in SETTINGS)
+        given = {k: v for k, v in data["args"].items() if v is not None}
+        key = tuple(given.get(k, ABSENT.get(k)) for k in SETTINGS)
         found.setdefault(key, {}).setdefault(int(data["args"]["seed"]), {}).update(data["results"])
+    at = {name: SETTINGS.index(name) for name in ("arch", "d_model", "switch_at", "switch_to")}
+    for key, by_seed in found.items():
+        if key[at["switch_to"]] != "bf16":
+            continue
+        unswitched = found.get(tuple(None if i in (at["switch_at"], at["switch_to"]) else v for i, v in enumerate(key)))
+        borrowed = [
+            s for s, results in by_seed.items() if "bf16" not in results and "bf16" in (unswitched or {}).get(s, {})
+        ]
+        for seed in borrowed:
+            by_seed[seed]["bf16"] = unswitched[seed]["bf16"]
+        if borrowed:
+            print(f"{key[at['arch']]} d_model {key[at['d_model']]}, switched to bf16: bf16 from the unswitched runs")
     out = []
-    for key, by_seed in sorted(found.items(), key=lambda item: item[0][SETTINGS.index("d_model")]):
-        runs = [r for r in RUNS if all(r in results for results in by_seed.values())]
-        missing = sorted({r for results in by_seed.values() for r in results} - set(runs))
+    for key, by_seed in sorted(found.items(), key=lambda item: (item[0][at["arch"]], item[0][at["d_model"]])):
+        settings = argparse.Namespace(**dict(zip(SETTINGS, key, strict=True)))
+        settings.runs = [r for r in RUNS if all(r in results for results in by_seed.values())]
+        missing = sorted({r for results in by_seed.values() for r in results} - set(settings.runs))
         if missing:
-            print(f"d_model {key[SETTINGS.index('d_model')]}: left out (not in every seed): {', '.join(missing)}")
-        out.append((argparse.Namespace(**dict(zip(SETTINGS, key, strict=True)), runs=runs), by_seed))
+            print(f"{_group_name(settings)}: left out (not in every seed): {', '.join(missing)}")
+        out.append((settings, by_seed))
     return out
 
 
@@ -75,8 +97,8 @@ def _lr_seeds(settings: argparse.Namespace, by_seed: dict[int, dict]) -> str:
     return f"lr {settings.lr:g} ({len(by_seed)} seed{'s' * int(len(by_seed) > 1)})"
 
 
-Chosen = dict[tuple[int, int], tuple[argparse.Namespace, dict[int, dict]]]
-"""(d_model, steps) -> the group drawn there."""
+Chosen = dict[tuple[str, int, int], tuple[argparse.Namespace, dict[int, dict]]]
+"""(arch, d_model, steps) -> the group drawn there."""
 
 
 def _rank(group: tuple[argparse.Namespace, dict[int, dict]]) -> tuple[int, float]:
@@ -86,39 +108,50 @@ def _rank(group: tuple[argparse.Namespace, dict[int, dict]]) -> tuple[int, float
 
 
 def comparable(found: list[tuple[argparse.Namespace, dict[int, dict]]]) -> Chosen:
-    """The groups with bf16 and a run beside it, one per (d_model, steps): where groups differ only in learning
-    rate, the one of the most seeds, and of those the one where bf16 ends lowest (said so)."""
+    """The groups with bf16 and a run beside it and no precision schedule, one per (arch, d_model, steps): where
+    groups differ only in learning rate, the one of the most seeds, and of those the one where bf16 ends lowest
+    (said so)."""
     chosen: Chosen = {}
     for settings, by_seed in found:
-        if "bf16" not in settings.runs or len(settings.runs) < 2:
-            continue  # nothing to compare (a learning-rate sweep's bf16 runs)
-        key = (settings.d_model, settings.steps)
+        if "bf16" not in settings.runs or len(settings.runs) < 2 or settings.switch_to is not None:
+            continue  # nothing to compare (a learning-rate sweep's bf16 runs), or not a recipe's gap
+        key = (settings.arch, settings.d_model, settings.steps)
         if key in chosen:
             other = chosen[key]
             keep = (settings, by_seed) if _rank((settings, by_seed)) > _rank(other) else other
             drop = other if keep is not other else (settings, by_seed)
-            print(f"plots, d_model {key[0]}, {key[1]} steps: {_lr_seeds(*keep)} drawn, {_lr_seeds(*drop)} not")
+            print(f"plots, {key[0]} d_model {key[1]}, {key[2]} steps: {_lr_seeds(*keep)} drawn, {_lr_seeds(*drop)} not")
             chosen[key] = keep
         else:
             chosen[key] = (settings, by_seed)
     return chosen
 
 
-def _multi_width_runs(chosen: Chosen) -> list[str]:
-    """The NVFP4 runs of two widths or more (a curve needs two)."""
-    return [r for r in RUNS if r != "bf16" and len({d for (d, _), (s, _) in chosen.items() if r in s.runs}) > 1]
+def _multi_width_runs(chosen: Chosen) -> list[tuple[str, str]]:
+    """The (arch, NVFP4 run) pairs of two widths or more (a curve needs two)."""
+    archs = sorted({arch for arch, _, _ in chosen})
+    return [
+        (arch, r)
+        for arch in archs
+        for r in RUNS
+        if r != "bf16" and len({d for (a, d, _), (s, _) in chosen.items() if a == arch and r in s.runs}) > 1
+    ]
+
+
+MARKERS = {"gpt": "o", "llama": "^", "qwen3": "s"}  # the block's marker in the plots
 
 
 def plot_widths(chosen: Chosen, path: str) -> None:
     """Each run's final validation gap to bf16 against d_model (the runs at two widths or more): mean over the
-    seeds, ± one sd (none for one seed). One curve per run and training length (steps; the longest solid)."""
-    longest = max((steps for _, steps in chosen), default=0)
+    seeds, ± one sd (none for one seed). One curve per block (its marker), run (its colour) and training length
+    (steps; the longest solid)."""
+    longest = max((steps for _, _, steps in chosen), default=0)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in _multi_width_runs(chosen):
-        for length in sorted({steps for _, steps in chosen}, reverse=True):
+    for arch, run in _multi_width_runs(chosen):
+        for length in sorted({steps for _, _, steps in chosen}, reverse=True):
             points = []
-            for (d_model, steps), (settings, by_seed) in sorted(chosen.items()):
-                if steps != length or run not in settings.runs:
+            for (a, d_model, steps), (settings, by_seed) in sorted(chosen.items()):
+                if a != arch or steps != length or run not in settings.runs:
                     continue
                 final = val_gaps(by_seed, run)[:, -1]
                 sd = final.std(ddof=1) if len(final) > 1 else 0.0
@@ -130,10 +163,10 @@ def plot_widths(chosen: Chosen, path: str) -> None:
                 d,
                 mean,
                 yerr=sd,
-                fmt="o-" if length == longest else "s--",
+                fmt=MARKERS.get(arch, "d") + ("-" if length == longest else "--"),
                 color=COLORS[run],
                 capsize=4,
-                label=f"{run}, {length} steps",
+                label=f"{arch}: {run}, {length} steps",
             )
             for x, y, k, rate in zip(d, mean, n, lr, strict=True):
                 ax.annotate(
@@ -153,7 +186,7 @@ def plot_widths(chosen: Chosen, path: str) -> None:
         title="NVFP4's gap to bf16 against the model's width",
     )
     ax.margins(x=0.2)  # room for the last width's labels
-    widths = sorted({d for d, _ in chosen})
+    widths = sorted({d for _, d, _ in chosen})
     ax.set_xticks(widths, labels=[str(w) for w in widths])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -165,24 +198,25 @@ def plot_widths(chosen: Chosen, path: str) -> None:
 
 def plot_progress(chosen: Chosen, path: str) -> None:
     """Each run's validation gap to bf16 at every evaluation against bf16's validation loss there (mean over the
-    seeds, ± one sd): one curve per width and run (the runs at two widths or more; a width's longest training
-    only), so that widths compare at the same point of training whatever their steps and tokens per parameter."""
-    runs = _multi_width_runs(chosen)
-    widths = sorted({d for d, _ in chosen})
+    seeds, ± one sd): one curve per block (its marker), width (its shade) and run (its line style), for the runs at
+    two widths or more and a width's longest training only, so that widths compare at the same point of training
+    whatever their steps and tokens per parameter."""
+    pairs = _multi_width_runs(chosen)
+    widths = sorted({d for _, d, _ in chosen})
     shade = dict(zip(widths, plt.get_cmap("viridis")(np.linspace(0, 0.85, len(widths))), strict=True))
-    styles = dict(zip(runs, itertools.cycle(("o-", "s--", "^:", "d-.")), strict=False))  # every run a style
+    runs = list(dict.fromkeys(run for _, run in pairs))
+    lines = dict(zip(runs, itertools.cycle(("-", "--", ":", "-.")), strict=False))  # every run a line style
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (d_model, steps), (settings, by_seed) in sorted(chosen.items()):
-        if any(d == d_model and longer > steps for d, longer in chosen):
+    for (arch, d_model, steps), (settings, by_seed) in sorted(chosen.items()):
+        if any(a == arch and d == d_model and longer > steps for a, d, longer in chosen):
             continue  # the width's longer training passes the same points, and further
         bf16 = np.asarray([[loss for _, loss in r["bf16"]["val_loss"]] for r in by_seed.values()]).mean(0)
-        for run in runs:
-            if run not in settings.runs:
-                continue
+        for run in (r for a, r in pairs if a == arch and r in settings.runs):
             gaps = val_gaps(by_seed, run)
             sd = gaps.std(0, ddof=1) if len(gaps) > 1 else None
-            label = f"d_model {d_model}, {run} ({steps} steps, {_lr_seeds(settings, by_seed)})"
-            ax.errorbar(bf16, gaps.mean(0), yerr=sd, fmt=styles[run], color=shade[d_model], capsize=3, label=label)
+            label = f"{arch} d_model {d_model}, {run} ({steps} steps, {_lr_seeds(settings, by_seed)})"
+            fmt = MARKERS.get(arch, "d") + lines[run]
+            ax.errorbar(bf16, gaps.mean(0), yerr=sd, fmt=fmt, color=shade[d_model], capsize=3, label=label)
     ax.axhline(0, color=COLORS["bf16"], lw=1)
     ax.invert_xaxis()  # training goes to the right
     ax.set(
@@ -215,7 +249,7 @@ def main() -> None:
     for settings, by_seed in found:
         with contextlib.redirect_stdout(tables):
             print(
-                f"\nd_model {settings.d_model}, {settings.layers} blocks, {settings.steps} steps of "
+                f"\n{settings.layers} {settings.arch} blocks of d_model {settings.d_model}, {settings.steps} steps of "
                 f"{settings.batch}x{settings.seq_len} bytes, peak lr {settings.lr:g};",
                 end="",
             )
@@ -223,9 +257,10 @@ def main() -> None:
         if len(by_seed) < 2 or len(settings.runs) < 2:
             continue  # a band of the seeds' spread around a gap needs two seeds and a run beside bf16
         stem = pathlib.Path(args.plot)
-        settings.out = str(
-            stem.with_name(f"{stem.stem}-d{settings.d_model}-{settings.steps}-lr{settings.lr:g}{stem.suffix}")
-        )
+        name = f"{stem.stem}-{settings.arch}-d{settings.d_model}-{settings.steps}-lr{settings.lr:g}"
+        if settings.switch_to is not None:
+            name += f"-switch{settings.switch_at:g}-{settings.switch_to}"
+        settings.out = str(stem.with_name(name + stem.suffix))
         plot_seeds(by_seed, settings)
     print(tables.getvalue())
     if args.out:

@@ -9,9 +9,10 @@ import json
 from benchmarks import train_lm_seeds
 
 
-def _write(tmp_path, name: str, *, d_model: int, lr: float, seed: int, final: dict[str, float]) -> str:
+def _write(tmp_path, name: str, *, d_model: int, lr: float, seed: int, final: dict[str, float], **settings) -> str:
     """An example's --json of one seed: each run's validation loss at steps 100 and 200 (the last as given)."""
     args = dict.fromkeys(train_lm_seeds.SETTINGS) | {"steps": 200, "d_model": d_model, "lr": lr, "seed": seed}
+    args |= settings
     results = {
         run: {
             "val_loss": [[100, 3.0], [200, loss]],
@@ -46,9 +47,44 @@ def test_groups_split_by_learning_rate_and_the_plots_take_the_most_seeds_then_th
     ]
     chosen = train_lm_seeds.comparable(found)
     out = capsys.readouterr().out
-    assert "d_model 256, 200 steps: lr 0.001 (2 seeds) drawn, lr 0.003 (1 seed) not" in out
-    assert "d_model 128, 200 steps: lr 0.006 (1 seed) drawn, lr 0.003 (1 seed) not" in out  # bf16 ends lower
-    assert {key: settings.lr for key, (settings, _) in chosen.items()} == {(128, 200): 6e-3, (256, 200): 1e-3}
+    assert "gpt d_model 256, 200 steps: lr 0.001 (2 seeds) drawn, lr 0.003 (1 seed) not" in out
+    assert "gpt d_model 128, 200 steps: lr 0.006 (1 seed) drawn, lr 0.003 (1 seed) not" in out  # bf16 ends lower
+    assert {key: settings.lr for key, (settings, _) in chosen.items()} == {
+        ("gpt", 128, 200): 6e-3,
+        ("gpt", 256, 200): 1e-3,
+    }
+    for draw in (train_lm_seeds.plot_widths, train_lm_seeds.plot_progress):
+        plot = tmp_path / f"{draw.__name__}.png"
+        draw(chosen, str(plot))
+        assert plot.stat().st_size > 0
+
+
+def test_blocks_group_apart_and_a_switch_to_bf16_takes_the_unswitched_bf16(tmp_path, capsys):
+    """A file without --arch ran GPT-2's block: it groups with --arch gpt, not with qwen3. A precision schedule
+    switching to bf16 forms its own group, not drawn, whose bf16 partner is the unswitched one (bf16 does not
+    switch)."""
+    switch = {"switch_at": 0.9, "switch_to": "bf16"}
+    files = [
+        _write(tmp_path, "old", d_model=128, lr=3e-3, seed=0, final={"full": 2.2, "bf16": 2.0}),
+        _write(tmp_path, "gpt", d_model=128, lr=3e-3, seed=1, final={"full": 2.3, "bf16": 2.0}, arch="gpt"),
+        _write(tmp_path, "q0", d_model=128, lr=3e-3, seed=0, final={"full": 2.1, "bf16": 2.0}, arch="qwen3"),
+        _write(tmp_path, "q256", d_model=256, lr=3e-3, seed=0, final={"full": 2.05, "bf16": 2.0}, arch="qwen3"),
+        _write(tmp_path, "qs", d_model=128, lr=3e-3, seed=0, final={"full": 2.02}, arch="qwen3", **switch),
+    ]
+    found = train_lm_seeds.groups(files)
+    assert "qwen3 d_model 128, switched to bf16: bf16 from the unswitched runs" in capsys.readouterr().out
+    named = {(s.arch, s.d_model, s.switch_to): (s.runs, sorted(by_seed)) for s, by_seed in found}
+    assert named == {
+        ("gpt", 128, None): (["full", "bf16"], [0, 1]),
+        ("qwen3", 128, None): (["full", "bf16"], [0]),
+        ("qwen3", 128, "bf16"): (["full", "bf16"], [0]),
+        ("qwen3", 256, None): (["full", "bf16"], [0]),
+    }
+    switched = next(by_seed for s, by_seed in found if s.switch_to == "bf16")
+    assert switched[0]["full"]["final_val_loss"] == 2.02 and switched[0]["bf16"]["final_val_loss"] == 2.0
+    chosen = train_lm_seeds.comparable(found)
+    assert sorted(chosen) == [("gpt", 128, 200), ("qwen3", 128, 200), ("qwen3", 256, 200)]
+    assert train_lm_seeds._multi_width_runs(chosen) == [("qwen3", "full")]
     for draw in (train_lm_seeds.plot_widths, train_lm_seeds.plot_progress):
         plot = tmp_path / f"{draw.__name__}.png"
         draw(chosen, str(plot))
