@@ -51,20 +51,28 @@ def _loss_and_grad(args, mesh, run: str):
 
 
 @needs_8_devices
-def test_sharded_step_gathers_the_nvfp4_weights_as_packed_bytes():
-    args = _args("data=2,fsdp=2,tensor=2")
+@pytest.mark.parametrize(
+    "arch, layers",
+    [
+        ("gpt", ("q", "k", "v", "out", "mlp_up", "mlp_down")),
+        ("qwen3", ("q", "k", "v", "out", "mlp_gate", "mlp_up", "mlp_down")),
+    ],
+)
+def test_sharded_step_gathers_the_nvfp4_weights_as_packed_bytes(arch, layers):
+    """qwen3: its 2 key/value heads split over tensor=2 as its 4 query heads do."""
+    args = argparse.Namespace(**{**vars(_args("data=2,fsdp=2,tensor=2")), "arch": arch, "heads": 4})
     step, params, batch = _loss_and_grad(args, make_mesh(args.mesh, args), "full")
     hlo = step.lower(params, batch, jax.random.key(0)).compile().as_text()
     gathers = [c for c in collectives(hlo) if c.op == "all-gather"]
     in_gemms = [c for c in gathers if "NVFP4DotGeneral" in c.op_name]
-    # Each of the 6 NVFP4 layers gathers its FSDP-sharded weight, codes and scales, in the forward and backward.
+    # Each NVFP4 layer gathers its FSDP-sharded weight, codes and scales, in the forward and backward.
     assert {re.search(r"/(block0/\w+)/NVFP4DotGeneral", c.op_name).group(1) for c in in_gemms} == {
-        f"block0/{name}" for name in ("q", "k", "v", "out", "mlp_up", "mlp_down")
+        f"block0/{name}" for name in layers
     }
     assert {c.dtype for c in in_gemms} == {"u8"}
-    # The layers' other gathers are their biases, 1-D.
-    layers = ("/q/", "/k/", "/v/", "/out/", "/mlp_up/", "/mlp_down/")
-    assert all(len(c.shape) == 1 for c in gathers if any(s in c.op_name for s in layers) and c not in in_gemms)
+    # The layers' other gathers are their biases (gpt) or norms' scales (qwen3), 1-D.
+    paths = tuple(f"/{name}/" for name in layers)
+    assert all(len(c.shape) == 1 for c in gathers if any(s in c.op_name for s in paths) and c not in in_gemms)
 
 
 @needs_8_devices
