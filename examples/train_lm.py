@@ -8,6 +8,11 @@ NVFP4 recipe. Prints a table of final losses and step times and writes a plot of
 
     python -m examples.train_lm [--steps N] [--runs full-keep-ends,bf16 | all] [--out train_lm.png]
 
+The block (``--arch``): qwen3 (the default; RMSNorm, rotary positions, grouped-query attention with --kv-heads
+key/value heads, by default half of --heads, RMSNorm on q and k, a gated SiLU MLP of width 3 x d_model, no biases: the
+decoder block of Qwen3, and with ``--arch llama`` without the q/k norms that of Llama), or gpt (GPT-2's: LayerNorm,
+learned positions, multi-head attention, a GELU MLP of width 4 x d_model, biases).
+
 The NVFP4 recipe variants (``--runs``): plain (round to nearest, no transform), rht (+ the Random
 Hadamard Transform on the weight-gradient operands), sr (+ stochastic rounding of the gradients, no
 RHT), full (both: NVIDIA's recipe, ``jax_nvfp4.Recipe()``), full-est (full, with the post-RHT amax
@@ -16,7 +21,8 @@ estimated from the pre-RHT one), 4o6 (plain + 4over6 adaptive block scaling of x
 absolute error), per-token (plain + one global scale per token for x and dy instead of one per tensor),
 full-keep-last (the bf16 model converted by rules, ``jax_nvfp4.flax.quantize_model``: the full recipe
 everywhere but the last block), full-keep-ends (the same with the first and the last block in bf16),
-full-mxfp8-attn (the full recipe, the attention projections in MXFP8: ``jax_nvfp4.MXFP8``).
+full-mxfp8-attn (the full recipe, the attention projections in MXFP8: ``jax_nvfp4.MXFP8``), full-keep-attn and
+full-keep-down (the full recipe, the attention projections or the MLPs' down projections in bf16).
 Stochastic rounding draws a fresh key every step from the layers' ``"nvfp4"`` RNG stream.
 
 `--switch-at F --switch-to RUN` is a precision schedule: every other run trains its first F of the steps as
@@ -94,7 +100,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--arch",
         choices=tuple(ARCHS),
-        default="gpt",
+        default="qwen3",
         help="the transformer block: " + "; ".join(f"{name}: {what}" for name, what in ARCHS.items()),
     )
     parser.add_argument(

@@ -88,7 +88,8 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         axes[2].grid(alpha=0.3)
         axes[2].legend()
     fig.suptitle(
-        f"byte-level LM on stdlib source: d_model {args.d_model}, {args.layers} layers, "
+        f"byte-level LM on stdlib source: {getattr(args, 'arch', 'gpt')} blocks, d_model {args.d_model}, "
+        f"{args.layers} layers, "
         f"batch {args.batch}x{args.seq_len}, NVFP4 weight blocks {args.weight_blocks}"
         + (f", mesh {mesh_name(args.mesh)}" if args.mesh else "")
         + (f", MLP {describe_moe(args)}" if getattr(args, "moe", 0) else "")

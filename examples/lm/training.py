@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from examples.lm.data import windows
 from examples.lm.mesh import BATCH, mesh_name, shard_state, sharded_params
-from examples.lm.model import MODEL_ARGS, RECIPES, TransformerLM, build_model, describe, next_byte_loss
+from examples.lm.model import MODEL_ARGS, RECIPES, TransformerLM, build_model, describe, kv_heads, next_byte_loss
 from jax_nvfp4 import checkpoint
 from jax_nvfp4.flax.linen.layers import cache_weights, quantize_params
 
@@ -43,7 +43,7 @@ def save_model(directory: pathlib.Path, run: str, args: argparse.Namespace, mode
     # (--processes) each gathers the whole tree from all of them, and all take part in the save (orbax).
     host = jax.device_get(params) if jax.process_count() == 1 else multihost_utils.process_allgather(params, tiled=True)
     checkpoint.save(directory / "params", host)
-    config = {"run": run, **{name: getattr(args, name) for name in MODEL_ARGS}}
+    config = {"run": run, **{name: getattr(args, name) for name in MODEL_ARGS}, "kv_heads": kv_heads(args)}
     if jax.process_index() == 0:  # one writer
         (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 

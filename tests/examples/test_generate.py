@@ -58,7 +58,7 @@ def test_save_writes_the_quantized_nvfp4_layers_and_the_rest_as_trained(saved):
     assert got_tree == want_tree
     kernels = [k for k, _ in jax.tree_util.tree_flatten_with_path(restored, is_leaf=is_quantized)[0]]
     quantized = {jax.tree_util.keystr(k) for k, v in zip(kernels, got_leaves, strict=True) if is_quantized(v)}
-    names = ("q", "k", "v", "out", "mlp_up", "mlp_down")
+    names = ("q", "k", "v", "out", "mlp_gate", "mlp_up", "mlp_down")  # the default (qwen3) block's
     assert quantized == {f"['block0']['{n}']['kernel']" for n in names}
     for got, want_leaf in zip(got_leaves, want_leaves, strict=True):
         if is_quantized(got):
@@ -76,7 +76,8 @@ def test_save_writes_the_quantized_nvfp4_layers_and_the_rest_as_trained(saved):
     )
     for run in ("full", "bf16"):
         config = generate.load(root / run)[2]
-        assert config == {"run": run, "d_model": 32, "layers": 1, "heads": 2, "seq_len": 16, "weight_blocks": "16x16"}
+        model_args = {"arch": "qwen3", "d_model": 32, "layers": 1, "heads": 2, "kv_heads": 1, "seq_len": 16}
+        assert config == {"run": run, **model_args, "weight_blocks": "16x16"}
 
 
 def test_save_refuses_an_existing_run_before_training(saved, capsys):
@@ -132,7 +133,7 @@ def test_the_baseline_params_are_the_stored_kernels_decoded(saved):
     is_quantized = generate.is_quantized
     leaves = jax.tree.leaves(params, is_leaf=is_quantized)
     plain = jax.tree.leaves(generate.dequantized(params))
-    assert len(plain) == len(leaves) and sum(map(is_quantized, leaves)) == 6
+    assert len(plain) == len(leaves) and sum(map(is_quantized, leaves)) == 7
     for got, stored in zip(plain, leaves, strict=True):
         assert_same_bytes(got, jax_nvfp4.dequantize_weight(stored) if is_quantized(stored) else stored)
 
@@ -143,11 +144,12 @@ def test_generate_prints_the_samples_the_weight_bytes_and_the_speed(saved, capsy
     out = capsys.readouterr().out
     _, params, _ = generate.load(root / "full")
     sizes = generate.weight_bytes(params)
-    assert sizes["layers"] == 6
+    assert sizes["layers"] == 7
     n = sizes["nvfp4_values"]
-    # q, k, v, out: 32x32 each; mlp_up, mlp_down 32x128: 0.5625 bytes a value and one float32 amax each.
-    assert n == 4 * 32 * 32 + 2 * 32 * 128
-    assert sizes["nvfp4_bytes"] == n * 0.5625 + 6 * 4
+    # The qwen3 block of 2 heads of 16 over 1 key/value head: q and out 32x32, k and v 32x16, mlp_gate, mlp_up
+    # and mlp_down 32x96; 0.5625 bytes a value and one float32 amax each.
+    assert n == 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 96
+    assert sizes["nvfp4_bytes"] == n * 0.5625 + 7 * 4
     assert f"{n:,} values: {sizes['nvfp4_bytes']:,} bytes" in out
     assert f"against {2 * n:,} in bf16" in out
     assert out.count("--- sample ") == 2 and "--- sample 2 of 2 ---\ndef " in out

@@ -229,7 +229,7 @@ def test_a_precision_schedule_switches_the_run_part_way():
 
 def test_grad_accum_reads_the_weights_quantized_once_per_step(monkeypatch, capsys):
     """--grad-accum 2 sums two micro-batches' gradients in a lax.scan; with the weight cache no weight is
-    quantized in the loop (six fewer quantizes there than each micro-batch quantizing its weights), and the
+    quantized in the loop (seven fewer quantizes there than each micro-batch quantizing its weights), and the
     step trains. A count that does not divide --batch is refused. (The cache's outputs and gradients against
     quantizing in each GEMM: tests/flax/test_cache.py, tests/gemm/test_cached_weight.py.)"""
     flags = "--steps 1 --batch 4 --seq-len 16 --d-model 32 --layers 1 --heads 2 --runs full --grad-accum 2"
@@ -244,7 +244,7 @@ def test_grad_accum_reads_the_weights_quantized_once_per_step(monkeypatch, capsy
     for step in (cached, plain):  # quantizes in the loop over micro-batches (traced, not compiled)
         (scan,) = eqns_named(jax.make_jaxpr(step)(state, batch), "scan")
         counts.append(len(eqns_named(scan.params["jaxpr"], "nvfp4_quantize")))
-    assert counts[1] - counts[0] == 6, counts  # q, k, v, out, mlp_up, mlp_down
+    assert counts[1] - counts[0] == 7, counts  # the default (qwen3) block's q, k, v, out, mlp_gate, mlp_up, mlp_down
     new_state, loss = cached(state, batch)
     assert np.isfinite(float(loss)) and int(new_state.step) == 1
     monkeypatch.setattr(sys, "argv", ["train_lm.py", "--batch", "8", "--grad-accum", "3"])
