@@ -85,9 +85,16 @@ def layer_kind(path: str) -> str:
     return re.sub(r"^block\d+/", "", path)
 
 
-def plot_blocks(paths: list[str], out: str) -> None:
+def kind_means(last: dict, kind: str, op: str, stat: str) -> float:
+    """The mean of one statistic over the blocks' layers of one kind (NaN where none quantizes that operand)."""
+    values = [v[op][stat] for layer, v in last.items() if layer_kind(layer) == kind and op in v]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def plot_blocks(paths: list[str], out: str) -> list[str]:
     """Each file's last evaluation (``--json``): per kind of layer and operand, the relative error (top) and the
-    share of nonzero values quantized to 0 (bottom), the mean over the blocks; one bar per file, side by side."""
+    share of nonzero values quantized to 0 (bottom), the mean over the blocks; one bar per file, side by side.
+    Returns the same as a markdown table."""
     found = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     labels = [f"{d['args']['arch']} ({d['args']['run']}, final val {d['final_val_loss']:.4f})" for d in found]
     lasts = [d["history"][max(d["history"], key=int)] for d in found]
@@ -98,10 +105,7 @@ def plot_blocks(paths: list[str], out: str) -> None:
     width = 0.8 / len(found)
     for ax, stat, what in zip(axes, ("rel_error", "zero"), ("relative error", "share of values -> 0"), strict=True):
         for i, (last, label, hatch) in enumerate(zip(lasts, labels, ("", "//", "..", "xx"), strict=False)):
-            values = []
-            for kind, op in slots:
-                layers = [v[op][stat] for layer, v in last.items() if layer_kind(layer) == kind and op in v]
-                values.append(np.mean(layers) if layers else np.nan)
+            values = [kind_means(last, kind, op, stat) for kind, op in slots]
             colors = [diagnostics.OPERAND_COLORS[op] for _, op in slots]
             x = np.arange(len(slots)) + (i - (len(found) - 1) / 2) * width
             ax.bar(x, values, width, color=colors, hatch=hatch, edgecolor="black", linewidth=0.3, label=label)
@@ -121,6 +125,18 @@ def plot_blocks(paths: list[str], out: str) -> None:
     fig.savefig(out, dpi=90)
     plt.close(fig)
     print(f"wrote {out}")
+    archs = [d["args"]["arch"] for d in found]
+    table = [
+        "| layer | operand | " + " | ".join(f"{a} rel. error | {a} zero" for a in archs) + " |",
+        "|---|---|" + "---:|" * (2 * len(found)),
+    ]
+    for kind, op in slots:
+        cells = [
+            f"{kind_means(last, kind, op, 'rel_error'):.4f} | {100 * kind_means(last, kind, op, 'zero'):.1f}%"
+            for last in lasts
+        ]
+        table.append(f"| {kind} | {op} | " + " | ".join(cells).replace("nan | nan%", "- | -") + " |")
+    return table
 
 
 def common_means(history: dict, against: dict, step: int) -> dict[str, tuple[float, float, int]]:
@@ -169,7 +185,10 @@ def main() -> None:
     parser.add_argument("--compare", nargs="+", metavar="JSON", help="plot these --json files' statistics to --out")
     args = parser.parse_args()
     if args.compare:
-        plot_blocks(args.compare, args.out)
+        table = plot_blocks(args.compare, args.out)
+        print("\n".join(table))
+        if args.report:
+            pathlib.Path(args.report).write_text("\n".join(table) + "\n")
         return
     made_by = {**provenance(), "command": " ".join(["python -m benchmarks.nvfp4_diagnostics", *sys.argv[1:]])}
     print(f"jax {jax.__version__} on {jax.default_backend()} ({device_name()}), jax_nvfp4 {jax_nvfp4.__version__}")
