@@ -28,7 +28,7 @@ import matplotlib
 import matplotlib.ticker
 import numpy as np
 
-from examples.lm.model import RUNS
+from examples.lm.model import RUNS, kv_heads
 from examples.lm.report import COLORS, plot_seeds, print_seed_table, val_gaps
 
 matplotlib.use("Agg")
@@ -68,7 +68,9 @@ def groups(paths: list[str]) -> list[tuple[argparse.Namespace, dict[int, dict]]]
     for path in paths:
         data = json.loads(pathlib.Path(path).read_text())
         given = {k: v for k, v in data["args"].items() if v is not None}
-        key = tuple(given.get(k, ABSENT.get(k)) for k in SETTINGS)
+        given = {**ABSENT, **given}
+        given["kv_heads"] = kv_heads(argparse.Namespace(**given))  # as the model took it (--kv-heads or its default)
+        key = tuple(given.get(k) for k in SETTINGS)
         found.setdefault(key, {}).setdefault(int(data["args"]["seed"]), {}).update(data["results"])
     at = {name: SETTINGS.index(name) for name in ("arch", "d_model", "switch_at", "switch_to")}
     for key, by_seed in found.items():
@@ -91,6 +93,12 @@ def groups(paths: list[str]) -> list[tuple[argparse.Namespace, dict[int, dict]]]
             print(f"{_group_name(settings)}: left out (not in every seed): {', '.join(missing)}")
         out.append((settings, by_seed))
     return out
+
+
+def _heads(settings: argparse.Namespace) -> str:
+    """The attention's heads, and its key/value heads where fewer (grouped-query)."""
+    kv = f" over {settings.kv_heads} key/value heads" if settings.kv_heads != settings.heads else ""
+    return f"{settings.heads} heads{kv}"
 
 
 def _lr_seeds(settings: argparse.Namespace, by_seed: dict[int, dict]) -> str:
@@ -249,7 +257,8 @@ def main() -> None:
     for settings, by_seed in found:
         with contextlib.redirect_stdout(tables):
             print(
-                f"\n{settings.layers} {settings.arch} blocks of d_model {settings.d_model}, {settings.steps} steps of "
+                f"\n{settings.layers} {settings.arch} blocks of d_model {settings.d_model} ({_heads(settings)}), "
+                f"{settings.steps} steps of "
                 f"{settings.batch}x{settings.seq_len} bytes, peak lr {settings.lr:g};",
                 end="",
             )

@@ -57,27 +57,67 @@ def _table_rows(text: str) -> dict[str, str]:
     return {cells[0]: cells[1] for cells in table_cells(text) if len(cells) >= 2}
 
 
+QWEN3 = REPO / "benchmarks" / "results" / "train-lm-qwen3"
+
+
+def qwen3_gaps(run: str, d_model: int = 128) -> np.ndarray:
+    """Each seed's gap of ``run`` to the same seed's bf16 run on the Qwen3-style block at ``d_model``, in %: the
+    runs of ``d<d_model>-seed<S>.json`` (the block's default, full and bf16 runs, one invocation per seed)."""
+    gaps = []
+    for seed in SEEDS:
+        record = json.loads((QWEN3 / f"d{d_model}-seed{seed}.json").read_text())
+        assert record["args"]["arch"] == "qwen3" and record["args"]["seed"] == seed
+        assert record["made_by"]["commit"] and not record["made_by"]["commit"].endswith("+dirty")
+        final = {r: v["final_val_loss"] for r, v in record["results"].items()}
+        gaps.append(100 * (final[run] / final["bf16"] - 1))
+    return np.array(gaps)
+
+
+# The README's training table, its Qwen3-style column: the row's label and its run.
+README_QWEN3_ROWS = {
+    "full recipe, first and last blocks bf16 (the example's default)": "full-keep-ends",
+    "NVIDIA's full recipe on every block": "full",
+}
+
+
+def _table_columns(text: str) -> dict[str, list[str]]:
+    return {cells[0]: cells[1:] for cells in table_cells(text) if len(cells) >= 2}
+
+
 def test_the_readme_training_table_quotes_its_records():
     rows = _table_rows((REPO / "README.md").read_text())
     for label, records in README_ROWS.items():
         assert label in rows, f"the README's training table lost its row {label!r}"
         assert rows[label] == " / ".join(spread(seed_gaps(*r)) for r in records), label
+    columns = _table_columns((REPO / "README.md").read_text())
+    for label, run in README_QWEN3_ROWS.items():
+        assert columns[label][1] == spread(qwen3_gaps(run)), label
     # The precision schedule's runs were not kept as JSON: its record's table states the spread.
     schedule = (REPO / "benchmarks" / "results" / "train-lm-schedule-cpu-amd-epyc-2core.md").read_text()
     stated = re.search(r"full with the last 20% in bf16 (\+[\d.]+% ± [\d.]+%)", " ".join(schedule.split()))
     assert stated and rows["the full recipe, its last 20% of steps in bf16"] == stated[1]
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md", "docs/benchmarks.md"])
+def _per_seed(gaps: np.ndarray) -> str:
+    return f"{spread(gaps)} (per seed {', '.join(f'{g:+.2f}%' for g in gaps)})"
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md", "docs/benchmarks.md", "docs/recipe.md"])
 def test_the_default_runs_per_seed_gaps_are_quoted_as_recorded(page):
-    """Where a page quotes the default run's spread, it is the record's, with each seed's gap beside it: how far
-    one run of `python -m examples.train_lm` lands."""
+    """Where a page quotes the default run's spread (the Qwen3-style block), it is the record's, with each seed's
+    gap beside it: how far one run of `python -m examples.train_lm` lands; and the full recipe on every block's.
+    The same for the GPT-2-style block, where the page quotes it."""
     text = " ".join((REPO / page).read_text().split())
-    gaps = seed_gaps(*DEFAULT)
-    quoted = f"{spread(gaps)} (per seed {', '.join(f'{g:+.2f}%' for g in gaps)})"
+    quoted = f"the Qwen3-style block {_per_seed(qwen3_gaps('full-keep-ends'))}"
     assert quoted in text, f"{page} should quote the default run as {quoted!r}"
-    full = spread(seed_gaps(*FULL))
+    full = spread(qwen3_gaps("full"))
     assert f"full recipe on every block {full}" in text, f"{page} should quote the full recipe as {full!r}"
+    if page != "docs/recipe.md":
+        assert _per_seed(seed_gaps(*DEFAULT)) in text, (
+            f"{page}: the GPT-2-style block's {_per_seed(seed_gaps(*DEFAULT))}"
+        )
+        full = spread(seed_gaps(*FULL))
+        assert f"full recipe on every block {full}" in text, f"{page} should quote the GPT block's as {full!r}"
 
 
 RERUN = REPO / "benchmarks" / "results" / "train-lm-rerun"

@@ -12,7 +12,7 @@ from benchmarks import train_lm_seeds
 def _write(tmp_path, name: str, *, d_model: int, lr: float, seed: int, final: dict[str, float], **settings) -> str:
     """An example's --json of one seed: each run's validation loss at steps 100 and 200 (the last as given)."""
     args = dict.fromkeys(train_lm_seeds.SETTINGS) | {"steps": 200, "d_model": d_model, "lr": lr, "seed": seed}
-    args |= settings
+    args |= {"heads": 4, **settings}
     results = {
         run: {
             "val_loss": [[100, 3.0], [200, loss]],
@@ -60,7 +60,8 @@ def test_groups_split_by_learning_rate_and_the_plots_take_the_most_seeds_then_th
 
 
 def test_blocks_group_apart_and_a_switch_to_bf16_takes_the_unswitched_bf16(tmp_path, capsys):
-    """A file without --arch ran GPT-2's block: it groups with --arch gpt, not with qwen3. A precision schedule
+    """A file without --arch ran GPT-2's block: it groups with --arch gpt, not with qwen3; --kv-heads groups by the
+    value the model took (its default half of --heads, or said). A precision schedule
     switching to bf16 forms its own group, not drawn, whose bf16 partner is the unswitched one (bf16 does not
     switch)."""
     switch = {"switch_at": 0.9, "switch_to": "bf16"}
@@ -68,6 +69,10 @@ def test_blocks_group_apart_and_a_switch_to_bf16_takes_the_unswitched_bf16(tmp_p
         _write(tmp_path, "old", d_model=128, lr=3e-3, seed=0, final={"full": 2.2, "bf16": 2.0}),
         _write(tmp_path, "gpt", d_model=128, lr=3e-3, seed=1, final={"full": 2.3, "bf16": 2.0}, arch="gpt"),
         _write(tmp_path, "q0", d_model=128, lr=3e-3, seed=0, final={"full": 2.1, "bf16": 2.0}, arch="qwen3"),
+        # --kv-heads 2 said, as the default (half of 4 heads) is: the same model
+        _write(
+            tmp_path, "q1", d_model=128, lr=3e-3, seed=1, final={"full": 2.1, "bf16": 2.0}, arch="qwen3", kv_heads=2
+        ),
         _write(tmp_path, "q256", d_model=256, lr=3e-3, seed=0, final={"full": 2.05, "bf16": 2.0}, arch="qwen3"),
         _write(tmp_path, "qs", d_model=128, lr=3e-3, seed=0, final={"full": 2.02}, arch="qwen3", **switch),
     ]
@@ -76,7 +81,7 @@ def test_blocks_group_apart_and_a_switch_to_bf16_takes_the_unswitched_bf16(tmp_p
     named = {(s.arch, s.d_model, s.switch_to): (s.runs, sorted(by_seed)) for s, by_seed in found}
     assert named == {
         ("gpt", 128, None): (["full", "bf16"], [0, 1]),
-        ("qwen3", 128, None): (["full", "bf16"], [0]),
+        ("qwen3", 128, None): (["full", "bf16"], [0, 1]),
         ("qwen3", 128, "bf16"): (["full", "bf16"], [0]),
         ("qwen3", 256, None): (["full", "bf16"], [0]),
     }
