@@ -50,7 +50,11 @@ def _bfloat16_steps(a, b) -> np.ndarray:
     as_bf16 = [np.asarray(v, np.float32).astype(ml_dtypes.bfloat16) for v in (a, b)]
     for v, w in zip(as_bf16, (a, b), strict=True):
         assert_same_bytes(v.astype(np.float32), np.asarray(w, np.float32))  # bfloat16 values, exactly
-    return np.abs(as_bf16[0].view(np.int16).astype(np.int32) - as_bf16[1].view(np.int16).astype(np.int32))
+    # On the ordered line of bfloat16 values (sign and magnitude to one integer: -0 is +0, and the step from the
+    # smallest negative to the smallest positive value is 2, not the bit patterns' 32769).
+    bits = [v.view(np.int16).astype(np.int32) for v in as_bf16]
+    ordinal = [np.where(b < 0, -(b & 0x7FFF), b) for b in bits]
+    return np.abs(ordinal[0] - ordinal[1])
 
 
 def test_fsdp_step_in_two_processes_is_the_one_process_step(tmp_path):
@@ -69,7 +73,7 @@ def test_fsdp_step_in_two_processes_is_the_one_process_step(tmp_path):
         in_gemms = [(dtype, name) for dtype, name in g["gathers"] if "NVFP4DotGeneral" in name]
         assert {dtype for dtype, _ in in_gemms} == {"u8"}, in_gemms
         layers = {re.search(r"/(block0/\w+)/NVFP4DotGeneral", name).group(1) for _, name in in_gemms}
-        assert layers == {f"block0/{n}" for n in ("q", "k", "v", "out", "mlp_up", "mlp_down")}, in_gemms
+        assert layers == {f"block0/{n}" for n in ("q", "k", "v", "out", "mlp_gate", "mlp_up", "mlp_down")}, in_gemms
 
     # Quantizing the initial weights sums nothing (the amax is a max over the shards): the bytes are equal.
     assert got[0]["quantized_init"].keys() == want["quantized_init"].keys()
@@ -84,13 +88,16 @@ def test_fsdp_step_in_two_processes_is_the_one_process_step(tmp_path):
     # rounding boundary lands one bfloat16 step away (observed: 1 to 6 of 16K-64K elements a layer, up to 2e-3 of the
     # layer's largest gradient; every other element bit-equal). That is the whole difference: in one process, meshes
     # that reduce in other layouts (fsdp=8, data=8) give bit-equal gradients.
-    nvfp4_kernels = [f"['block0']['{n}']['kernel']" for n in ("q", "k", "v", "out", "mlp_up", "mlp_down")]
+    nvfp4_kernels = [f"['block0']['{n}']['kernel']" for n in ("q", "k", "v", "out", "mlp_gate", "mlp_up", "mlp_down")]
     for g in got:
         assert g["grads"].keys() == want["grads"].keys()
         for name, value in want["grads"].items():
             if name in nvfp4_kernels:
                 steps = _bfloat16_steps(g["grads"][name], value)
-                assert steps.max() <= 1 and (steps == 0).mean() >= 0.999, (name, steps.max(), (steps != 0).sum())
+                # An element whose sums cancel to about 0 can be 0 in one and 1e-10 in the other: many steps apart
+                # on the bfloat16 line, but no farther than a step of the layer's large gradients.
+                near = np.abs(np.asarray(g["grads"][name]) - value) <= 2e-3 * np.abs(value).max()
+                assert np.all((steps <= 1) | near) and (steps == 0).mean() >= 0.999, (name, (steps != 0).sum())
             else:
                 atol = 1e-6 * np.abs(value).max()
                 np.testing.assert_allclose(g["grads"][name], value, rtol=0, atol=atol, err_msg=name)
