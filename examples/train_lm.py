@@ -39,7 +39,7 @@ settings in config.json.
 
 `--moe E` replaces every block's MLP with a mixture of E experts (``jax_nvfp4.flax.moe.MoEMLP``): top-2
 routing by a float32 router, each expert a GELU MLP of hidden width 2 x d_model (as many weights per token
-as the dense MLP's 4 x d_model), its grouped GEMMs ``jax_nvfp4.ragged_dot`` in NVFP4 runs and
+as GPT-2's dense MLP of 4 x d_model), its grouped GEMMs ``jax_nvfp4.ragged_dot`` in NVFP4 runs and
 ``lax.ragged_dot`` in the bf16 run. The training loss adds 0.01 x the layers' mean load-balancing loss
 (the printed train loss includes it; the validation loss is the cross-entropy alone). `--dispatch capacity`
 gives each expert at most C = ceil(--capacity-factor x T x 2 / E) of the (token, choice) pairs of a batch of
