@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import eqns_named
+from helpers import eqns_named, normal
 
 from examples import train_lm
 from examples.lm.data import VOCAB
@@ -21,12 +21,8 @@ from examples.lm.model import build_model, causal_attention, next_byte_loss, rop
 PROJECTIONS = ("q", "k", "v", "out", "mlp_gate", "mlp_up", "mlp_down")
 
 
-def _normal(shape, seed=0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
-
-
 def test_rope_leaves_position_0_and_the_norms_and_scores_depend_on_the_offset_only():
-    q, k = _normal((1, 12, 2, 8)), _normal((1, 12, 2, 8), 1)
+    q, k = normal((1, 12, 2, 8), 0), normal((1, 12, 2, 8), 1)
     rq = rope(q)
     np.testing.assert_array_equal(rq[:, 0], q[:, 0])  # angle 0: cos 1, sin 0
     np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
@@ -39,7 +35,7 @@ def test_rope_leaves_position_0_and_the_norms_and_scores_depend_on_the_offset_on
 
 def test_grouped_query_attention_is_attention_over_repeated_key_value_heads():
     """4 query heads over 2 key/value heads: heads 0-1 read kv head 0, heads 2-3 kv head 1; causal."""
-    q, k, v = _normal((2, 6, 4, 8)), _normal((2, 6, 2, 8), 1), _normal((2, 6, 2, 8), 2)
+    q, k, v = normal((2, 6, 4, 8), 0), normal((2, 6, 2, 8), 1), normal((2, 6, 2, 8), 2)
     want = causal_attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
     np.testing.assert_allclose(causal_attention(q, k, v), want, rtol=1e-6, atol=1e-6)
     # Causal: the first position's output is its own value, whatever the later keys.
@@ -106,13 +102,15 @@ def test_the_qwen3_style_model_trains_with_every_block_gemm_in_nvfp4():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--kv-heads", "2"], "--kv-heads needs --arch llama or qwen3"),
+        (["--arch", "gpt", "--kv-heads", "2"], "--kv-heads needs --arch llama or qwen3"),
         (["--arch", "llama", "--kv-heads", "3"], "must be a multiple of --kv-heads (3)"),
         (["--arch", "qwen3", "--d-model", "120", "--heads", "8"], "the head width (--d-model / --heads) even"),
     ],
 )
-def test_the_attention_shapes_that_do_not_fit_are_refused(flags, message, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["train_lm.py", *flags])
+def test_the_attention_shapes_that_do_not_fit_are_refused(flags, message, monkeypatch, capsys, tmp_path):
+    # A shape let through trains one tiny step (not the default run) and fails below.
+    tiny = ["--steps", "1", "--batch", "2", "--seq-len", "16", "--layers", "1", "--out", str(tmp_path / "lm.png")]
+    monkeypatch.setattr(sys, "argv", ["train_lm.py", "--d-model", "32", "--heads", "2", *tiny, *flags])
     with pytest.raises(SystemExit):
         train_lm.main()
     assert message in capsys.readouterr().err
