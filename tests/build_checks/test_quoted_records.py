@@ -36,16 +36,6 @@ RECIPES_STEM = "recipes"
 DEFAULT = ("full-keep-ends", RECIPES_STEM, RECIPES_STEM)
 FULL = ("full", "full", RECIPES_STEM)
 
-# The README's training table: its row's label and the record of its number.
-README_ROWS = {
-    "full recipe, first and last blocks bf16 (the example's default)": [DEFAULT],
-    "NVIDIA's full recipe on every block": [FULL],
-    "full recipe, attention projections MXFP8": [("full-mxfp8-attn", "mxfp8-attn", RECIPES_STEM)],
-    "RHT without stochastic rounding": [("rht", RECIPES_STEM, RECIPES_STEM)],
-    "4over6 MAE / MSE (x, W, dy)": [("4o6-mae", RECIPES_STEM, RECIPES_STEM), ("4o6", RECIPES_STEM, RECIPES_STEM)],
-    "per-token scales": [("per-token", RECIPES_STEM, RECIPES_STEM)],
-}
-
 
 def table_cells(text: str) -> list[list[str]]:
     """The cells of every markdown table row in ``text``, stripped."""
@@ -73,36 +63,11 @@ def qwen3_gaps(run: str, d_model: int = 128) -> np.ndarray:
     return np.array(gaps)
 
 
-# The README's training table, its Qwen3-style column: the row's label and its run.
-README_QWEN3_ROWS = {
-    "full recipe, first and last blocks bf16 (the example's default)": "full-keep-ends",
-    "NVIDIA's full recipe on every block": "full",
-}
-
-
-def _table_columns(text: str) -> dict[str, list[str]]:
-    return {cells[0]: cells[1:] for cells in table_cells(text) if len(cells) >= 2}
-
-
-def test_the_readme_training_table_quotes_its_records():
-    rows = _table_rows((REPO / "README.md").read_text())
-    for label, records in README_ROWS.items():
-        assert label in rows, f"the README's training table lost its row {label!r}"
-        assert rows[label] == " / ".join(spread(seed_gaps(*r)) for r in records), label
-    columns = _table_columns((REPO / "README.md").read_text())
-    for label, run in README_QWEN3_ROWS.items():
-        assert columns[label][1] == spread(qwen3_gaps(run)), label
-    # The precision schedule's runs were not kept as JSON: its record's table states the spread.
-    schedule = (REPO / "benchmarks" / "results" / "train-lm-schedule-cpu-amd-epyc-2core.md").read_text()
-    stated = re.search(r"full with the last 20% in bf16 (\+[\d.]+% ± [\d.]+%)", " ".join(schedule.split()))
-    assert stated and rows["the full recipe, its last 20% of steps in bf16"] == stated[1]
-
-
 def _per_seed(gaps: np.ndarray) -> str:
     return f"{spread(gaps)} (per seed {', '.join(f'{g:+.2f}%' for g in gaps)})"
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md", "docs/benchmarks.md", "docs/recipe.md"])
+@pytest.mark.parametrize("page", ["docs/getting-started.md", "docs/benchmarks.md", "docs/recipe.md"])
 def test_the_default_runs_per_seed_gaps_are_quoted_as_recorded(page):
     """Where a page quotes the default run's spread (the Qwen3-style block), it is the record's, with each seed's
     gap beside it: how far one run of `python -m examples.train_lm` lands; and the full recipe on every block's.
@@ -135,7 +100,7 @@ def rerun_gaps(run: str) -> np.ndarray:
     return np.array(gaps)
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+@pytest.mark.parametrize("page", ["docs/benchmarks.md"])
 def test_the_rerun_on_todays_numerics_is_quoted_as_recorded(page):
     """The default and the full recipe re-run on later numerics (3 seeds): quoted as their JSON has them, each
     seed's gap beside the spread."""
@@ -163,25 +128,12 @@ def _normalized(page: str) -> str:
     return " ".join((REPO / page).read_text().split())
 
 
-def test_the_layer_breakdowns_quoted_are_their_records():
-    """One layer's forward and backward at 8192 x 4096 x 4096: kernels and MB on Hopper (compiled offline) in the
-    README, and on the CPU in docs/benchmarks.md."""
-    emulated = breakdown("layer-breakdown-h100-offline-emulated-8192x4096x4096.md")
-    fused = breakdown("layer-breakdown-h100-offline-fused-8192x4096x4096.md")
+def test_the_cpu_layer_breakdown_quoted_is_its_record():
+    """One layer's forward and backward at 8192 x 4096 x 4096 on the CPU: kernels and MB in docs/benchmarks.md."""
     cpu = breakdown("layer-breakdown-cpu-8192x4096x4096.md")
-    (n, mb, ratio), (bn, bmb, _), (dn, dmb, _) = emulated["NVFP4"], emulated["bf16"], emulated["NVFP4 dequantize"]
-    fn, fmb, fratio = fused["NVFP4"]
-    assert fused["NVFP4 dequantize"][0] == 0  # the fused GEMMs read the packed operands
-    readme = (
-        f"the emulated recipe runs {n} kernels moving {mb:.0f} MB, {ratio:.2f}x bf16's {bn} kernels and {bmb:.0f} MB, "
-        f"{dn} of them dequantize passes writing bf16 copies of the GEMMs' operands ({dmb:.0f} MB); with "
-        f'`impl="fused"` {fn} kernels moving {fmb:.0f} MB, {fratio:.2f}x, and no dequantize pass'
-    )
-    assert readme in _normalized("README.md"), f"the README should say: {readme!r}"
     (cn, cmb, cratio), (cbn, cbmb, _) = cpu["NVFP4"], cpu["bf16"]
     quoted = f"{cn} kernels moving {cmb:.0f} MB against bf16's {cbn} and {cbmb:.0f} MB ({cratio:.2f}x)"
     assert quoted in _normalized("docs/benchmarks.md"), f"docs/benchmarks.md should say: {quoted!r}"
-    # docs/benchmarks.md's offline figures: test_the_offline_gpu_records_quoted_are_their_records
 
 
 # The widths' records (d_model 128 is the recipes record's default width): 3 seeds at 64 and 256, one at 384.
@@ -202,8 +154,8 @@ def width_gaps(stem: str, run: str) -> np.ndarray:
 
 
 def test_the_width_figures_quoted_are_their_records():
-    """The full recipe's gap and the ends-kept run's at d_model 64, 128, 256 and 384, in the README (means of
-    the ends-kept runs) and docs/benchmarks.md (their spreads)."""
+    """The full recipe's gap and the ends-kept run's at d_model 64, 128, 256 and 384 (their spreads), in
+    docs/benchmarks.md."""
     one_seed = {
         run: 100 * (_final_val(WIDTH_384, 0, run) / _final_val(WIDTH_384, 0, "bf16") - 1)
         for run in ("full", "full-keep-ends")
@@ -217,68 +169,31 @@ def test_the_width_figures_quoted_are_their_records():
     ends = [width_gaps(WIDTH_STEMS[64], "full-keep-ends"), seed_gaps(*DEFAULT)]
     ends.append(width_gaps(WIDTH_STEMS[256], "full-keep-ends"))
     last = f"{one_seed['full-keep-ends']:+.2f}%"
-    readme_ends = (
-        f"keeping the ends stays within 2% at every width ({', '.join(f'{g.mean():+.2f}%' for g in ends)}, {last})"
-    )
     docs_ends = f"keeping the ends stays within 2% at every width ({', '.join(spread(g) for g in ends)}, {last})"
-    for page, quoted in (("README.md", (falls, readme_ends)), ("docs/benchmarks.md", (falls, docs_ends))):
-        for q in quoted:
-            assert q in _normalized(page), f"{page} should say: {q!r}"
-
-
-def test_the_options_figures_quoted_are_their_record():
-    """The README's one-seed options line: 4over6 and per-token scales against the plain recipe, each's
-    validation loss against bf16's in the options record's table."""
-    val = {}
-    for cells in table_cells((RESULTS / "train-lm-options-cpu-amd-epyc-2core.md").read_text()):
-        if len(cells) == 6 and cells[0] in ("plain", "4o6", "per-token", "bf16"):
-            val[cells[0]] = float(cells[3])
-    gap = {run: f"{100 * (val[run] / val['bf16'] - 1):.1f}%" for run in ("plain", "4o6", "per-token")}
-    quoted = (
-        f"4over6 on x, W and dy ends {gap['4o6']} and per-token scales {gap['per-token']} above bf16, against "
-        f"{gap['plain']} for the plain recipe"
-    )
-    assert quoted in _normalized("README.md"), f"the README should say: {quoted!r}"
+    for q in (falls, docs_ends):
+        assert q in _normalized("docs/benchmarks.md"), f"docs/benchmarks.md should say: {q!r}"
 
 
 def test_the_default_run_on_jax_0_12_is_quoted_as_recorded():
     """The seed-0 default run on jax 0.12 (what pip installs for Python 3.12): its gap and losses as its JSON has
-    them, in the README and the getting-started page."""
+    them, in docs/benchmarks.md."""
     record = json.loads((RERUN / "default-jax0.12-seed0.json").read_text())
     assert record["made_by"]["jax"].startswith("0.12") and record["args"]["seed"] == 0
     assert not record["made_by"]["commit"].endswith("+dirty")
     final = {run: v["final_val_loss"] for run, v in record["results"].items()}
     gap = 100 * (final["full-keep-ends"] / final["bf16"] - 1)
     quoted = f"default run ends {gap:+.2f}% ({final['full-keep-ends']:.4f} against bf16's {final['bf16']:.4f}"
-    for page in ("README.md", "docs/getting-started.md"):
-        assert quoted in _normalized(page), f"{page} should say: {quoted!r}"
-
-
-def test_the_residuals_quoted_are_their_record():
-    """One layer's backward-pass residuals (benchmarks.residuals) in the README."""
-    mb = {}
-    for cells in table_cells((RESULTS / "residuals-8192x4096x4096.md").read_text()):
-        if len(cells) == 3 and cells[0].startswith(("bf16 (", "NVFP4 (", "NVFP4 with")):
-            mb[cells[0].split(" ")[0] + (" both" if "kept too" in cells[0] else "")] = cells[1]
-    quoted = (
-        f"{mb['NVFP4']} MB, x's columnwise copy and W's one rowwise copy, against {mb['bf16']} MB for bf16's x and W "
-        f"({float(mb['NVFP4']) / float(mb['bf16']):.2f}x); W's second copy, kept until issue 51, made it "
-        f"{mb['NVFP4 both']} MB"
-    )
-    assert quoted in _normalized("README.md"), f"the README should say: {quoted!r}"
+    assert quoted in _normalized("docs/benchmarks.md"), f"docs/benchmarks.md should say: {quoted!r}"
 
 
 def test_the_gemma_figures_quoted_are_their_record():
-    """gemma through the Qwix provider (benchmarks.gemma_qwix): the held-out losses and their gap, in the README
-    and the benchmarks page."""
+    """gemma through the Qwix provider (benchmarks.gemma_qwix): the held-out losses and their gap, in the
+    benchmarks page (the README quotes the gap: test_the_readme_results_table_quotes_its_records)."""
     rows = {cells[0]: cells for cells in table_cells((RESULTS / "gemma-qwix-cpu8-amd-epyc-2core.md").read_text())}
     nvfp4, bf16 = rows["NVFP4, held-out"][5], rows["bf16, held-out"][5]
     gap = f"{100 * (float(nvfp4) / float(bf16) - 1):+.2f}%"
-    for page, quoted in (
-        ("README.md", f"held-out loss {nvfp4} against bf16's {bf16} ({gap})"),
-        ("docs/benchmarks.md", f"the held-out loss is {nvfp4} against bf16's {bf16} ({gap})"),
-    ):
-        assert quoted in _normalized(page), f"{page} should say: {quoted!r}"
+    quoted = f"the held-out loss is {nvfp4} against bf16's {bf16} ({gap})"
+    assert quoted in _normalized("docs/benchmarks.md"), f"docs/benchmarks.md should say: {quoted!r}"
 
 
 def modeled(record: str) -> float:
@@ -323,4 +238,68 @@ def test_the_offline_gpu_records_quoted_are_their_records():
     quoted.append(outside.group(1))
     for q in quoted:
         assert q in text, f"docs/benchmarks.md should say: {q!r}"
-    assert quoted[0] in _normalized("README.md"), f"the README should say: {quoted[0]!r}"
+
+
+def gemma_gap() -> str:
+    rows = {cells[0]: cells for cells in table_cells((RESULTS / "gemma-qwix-cpu8-amd-epyc-2core.md").read_text())}
+    return f"{100 * (float(rows['NVFP4, held-out'][5]) / float(rows['bf16, held-out'][5]) - 1):+.2f}%"
+
+
+def _cells_of(record: str, first: str) -> list[str]:
+    """The cells of the first table row of ``record`` whose first cell starts with ``first``."""
+    return next(c for c in table_cells((RESULTS / record).read_text()) if c[0].startswith(first))
+
+
+def readme_results() -> dict[str, list[str]]:
+    """What each row of the README's results table must say, from the records it links."""
+    residual = {c[0].split(" ")[0]: float(c[1]) for c in table_cells((RESULTS / "residuals-8192x4096x4096.md")
+                .read_text()) if len(c) == 3 and c[0].startswith(("bf16 (", "NVFP4 ("))}  # fmt: skip
+    gathered = _cells_of("gather-bytes-cpu8-data2-fsdp2-tensor2.md", "**step**")[-1].strip("*")
+    peers = {(c[0], c[1]): c for c in table_cells((RESULTS / "peers-cpu-amd-epyc-2core.md").read_text()) if len(c) > 2}
+    normal = peers[("ordinary: N(0, 1)", "jax_nvfp4")][2]
+    assert peers[("ordinary: N(0, 1)", "Qwix")][2] == normal
+    small = "gradients: N(0, 1) x 1e-4 (amax ~5e-4)"
+    assert peers[(small, "jax_nvfp4")][2] == normal and peers[(small, "Qwix")][3] == "100%"  # Qwix: all zeros
+    qwix_time = next(c for c in table_cells((RESULTS / "peers-cpu-amd-epyc-2core.md").read_text())
+                     if c[:2] == ["4096x4096", "Qwix quantize"])[-1]  # fmt: skip
+    cpu = _cells_of("quantize-cpu-amd-epyc-2core.md", "quantize 1x16, rowwise+columnwise")
+    h200 = {c[0]: c[2] for c in table_cells((RESULTS / "quantize-queued-nvidia-h200.md").read_text()) if len(c) == 3}
+    return {
+        "Training gap, Qwen3-style block": [
+            f"**{spread(qwen3_gaps('full-keep-ends'))}** above bf16",
+            f"full recipe on every block {spread(qwen3_gaps('full'))}",
+        ],
+        "Training gap, GPT-2-style block": [
+            f"**{spread(seed_gaps(*DEFAULT))}**",
+            f"full recipe on every block {spread(seed_gaps(*FULL))}",
+        ],
+        "Memory": [
+            f"keeps {residual['NVFP4']:.1f} MB for its backward pass against bf16's {residual['bf16']:.1f} MB "
+            f"({residual['NVFP4'] / residual['bf16']:.2f}x)",
+            f"all-gathers {gathered} of bf16's bytes",
+        ],
+        "Beside Qwix's `nvfp4`": [
+            f"({normal} relative RMS)",
+            f"keep {normal} where",
+            f"quantize {float(qwix_time.rstrip('x')):.1f}x faster",
+        ],
+        "An unmodified model zoo model": [f"held-out loss {gemma_gap()} against bf16"],
+        "Kernel speed, CPU": [f"in {cpu[1]} ms, {cpu[-1]} the jitted pure-JAX reference"],
+        "Kernel speed, H200": [
+            f"at {h200['quantize rowwise + columnwise 1x16, its own amax pass']} of a device copy's speed, "
+            f"amax at {h200['amax alone']}"
+        ],
+        "Blackwell, compiled offline": [offline_layer("layer-breakdown-b200-offline-8192x4096x4096.md")],
+    }
+
+
+def test_the_readme_results_table_quotes_its_records():
+    """Each row of the README's one results table says what its record says, and links that record."""
+    rows = {cells[0]: cells[1] for cells in table_cells((REPO / "README.md").read_text()) if len(cells) == 2}
+    for label, quotes in readme_results().items():
+        row = next((v for k, v in rows.items() if k.startswith(label)), None)
+        assert row is not None, f"the README's results table lost its row {label!r}"
+        for q in quotes:
+            assert q in row, f"the README's row {label!r} should say {q!r}"
+        for link in re.findall(r"\]\((benchmarks/results/[^)]+)\)", row):
+            assert (REPO / link).is_file(), f"the README's row {label!r} links {link}, which is not there"
