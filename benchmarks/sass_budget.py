@@ -20,7 +20,7 @@ Tools: nvcc and cuobjdump from the `nvidia-cuda-nvcc`, `nvidia-cuda-cuobjdump` a
 `nvidia-cuda-nvdisasm` wheels when installed, else from PATH.
 
     pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
-    python -m benchmarks.sass_budget --before ffa032c --json benchmarks/results/sass_budget.json
+    python -m benchmarks.sass_budget --json benchmarks/results/sass-budget.json
 """
 
 from __future__ import annotations
