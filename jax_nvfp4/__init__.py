@@ -8,18 +8,24 @@ Public API:
   amax(x, *, amax_mesh_axes=None) -> float32 scalar (per-row option: one per row, x.shape[:-1])
   fake_quantize(x, spec=None, *, amax=None, rng_key=None, **spec_fields) -> dequantize(quantize(x)) in x's
     dtype with a straight-through (identity) gradient: quantization-aware training
-  NVFP4Tensor, and ``reference``: the pure-JAX spec with the same signatures.
-  gemm(a, c, out_dtype) -> a @ c.T of two quantized tensors (exact emulation)
+  NVFP4Tensor: a quantized tensor (codes, scales, amax; the columnwise copy), and ``reference``: the pure-JAX
+    spec with the same signatures.
+  gemm(a, b_t, out_dtype) -> a @ b_t.T of two quantized tensors blocked along K (B quantized transposed)
   dot_general(lhs, rhs, dimension_numbers, ..., recipe=None, rng_key=None): lax.dot_general in NVFP4
   einsum(subscripts, lhs, rhs, ..., recipe=None, rng_key=None): a two-operand jnp.einsum in NVFP4
   ragged_dot(lhs, rhs, group_sizes, ..., recipe=None, rng_key=None): lax.ragged_dot (mixture of experts) in NVFP4
   Recipe: the training recipe's options, and the QuantizeSpec of each GEMM operand;
     FourOverSix: its 4over6 options (which operands, error, fast math, block-scale range).
   MXFP8: a layer's GEMMs in MXFP8 instead (pass it as recipe=; ``jax_nvfp4.mxfp8``).
-  quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference
+  quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference (for a Flax
+    model's: ``jax_nvfp4.flax.quantize_weights``, ``jax_nvfp4.flax.nnx.quantize_weights``)
     (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
   cache_weight(kernel, recipe) -> CachedWeight: the kernel with its forward copy quantized once, for
-    training with gradient accumulation (dot_general reuses the copy and differentiates the kernel)
+    training with gradient accumulation (dot_general reuses the copy and differentiates the kernel; for a Flax
+    model's: ``jax_nvfp4.flax.cache_weights``, ``jax_nvfp4.flax.nnx.cache_weights``)
+  remat_policy(*, activations=True, outputs=False, base=None): a jax.checkpoint policy that saves what the
+    recipe makes (a weight's quantized copy is saved under every policy; this one saves x's copies too, and
+    with outputs=True the GEMMs' results)
   all_gather(t, axis_name, *, axis=0, tiled=True): gather a quantized tensor in shard_map
   build_info() -> dict: the version, the compiled modules' build settings (jaxlib, CUDA architectures)
     and what runs each op on the current devices (``python -m jax_nvfp4`` prints it)

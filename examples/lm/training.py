@@ -28,7 +28,7 @@ from examples.lm.data import windows
 from examples.lm.mesh import BATCH, mesh_name, shard_state, sharded_params
 from examples.lm.model import MODEL_ARGS, RECIPES, TransformerLM, build_model, describe, kv_heads, next_byte_loss
 from jax_nvfp4 import checkpoint
-from jax_nvfp4.flax.linen.layers import cache_weights, quantize_params
+from jax_nvfp4.flax.linen.layers import cache_weights, quantize_weights
 
 LOAD_BALANCE = 0.01  # --moe: the weight of the load-balancing loss in the training loss
 
@@ -38,7 +38,7 @@ def save_model(directory: pathlib.Path, run: str, args: argparse.Namespace, mode
     kernels quantized (``QuantizedWeight``) by ``jax_nvfp4.checkpoint`` (orbax), and ``config.json``, the run and
     the MODEL_ARGS that rebuild the model (``build_model``)."""
     if run in RECIPES:
-        params = quantize_params(params, model=model, inputs=(jnp.zeros((1, args.seq_len), jnp.int32),))
+        params = quantize_weights(params, model=model, inputs=(jnp.zeros((1, args.seq_len), jnp.int32),))
     # On the host, unsharded: the checkpoint then restores on any number of devices. With several processes
     # (--processes) each gathers the whole tree from all of them, and all take part in the save (orbax).
     host = jax.device_get(params) if jax.process_count() == 1 else multihost_utils.process_allgather(params, tiled=True)

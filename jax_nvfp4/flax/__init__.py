@@ -4,6 +4,7 @@ Needs ``pip install "jax_nvfp4[flax]"``. The linen modules live in ``jax_nvfp4.f
 here); NNX lives in ``jax_nvfp4.flax.nnx``.
 """
 
+from jax_nvfp4.core.deprecation import renamed
 from jax_nvfp4.flax.linen import (
     CACHE,
     RNG_STREAM,
@@ -15,7 +16,7 @@ from jax_nvfp4.flax.linen import (
     cache_weights,
     nvfp4_rules,
     quantize_model,
-    quantize_params,
+    quantize_weights,
 )
 from jax_nvfp4.flax.rules import Rule, UnmatchedRuleWarning, keep_ends
 
@@ -33,5 +34,7 @@ __all__ = [
     "keep_ends",
     "nvfp4_rules",
     "quantize_model",
-    "quantize_params",
+    "quantize_weights",
 ]
+
+__getattr__ = renamed(__name__, {"quantize_params": "quantize_weights"}, globals())

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -200,20 +201,21 @@ def _as_batch(t: NVFP4Tensor) -> NVFP4Tensor:
 
 def gemm(
     a: NVFP4Tensor,
-    c: NVFP4Tensor,
+    b_t: NVFP4Tensor | None = None,
     out_dtype: DTypeLike = jnp.float32,
     bias: jax.Array | None = None,
     *,
     impl: GemmImpl = "auto",
+    c: NVFP4Tensor | None = None,
 ) -> jax.Array:
-    """NVFP4 GEMM of two rowwise-quantized tensors: ``a @ c.T`` over their last axis.
+    """NVFP4 GEMM of two rowwise-quantized tensors, both blocked along K: ``a @ b_t.T``.
 
     Args:
       a: quantized [..., K] (rows M = prod of its leading axes).
-      c: quantized [..., K] (rows N), e.g. a weight stored [N, K].
+      b_t: the other operand B [K, N], quantized transposed: [..., K] (rows N), e.g. a weight stored [N, K].
       out_dtype: result dtype; the sum is accumulated in float32.
       bias: added in float32 after the scales and before the cast to
-        ``out_dtype``, as a GEMM epilogue does; shape ``c.shape[:-1]`` (one
+        ``out_dtype``, as a GEMM epilogue does; shape ``b_t.shape[:-1]`` (one
         per output column) or anything that broadcasts against the result.
       impl: how the block sums run: ``"emulated"`` (the blocks dequantized to
         bf16, then a bf16 dot with float32 accumulation), ``"scaled_dot"``
@@ -226,22 +228,31 @@ def gemm(
         where the devices it is compiled for have FP4 tensor cores, ``emulated``
         elsewhere: ``jax_nvfp4.linear.block_sum``). The scales' epilogue is ours
         either way.
+      c: the former name of ``b_t``, deprecated.
 
     Returns:
-      ``[*a.shape[:-1], *c.shape[:-1]]``: ``sum_k a[..., k] * c[..., k]`` of the
+      ``[*a.shape[:-1], *b_t.shape[:-1]]``: ``sum_k a[..., k] * b_t[..., k]`` of the
       dequantized values, exact up to the float32 accumulation and the
       float32 products with the global decode scales. A row-scaled ``a``
-      scales each output row by its own decode scale, a row-scaled ``c``
+      scales each output row by its own decode scale, a row-scaled ``b_t``
       each output column (after the sum; the module docstring has the order).
     """
+    if c is not None:
+        if b_t is not None:
+            raise TypeError("gemm takes b_t or its deprecated name c, not both")
+        warnings.warn("gemm's argument c is deprecated: it is named b_t", DeprecationWarning, stacklevel=2)
+        b_t = c
+    if b_t is None:
+        raise TypeError("gemm needs its second operand b_t (B quantized transposed, [..., K])")
+    c = b_t
     check_tensor("gemm's a", a)
-    check_tensor("gemm's c", c)
+    check_tensor("gemm's b_t", c)
     out_dtype = check_out_dtype(out_dtype, "out_dtype", "gemm")
     impl = check_impl(impl, "gemm's impl")
     if a.data is None or c.data is None:
         raise ValueError("gemm needs the rowwise copy of both operands (quantize with rowwise=True)")
     if a.cols != c.cols:
-        raise ValueError(f"contracting sizes differ: a has {a.cols}, c has {c.cols}")
+        raise ValueError(f"contracting sizes differ: a has {a.cols}, b_t has {c.cols}")
 
     out_shape = (*a.shape[:-1], *c.shape[:-1])
     if bias is not None:

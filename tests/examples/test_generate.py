@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 import jax_nvfp4
 from examples import generate, train_lm
 from examples.lm import training
-from jax_nvfp4.flax.linen.layers import quantize_params
+from jax_nvfp4.flax.linen.layers import quantize_weights
 
 SMALL = ["--steps", "3", "--batch", "2", "--seq-len", "16", "--d-model", "32", "--layers", "1", "--heads", "2"]
 
@@ -51,7 +51,7 @@ def test_save_writes_the_quantized_nvfp4_layers_and_the_rest_as_trained(saved):
     root, trained = saved
     model, params = trained["full"]
     restored = jax_nvfp4.checkpoint.restore(root / "full" / "params")
-    want = quantize_params(params, model=model, inputs=(jnp.zeros((1, 16), jnp.int32),))
+    want = quantize_weights(params, model=model, inputs=(jnp.zeros((1, 16), jnp.int32),))
     is_quantized = generate.is_quantized
     got_leaves, got_tree = jax.tree.flatten(restored, is_leaf=is_quantized)
     want_leaves, want_tree = jax.tree.flatten(want, is_leaf=is_quantized)

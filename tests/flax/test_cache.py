@@ -54,8 +54,8 @@ def test_linen_cache_gives_the_loss_and_gradients_without_quantizing_the_weights
     assert count[1] == count[0] - 2, count
 
 
-def test_nnx_cached_weights_give_the_same_gradients_quantizing_each_weight_once():
-    """Two micro-batches in one step: inside cached_weights each layer's kernel is quantized once (on entry, in the
+def test_nnx_cache_weights_give_the_same_gradients_quantizing_each_weight_once():
+    """Two micro-batches in one step: inside cache_weights each layer's kernel is quantized once (on entry, in the
     layer's dtype), not in each micro-batch, with the same gradients bit for bit; the caches are gone after."""
     nnx = pytest.importorskip("flax.nnx")
     from jax_nvfp4.flax import nnx as nvfp4_nnx
@@ -74,7 +74,7 @@ def test_nnx_cached_weights_give_the_same_gradients_quantizing_each_weight_once(
 
     def step(state, cached: bool):
         model = nnx.merge(graphdef, state)
-        with nvfp4_nnx.cached_weights(model) if cached else contextlib.nullcontext():
+        with nvfp4_nnx.cache_weights(model) if cached else contextlib.nullcontext():
             grads = [nnx.grad(loss)(model, xs[i]) for i in range(2)]
         assert not hasattr(model.layers[0].dot_general, "weight_cache")
         return jax.tree.map(jnp.add, *grads)

@@ -1,4 +1,4 @@
-"""Inference with quantized weights: QuantizedWeight in dot_general, quantize_params (linen, NNX), and
+"""Inference with quantized weights: QuantizedWeight in dot_general, quantize_weights (linen, NNX), and
 checkpoints of quantized trees (orbax)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ flax_nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 from jax_nvfp4.flax import NVFP4Dense, NVFP4DenseGeneral  # noqa: E402
 from jax_nvfp4.flax import nnx as nvfp4_nnx  # noqa: E402
-from jax_nvfp4.flax.linen.layers import quantize_params  # noqa: E402
+from jax_nvfp4.flax.linen.layers import quantize_weights  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -87,10 +87,10 @@ class _LinenModel(flax_nn.Module):
         return flax_nn.Dense(8, name="head")(y)
 
 
-def test_linen_quantize_params_applies_the_stored_weights():
+def test_linen_quantize_weights_applies_the_stored_weights():
     model, x = _LinenModel(), normal((2, 16, 24), 0, jnp.bfloat16)
     params = model.init(jax.random.key(0), x)["params"]
-    qparams = quantize_params(params, model=model, inputs=(x[:1],))
+    qparams = quantize_weights(params, model=model, inputs=(x[:1],))
     for name in ("qkv", "out", "mlp"):
         assert isinstance(qparams[name]["kernel"], jax_nvfp4.QuantizedWeight), name
         assert qparams[name]["kernel"].shape == params[name]["kernel"].shape
@@ -103,7 +103,7 @@ def test_linen_quantize_params_applies_the_stored_weights():
     assert len(eqns_named(jaxpr, "nvfp4_quantize")) == 3  # the three layers' inputs, no weight
 
 
-def test_nnx_quantize_params_applies_the_stored_weights():
+def test_nnx_quantize_weights_applies_the_stored_weights():
     rngs = nnx.Rngs(0, nvfp4=1)
 
     class Model(nnx.Module):
@@ -119,7 +119,7 @@ def test_nnx_quantize_params_applies_the_stored_weights():
     model, x = Model(rngs), normal((2, 16, 24), 0, jnp.bfloat16)
     want = model(x)
     head = model.head.kernel[...]
-    assert nvfp4_nnx.quantize_params(model) is model
+    assert nvfp4_nnx.quantize_weights(model) is model
     assert isinstance(model.a.kernel[...], jax_nvfp4.QuantizedWeight)
     assert model.b.kernel[...].contract_ndim == 2 and model.head.kernel[...] is head
     assert_same_bytes(model(x), want)
@@ -134,7 +134,7 @@ def test_orbax_round_trip_and_a_bf16_checkpoint_into_the_quantized_model(tmp_pat
 
     model, x = _LinenModel(), normal((2, 16, 24), 0, jnp.bfloat16)
     params = model.init(jax.random.key(0), x)["params"]
-    qparams = quantize_params(params, model=model, inputs=(x[:1],))
+    qparams = quantize_weights(params, model=model, inputs=(x[:1],))
     checkpoint.save(tmp_path / "quantized", qparams)
     restored = checkpoint.restore(tmp_path / "quantized")
     assert jax.tree.structure(restored) == jax.tree.structure(qparams)  # shapes, dtypes and specs included
@@ -147,7 +147,7 @@ def test_orbax_round_trip_and_a_bf16_checkpoint_into_the_quantized_model(tmp_pat
         saver.save(tmp_path / "bf16", bf16)
     with ocp.StandardCheckpointer() as loader:
         loaded = loader.restore(tmp_path / "bf16")
-    served = quantize_params(loaded, model=model, inputs=(x[:1],))
+    served = quantize_weights(loaded, model=model, inputs=(x[:1],))
     assert_same_bytes(model.apply({"params": served}, x), model.apply({"params": bf16}, x))
 
 

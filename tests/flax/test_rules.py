@@ -347,6 +347,6 @@ def test_nvfp4_linear_modules():
         nvfp4_nnx.NVFP4Linear(48, 32, dot_general=jax.lax.dot_general, rngs=nnx.Rngs(0))
     # Quantized inference applies to them as to any NVFP4 layer.
     y = layer(x)
-    nvfp4_nnx.quantize_params(layer)
+    nvfp4_nnx.quantize_weights(layer)
     assert isinstance(layer.kernel[...], jax_nvfp4.QuantizedWeight)
     assert_same_bytes(layer(x), y)

@@ -36,7 +36,7 @@ from examples.lm.mesh import make_mesh
 from examples.lm.model import build_model, next_byte_loss
 from examples.lm.training import init_state, make_train_step, save_model
 from jax_nvfp4 import checkpoint
-from jax_nvfp4.flax.linen.layers import quantize_params
+from jax_nvfp4.flax.linen.layers import quantize_weights
 from jax_nvfp4.sharding.hlo import collectives
 
 # A tiny model (one block; d_model 128, so that its 16x16 weight blocks split 8 ways over fsdp as whole ones: 64 would
@@ -56,7 +56,7 @@ def flat_host(tree) -> dict[str, np.ndarray]:
 def run_fsdp_steps(checkpoint_dir: pathlib.Path | None = None, seed: int = 0) -> dict:
     """Two training steps of the example's model on its mesh (fsdp=8 over ``jax.devices()``: one process's, or
     every process's once joined): the all-gathers of the compiled step, the losses, the parameters, and their
-    quantized form (``quantize_params``, what ``--save`` writes) before and after, all on the host. With
+    quantized form (``quantize_weights``, what ``--save`` writes) before and after, all on the host. With
     ``checkpoint_dir``, the quantized tree is saved there as it is sharded (each process writes its shards) and
     restored, and the example's ``--save`` writes the model to ``checkpoint_dir``/saved (gathered to the host)."""
     args = train_lm.make_parser().parse_args([*FSDP_FLAGS.split(), "--seed", str(seed)])
@@ -69,7 +69,7 @@ def run_fsdp_steps(checkpoint_dir: pathlib.Path | None = None, seed: int = 0) ->
     batches = np.random.default_rng(seed).integers(0, VOCAB, (args.steps, args.batch, args.seq_len + 1), np.int32)
     compiled = step.lower(state, put(batches[0])).compile()
     tokens = (jnp.zeros((1, args.seq_len), jnp.int32),)
-    quantized_init = flat_host(quantize_params(state.params, model=model, inputs=tokens))  # the step donates state
+    quantized_init = flat_host(quantize_weights(state.params, model=model, inputs=tokens))  # the step donates state
     # The gradients of the first batch at the initial parameters (the step's own are not kept: it applies them).
     grads = flat_host(jax.jit(jax.grad(loss_fn))(state.params, put(batches[0]), jax.random.key(args.seed + 1)))
     gathers = [(c.dtype, c.op_name) for c in collectives(compiled.as_text()) if c.op == "all-gather"]
@@ -77,7 +77,7 @@ def run_fsdp_steps(checkpoint_dir: pathlib.Path | None = None, seed: int = 0) ->
     for batch in batches:
         state, loss = compiled(state, put(batch))
         losses.append(float(loss))  # replicated: every process reads it
-    quantized = quantize_params(state.params, model=model, inputs=tokens)
+    quantized = quantize_weights(state.params, model=model, inputs=tokens)
     result = {
         "processes": jax.process_count(),
         "devices": jax.device_count(),

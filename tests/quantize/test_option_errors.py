@@ -111,7 +111,7 @@ def test_amax_names_the_bad_option(impl, kwargs, exc, option):
     ("args", "kwargs", "exc", "match"),
     [
         ((X, "q"), {}, TypeError, "gemm's a must be an NVFP4Tensor"),
-        (("q", X), {}, TypeError, "gemm's c must be an NVFP4Tensor"),
+        (("q", X), {}, TypeError, "gemm's b_t must be an NVFP4Tensor"),
         (("q", "q"), {"out_dtype": jnp.int32}, TypeError, "out_dtype is int32"),
         (("q", "q"), {"out_dtype": "bf16x"}, TypeError, "out_dtype is"),
         (("q", "q"), {"bias": "a"}, TypeError, "gemm's bias must be an array of real numbers"),

@@ -113,7 +113,7 @@ def promote_dtype(*args, dtype=None, inexact: bool = True) -> list:
 
 class NVFP4Layer:
     """Mixin: route the parent layer's GEMM through ``NVFP4DotGeneral(recipe)``; annotate its params;
-    apply a kernel stored as a ``QuantizedWeight`` (``quantize_params``) as it is."""
+    apply a kernel stored as a ``QuantizedWeight`` (``quantize_weights``) as it is."""
 
     def param(self, name: str, init_fn, *init_args, **init_kwargs):
         """Flax's ``param``, but a stored ``QuantizedWeight`` kernel is returned without Flax's shape check
@@ -175,11 +175,11 @@ class NVFP4DenseGeneral(NVFP4Layer, nn.DenseGeneral):
 
     def _contracted_kernel_axes(self) -> int:
         if self.batch_dims not in ((), None):
-            raise ValueError("quantize_params: an NVFP4DenseGeneral with batch_dims has no quantized inference path")
+            raise ValueError("quantize_weights: an NVFP4DenseGeneral with batch_dims has no quantized inference path")
         return len(self.axis) if isinstance(self.axis, tuple | list) else 1
 
 
-def quantize_params(params, recipe: Recipe | None = None, *, model: nn.Module, inputs: tuple = (), **kwargs):
+def quantize_weights(params, recipe: Recipe | None = None, *, model: nn.Module, inputs: tuple = (), **kwargs):
     """``params`` with the kernel of every NVFP4 layer of ``model`` stored as a ``QuantizedWeight``.
 
     Runs ``model.apply({"params": params}, *inputs, **kwargs)`` once (jitted; only the inputs' shapes

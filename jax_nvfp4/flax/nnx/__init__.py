@@ -4,6 +4,7 @@ conversion of a model by rules, diagnostics and the mixture-of-experts MLP.
 Importable apart from the linen layers (``jax_nvfp4.flax`` does not import NNX).
 """
 
+from jax_nvfp4.core.deprecation import renamed
 from jax_nvfp4.flax.nnx.layers import (
     RNG_STREAM,
     NVFP4DotGeneral,
@@ -12,9 +13,9 @@ from jax_nvfp4.flax.nnx.layers import (
     NVFP4LinearGeneral,
     NVFP4RaggedDot,
     WeightCache,
-    cached_weights,
+    cache_weights,
     quantize_model,
-    quantize_params,
+    quantize_weights,
 )
 from jax_nvfp4.flax.nnx.moe import MoEMLP
 
@@ -27,7 +28,9 @@ __all__ = [
     "NVFP4LinearGeneral",
     "NVFP4RaggedDot",
     "WeightCache",
-    "cached_weights",
+    "cache_weights",
     "quantize_model",
-    "quantize_params",
+    "quantize_weights",
 ]
+
+__getattr__ = renamed(__name__, {"quantize_params": "quantize_weights", "cached_weights": "cache_weights"}, globals())

@@ -178,7 +178,7 @@ def promote_dtype(args: tuple, /, *, dtype=None, inexact: bool = True) -> tuple:
     return tuple(_promote_each(*args, dtype=dtype, inexact=inexact))
 
 
-def quantize_params(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Module:
+def quantize_weights(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Module:
     """Store the kernel of every NVFP4 layer of ``model`` as a ``QuantizedWeight``, in place; returns ``model``.
 
     NVFP4 layers are the ``nnx.Linear`` / ``nnx.LinearGeneral`` whose ``dot_general`` is an
@@ -188,7 +188,7 @@ def quantize_params(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Modu
     """
     for node, contract_ndim in list(_nvfp4_layers(model)):  # listed first: the loop changes the graph
         if contract_ndim is None:
-            raise ValueError("quantize_params: an nnx.LinearGeneral with batch_axis has no quantized path")
+            raise ValueError("quantize_weights: an nnx.LinearGeneral with batch_axis has no quantized path")
         kernel = node.kernel[...]
         node.kernel = nnx.Param(quantize_weight(kernel, recipe or node.dot_general.recipe, contract_ndim=contract_ndim))
         node.promote_dtype = promote_dtype
@@ -196,7 +196,7 @@ def quantize_params(model: nnx.Module, recipe: Recipe | None = None) -> nnx.Modu
 
 
 class WeightCache(nnx.Variable):
-    """An ``NVFP4DotGeneral``'s weight quantized once for a training step (``cached_weights``): not a parameter,
+    """An ``NVFP4DotGeneral``'s weight quantized once for a training step (``cache_weights``): not a parameter,
     so ``nnx.grad`` does not differentiate it; the gradients flow to the layer's kernel."""
 
 
@@ -215,7 +215,7 @@ def _nvfp4_layers(model: nnx.Module) -> Iterator[tuple[nnx.Module, int | None]]:
 
 
 @contextlib.contextmanager
-def cached_weights(model: nnx.Module) -> Iterator[nnx.Module]:
+def cache_weights(model: nnx.Module) -> Iterator[nnx.Module]:
     """Within the block, every NVFP4 layer of ``model`` reads its weight quantized once, on entry.
 
     For gradient accumulation: enter it once per optimizer step (inside the jitted step), run the micro-batches'
@@ -364,8 +364,8 @@ __all__ = [
     "NVFP4LinearGeneral",
     "NVFP4RaggedDot",
     "WeightCache",
-    "cached_weights",
+    "cache_weights",
     "nvfp4_stream",
     "quantize_model",
-    "quantize_params",
+    "quantize_weights",
 ]
