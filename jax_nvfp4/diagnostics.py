@@ -55,7 +55,7 @@ def quantization_stats(
     back = dequantize(t)
     norm = jnp.linalg.norm(x)
     a = jnp.abs(x)
-    amax = t.amax[:, None] if spec.row_scaled else t.amax  # the amax each block's scale was made from
+    amax = t.amax[..., None]  # the amax each block's scale was made from: [1], or [M, 1] per row
     blocks = _block_amax(a, spec.block_2d)
     scales = blocks * spec.e4m3_max / jnp.where(amax > 0, amax, 1.0)
     nonzero_blocks = blocks > 0

@@ -37,6 +37,16 @@ def test_quantization_stats_measure_the_quantized_tensor(block_2d):
         assert float(stats["underflow"]) == 0.0
 
 
+def test_per_token_scales_measure_each_row_against_its_own_amax():
+    """A row far below the others underflows against the tensor's amax, not against its own (row-scaled)."""
+    x = normal((32, 64), 2).at[3].multiply(1e-7)
+    per_tensor, per_row = (quantization_stats(x, QuantizeSpec(row_scaled=r)) for r in (False, True))
+    assert float(per_tensor["underflow"]) == pytest.approx(4 / (32 * 4))  # row 3's four blocks
+    assert float(per_row["underflow"]) == 0.0 and float(per_row["saturated"]) == 0.0
+    given = jnp.max(jnp.abs(x), axis=1).at[0].divide(2)  # row 0 given half its amax: its largest block clips
+    assert float(quantization_stats(x, QuantizeSpec(row_scaled=True), amax=given)["saturated"]) > 0
+
+
 def test_a_given_amax_below_the_tensors_saturates_blocks():
     x = normal((32, 64), 1)
     stats = quantization_stats(x, QuantizeSpec(), amax=jnp.max(jnp.abs(x)) / 2)
