@@ -43,7 +43,7 @@ def _code_names(path: pathlib.Path) -> set[str]:
     return set(re.findall(r"\w+", text))
 
 
-def spread() -> dict[str, list[str]]:
+def option_files() -> dict[str, list[str]]:
     """Each option -> the files of jax_nvfp4/ and ffi/ that spell it in code."""
     files = sorted((REPO / "jax_nvfp4").rglob("*.py")) + sorted(
         p for p in (REPO / "ffi").rglob("*") if p.suffix in (".h", ".cc", ".cu", ".cuh")
@@ -53,7 +53,7 @@ def spread() -> dict[str, list[str]]:
 
 
 def test_no_option_spreads_to_more_files():
-    found = spread()
+    found = option_files()
     grown = {o: files for o, files in found.items() if len(files) > SPREAD[o]}
     assert not grown, f"options spelled in more files than SPREAD allows (target {TARGET}): {grown}"
     shrunk = {o: len(files) for o, files in found.items() if len(files) < SPREAD[o]}
