@@ -303,3 +303,64 @@ def test_the_readme_results_table_quotes_its_records():
             assert q in row, f"the README's row {label!r} should say {q!r}"
         for link in re.findall(r"\]\((benchmarks/results/[^)]+)\)", row):
             assert (REPO / link).is_file(), f"the README's row {label!r} links {link}, which is not there"
+
+
+def _gap_range(runs: list[tuple[str, str, str]]) -> str:
+    means = [seed_gaps(*r).mean() for r in runs]
+    return f"{min(means):.1f}-{max(means):.1f}%"
+
+
+def benchmarks_page_quotes() -> list[str]:
+    """What docs/benchmarks.md says of each record beside those of test_the_offline_gpu_records_quoted_are_...:
+    each phrase computed from its record."""
+    cpu = {c[0]: c for c in table_cells((RESULTS / "quantize-cpu-amd-epyc-2core.md").read_text()) if len(c) == 6}
+    plain = cpu["quantize 1x16, rowwise+columnwise"]
+    factor = {case: float(cells[2].rstrip("x")) for case, cells in cpu.items() if cells[2].endswith("x")}
+    cheapest = min(factor["... row-scaled (per-token)"], factor["... + RHT, amax estimated"])
+    four_over_six = [v for k, v in factor.items() if "4over6" in k and "row-scaled" not in k]
+    h200 = {c[0]: c[2] for c in table_cells((RESULTS / "quantize-queued-nvidia-h200.md").read_text()) if len(c) == 3}
+    mxfp8 = {c[0]: c[2] for c in table_cells((RESULTS / "mxfp8-quantize-cpu-amd-epyc-2core.md").read_text())}
+    two_copies = float(mxfp8["MXFP8 along the rows and the columns (XLA ops)"].rstrip("x"))
+    nvfp4_copies = float(mxfp8["NVFP4 kernel, rowwise + columnwise (amax pass included)"].rstrip("x"))
+    weights = _cells_of("generate-cpu-amd-epyc-2core.md", "NVFP4 layers' weights")[1].split(" ")[0]
+    bf16_weights = _cells_of("generate-cpu-amd-epyc-2core.md", "the same kernels in bf16")[1]
+    errors = {c[0]: c[3] for c in table_cells((RESULTS / "four-over-six-error-cpu-amd-epyc-2core.md").read_text())}
+    lower = {t: f"{100 * (1 - float(errors[t].split(' ')[0])):.0f}%" for t in ("x", "dy")}
+    moe = _cells_of("train-lm-moe4-cpu-amd-epyc-2core.md", "full")[-1]
+    schedule = (RESULTS / "train-lm-schedule-cpu-amd-epyc-2core.md").read_text()
+    switched = re.search(r"full with the last 20% in bf16 (\+[\d.]+% ± [\d.]+%)", " ".join(schedule.split()))[1]
+    sass = json.loads((RESULTS / "sass-budget.json").read_text())
+    count = {arch: sass[arch]["after"]["rowwise_columnwise"]["instructions_per_element"] for arch in sass}
+    fused = {(c[0], c[1]): c[7] for c in table_cells((RESULTS / "fused-gemm-sass-h100.md").read_text()) if len(c) > 7}
+    others = [("rht", RECIPES_STEM, RECIPES_STEM), ("4o6-mae", RECIPES_STEM, RECIPES_STEM), FULL]
+    others += [("4o6", RECIPES_STEM, RECIPES_STEM), ("per-token", RECIPES_STEM, RECIPES_STEM)]
+    rows = readme_results()
+    peers = rows["Beside Qwix's `nvfp4`"]
+    return [
+        f"{plain[1]} ms, {plain[5]} faster than the reference and {plain[3]} a memcpy's time",
+        f"the options cost {cheapest:.2f}x (per-token scales, the RHT with its amax estimated) to "
+        f"{factor['... + RHT']:.2f}x (the RHT) and {min(four_over_six):.1f}-{max(four_over_six):.1f}x (4over6)",
+        f"at {h200['quantize rowwise + columnwise 1x16, its own amax pass']} of the copy with its amax pass "
+        f"({h200['same, amax given']} with the amax given), amax alone {h200['amax alone']}, dequantize "
+        f"{h200['dequantize rowwise to bf16']}",
+        f"{two_copies:.1f}x a memcpy for a training step's two copies of x, against {nvfp4_copies:.1f}x",
+        f"take {weights} bytes against {bf16_weights.replace(' (', ' in bf16 (').replace('x)', 'x smaller)')}",
+        f"lowers x's error by {lower['x']} and dy's by {lower['dy']} on average",
+        f"the full recipe ends {moe} above the bf16 mixture",
+        f"its gap to {switched}",
+        f"elsewhere {spread(seed_gaps('full-mxfp8-attn', 'mxfp8-attn', RECIPES_STEM))}",
+        f"end {_gap_range(others)} above bf16",
+        f"about {count['sm_90']:.0f} instructions an element on sm_90 and {count['sm_100a']:.0f} on sm_100a",
+        f"{fused[('128 x 256 x 128, 8', 'as stored')]} instructions a decoded value "
+        f"({fused[('128 x 256 x 128, 8', 'transposed')]} in dgrad's transposed variant)",
+        *(rows["Memory"][0].replace("keeps ", "", 1).split(" for its backward pass")[:1]),
+        rows["Memory"][1].replace("all-gathers ", ""),
+        f"have {peers[0].strip('()')} error",
+        peers[2].replace("quantize ", "quantize takes ").replace(" faster", " jax_nvfp4's time"),
+    ]
+
+
+def test_the_benchmarks_page_quotes_its_records():
+    text = _normalized("docs/benchmarks.md")
+    missing = [q for q in benchmarks_page_quotes() if q not in text]
+    assert missing == [], f"docs/benchmarks.md should say: {missing}"
