@@ -17,9 +17,9 @@ Public API:
   Recipe: the training recipe's options, and the QuantizeSpec of each GEMM operand;
     FourOverSix: its 4over6 options (which operands, error, fast math, block-scale range).
   MXFP8: a layer's GEMMs in MXFP8 instead (pass it as recipe=; ``jax_nvfp4.mxfp8``).
-  quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference (for a Flax
-    model's: ``jax_nvfp4.flax.quantize_weights``, ``jax_nvfp4.flax.nnx.quantize_weights``)
-    (dot_general and the Flax layers apply it without quantizing it again); dequantize_weight(w) decodes it
+  quantize_weight(kernel, recipe) -> QuantizedWeight: a kernel stored in NVFP4 for inference (dot_general and
+    the Flax layers apply it without quantizing it again; for a Flax model's: ``jax_nvfp4.flax.quantize_weights``,
+    ``jax_nvfp4.flax.nnx.quantize_weights``); dequantize_weight(w) decodes it
   cache_weight(kernel, recipe) -> CachedWeight: the kernel with its forward copy quantized once, for
     training with gradient accumulation (dot_general reuses the copy and differentiates the kernel; for a Flax
     model's: ``jax_nvfp4.flax.cache_weights``, ``jax_nvfp4.flax.nnx.cache_weights``)

@@ -244,18 +244,17 @@ def gemm(
         b_t = c
     if b_t is None:
         raise TypeError("gemm needs its second operand b_t (B quantized transposed, [..., K])")
-    c = b_t
     check_tensor("gemm's a", a)
-    check_tensor("gemm's b_t", c)
+    check_tensor("gemm's b_t", b_t)
     out_dtype = check_out_dtype(out_dtype, "out_dtype", "gemm")
     impl = check_impl(impl, "gemm's impl")
-    if a.data is None or c.data is None:
+    if a.data is None or b_t.data is None:
         raise ValueError("gemm needs the rowwise copy of both operands (quantize with rowwise=True)")
-    if a.cols != c.cols:
-        raise ValueError(f"contracting sizes differ: a has {a.cols}, b_t has {c.cols}")
+    if a.cols != b_t.cols:
+        raise ValueError(f"contracting sizes differ: a has {a.cols}, b_t has {b_t.cols}")
 
-    out_shape = (*a.shape[:-1], *c.shape[:-1])
+    out_shape = (*a.shape[:-1], *b_t.shape[:-1])
     if bias is not None:
-        bias = _bias(bias, out_shape).reshape(1, a.rows, c.rows)
-    y = batched_gemm(_as_batch(a), _as_batch(c), out_dtype, bias=bias, impl=impl)
+        bias = _bias(bias, out_shape).reshape(1, a.rows, b_t.rows)
+    y = batched_gemm(_as_batch(a), _as_batch(b_t), out_dtype, bias=bias, impl=impl)
     return y.reshape(out_shape)
