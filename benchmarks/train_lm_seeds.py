@@ -269,7 +269,7 @@ def main() -> None:
         name = f"{stem.stem}-{settings.arch}-d{settings.d_model}-{settings.steps}-lr{settings.lr:g}"
         if settings.switch_to is not None:
             name += f"-switch{settings.switch_at:g}-{settings.switch_to}"
-        settings.out = str(stem.with_name(name + stem.suffix))
+        settings.out = str(stem.with_name(name + (stem.suffix or ".png")))  # a stem without one: .png
         plot_seeds(by_seed, settings)
     print(tables.getvalue())
     if args.out:
