@@ -43,10 +43,6 @@ def table_cells(text: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("|")]
 
 
-def _table_rows(text: str) -> dict[str, str]:
-    return {cells[0]: cells[1] for cells in table_cells(text) if len(cells) >= 2}
-
-
 QWEN3 = REPO / "benchmarks" / "results" / "train-lm-qwen3"
 
 
@@ -114,11 +110,21 @@ def test_the_rerun_on_todays_numerics_is_quoted_as_recorded(page):
 RESULTS = REPO / "benchmarks" / "results"
 
 
+def record_cells(record: str) -> list[list[str]]:
+    """The cells of every table row of the record ``benchmarks/results/<record>``."""
+    return table_cells((RESULTS / record).read_text())
+
+
+def _cells_of(record: str, first: str) -> list[str]:
+    """The cells of the first table row of ``record`` whose first cell starts with ``first``."""
+    return next(c for c in record_cells(record) if c[0].startswith(first))
+
+
 def breakdown(record: str) -> dict[str, tuple[int, float, float]]:
     """A benchmarks.layer_breakdown record's summary table: its row's label (``NVFP4 dequantize``, ``NVFP4``,
     ``bf16``, ...) -> (kernels, MB in all, x bf16's)."""
     rows = {}
-    for cells in table_cells((RESULTS / record).read_text()):
+    for cells in record_cells(record):
         if len(cells) >= 6 and cells[0].strip("*").startswith(("NVFP4", "bf16")) and cells[1].isdigit():
             rows[cells[0].strip("*")] = (int(cells[1]), float(cells[4]), float(cells[5]))
     return rows
@@ -189,9 +195,7 @@ def test_the_default_run_on_jax_0_12_is_quoted_as_recorded():
 def test_the_gemma_figures_quoted_are_their_record():
     """gemma through the Qwix provider (benchmarks.gemma_qwix): the held-out losses and their gap, in the
     benchmarks page (the README quotes the gap: test_the_readme_results_table_quotes_its_records)."""
-    rows = {cells[0]: cells for cells in table_cells((RESULTS / "gemma-qwix-cpu8-amd-epyc-2core.md").read_text())}
-    nvfp4, bf16 = rows["NVFP4, held-out"][5], rows["bf16, held-out"][5]
-    gap = f"{100 * (float(nvfp4) / float(bf16) - 1):+.2f}%"
+    nvfp4, bf16, gap = gemma_losses()
     quoted = f"the held-out loss is {nvfp4} against bf16's {bf16} ({gap})"
     assert quoted in _normalized("docs/benchmarks.md"), f"docs/benchmarks.md should say: {quoted!r}"
 
@@ -214,7 +218,7 @@ def offline_layer(record: str, dequantize: bool = False) -> str:
 
 def train_step(record: str) -> str:
     """How docs/benchmarks.md quotes a train_step_impl --target record: FP4 GEMM kernels and the model's ratio."""
-    cells = next(c for c in table_cells((RESULTS / record).read_text()) if c[0].startswith("NVFP4"))
+    cells = _cells_of(record, "NVFP4")
     return f"{cells[3]} of its {cells[2]} GEMM kernels on FP4 MMAs, modeled at {cells[6]}x the bf16 step's time"
 
 
@@ -240,30 +244,41 @@ def test_the_offline_gpu_records_quoted_are_their_records():
         assert q in text, f"docs/benchmarks.md should say: {q!r}"
 
 
-def gemma_gap() -> str:
-    rows = {cells[0]: cells for cells in table_cells((RESULTS / "gemma-qwix-cpu8-amd-epyc-2core.md").read_text())}
-    return f"{100 * (float(rows['NVFP4, held-out'][5]) / float(rows['bf16, held-out'][5]) - 1):+.2f}%"
+def gemma_losses() -> tuple[str, str, str]:
+    """gemma's held-out losses through the Qwix provider, NVFP4 and bf16, and their gap, as the record has them."""
+    rows = {cells[0]: cells for cells in record_cells("gemma-qwix-cpu8-amd-epyc-2core.md")}
+    nvfp4, bf16 = rows["NVFP4, held-out"][5], rows["bf16, held-out"][5]
+    return nvfp4, bf16, f"{100 * (float(nvfp4) / float(bf16) - 1):+.2f}%"
 
 
-def _cells_of(record: str, first: str) -> list[str]:
-    """The cells of the first table row of ``record`` whose first cell starts with ``first``."""
-    return next(c for c in table_cells((RESULTS / record).read_text()) if c[0].startswith(first))
+def residual_mb() -> dict[str, float]:
+    """One layer's backward-pass residuals in MB (benchmarks.residuals): "NVFP4" and "bf16"."""
+    rows = record_cells("residuals-8192x4096x4096.md")
+    return {c[0].split(" ")[0]: float(c[1]) for c in rows if len(c) == 3 and c[0].startswith(("bf16 (", "NVFP4 ("))}
+
+
+def qwix_quantize_time() -> str:
+    """Qwix's quantize of bf16 4096x4096 as a multiple of jax_nvfp4's (benchmarks.peers), to one decimal."""
+    cells = next(c for c in record_cells("peers-cpu-amd-epyc-2core.md") if c[:2] == ["4096x4096", "Qwix quantize"])
+    return f"{float(cells[-1].rstrip('x')):.1f}x"
+
+
+def h200_share() -> dict[str, str]:
+    """Each op's share of a device copy on the H200 (the queued-calls record)."""
+    return {c[0]: c[2] for c in record_cells("quantize-queued-nvidia-h200.md") if len(c) == 3}
 
 
 def readme_results() -> dict[str, list[str]]:
     """What each row of the README's results table must say, from the records it links."""
-    residual = {c[0].split(" ")[0]: float(c[1]) for c in table_cells((RESULTS / "residuals-8192x4096x4096.md")
-                .read_text()) if len(c) == 3 and c[0].startswith(("bf16 (", "NVFP4 ("))}  # fmt: skip
+    residual = residual_mb()
     gathered = _cells_of("gather-bytes-cpu8-data2-fsdp2-tensor2.md", "**step**")[-1].strip("*")
-    peers = {(c[0], c[1]): c for c in table_cells((RESULTS / "peers-cpu-amd-epyc-2core.md").read_text()) if len(c) > 2}
+    peers = {(c[0], c[1]): c for c in record_cells("peers-cpu-amd-epyc-2core.md") if len(c) > 2}
     normal = peers[("ordinary: N(0, 1)", "jax_nvfp4")][2]
     assert peers[("ordinary: N(0, 1)", "Qwix")][2] == normal
     small = "gradients: N(0, 1) x 1e-4 (amax ~5e-4)"
     assert peers[(small, "jax_nvfp4")][2] == normal and peers[(small, "Qwix")][3] == "100%"  # Qwix: all zeros
-    qwix_time = next(c for c in table_cells((RESULTS / "peers-cpu-amd-epyc-2core.md").read_text())
-                     if c[:2] == ["4096x4096", "Qwix quantize"])[-1]  # fmt: skip
     cpu = _cells_of("quantize-cpu-amd-epyc-2core.md", "quantize 1x16, rowwise+columnwise")
-    h200 = {c[0]: c[2] for c in table_cells((RESULTS / "quantize-queued-nvidia-h200.md").read_text()) if len(c) == 3}
+    h200 = h200_share()
     return {
         "Training gap, Qwen3-style block": [
             f"**{spread(qwen3_gaps('full-keep-ends'))}** above bf16",
@@ -281,9 +296,9 @@ def readme_results() -> dict[str, list[str]]:
         "Beside Qwix's `nvfp4`": [
             f"({normal} relative RMS)",
             f"keep {normal} where",
-            f"quantize {float(qwix_time.rstrip('x')):.1f}x faster",
+            f"quantize {qwix_quantize_time()} faster",
         ],
-        "An unmodified model zoo model": [f"held-out loss {gemma_gap()} against bf16"],
+        "An unmodified model zoo model": [f"held-out loss {gemma_losses()[2]} against bf16"],
         "Kernel speed, CPU": [f"in {cpu[1]} ms, {cpu[-1]} the jitted pure-JAX reference"],
         "Kernel speed, H200": [
             f"at {h200['quantize rowwise + columnwise 1x16, its own amax pass']} of a device copy's speed, "
@@ -313,29 +328,32 @@ def _gap_range(runs: list[tuple[str, str, str]]) -> str:
 def benchmarks_page_quotes() -> list[str]:
     """What docs/benchmarks.md says of each record beside those of test_the_offline_gpu_records_quoted_are_...:
     each phrase computed from its record."""
-    cpu = {c[0]: c for c in table_cells((RESULTS / "quantize-cpu-amd-epyc-2core.md").read_text()) if len(c) == 6}
+    cpu = {c[0]: c for c in record_cells("quantize-cpu-amd-epyc-2core.md") if len(c) == 6}
     plain = cpu["quantize 1x16, rowwise+columnwise"]
     factor = {case: float(cells[2].rstrip("x")) for case, cells in cpu.items() if cells[2].endswith("x")}
     cheapest = min(factor["... row-scaled (per-token)"], factor["... + RHT, amax estimated"])
     four_over_six = [v for k, v in factor.items() if "4over6" in k and "row-scaled" not in k]
-    h200 = {c[0]: c[2] for c in table_cells((RESULTS / "quantize-queued-nvidia-h200.md").read_text()) if len(c) == 3}
-    mxfp8 = {c[0]: c[2] for c in table_cells((RESULTS / "mxfp8-quantize-cpu-amd-epyc-2core.md").read_text())}
+    h200 = h200_share()
+    mxfp8 = {c[0]: c[2] for c in record_cells("mxfp8-quantize-cpu-amd-epyc-2core.md")}
     two_copies = float(mxfp8["MXFP8 along the rows and the columns (XLA ops)"].rstrip("x"))
     nvfp4_copies = float(mxfp8["NVFP4 kernel, rowwise + columnwise (amax pass included)"].rstrip("x"))
     weights = _cells_of("generate-cpu-amd-epyc-2core.md", "NVFP4 layers' weights")[1].split(" ")[0]
     bf16_weights = _cells_of("generate-cpu-amd-epyc-2core.md", "the same kernels in bf16")[1]
-    errors = {c[0]: c[3] for c in table_cells((RESULTS / "four-over-six-error-cpu-amd-epyc-2core.md").read_text())}
+    errors = {c[0]: c[3] for c in record_cells("four-over-six-error-cpu-amd-epyc-2core.md")}
     lower = {t: f"{100 * (1 - float(errors[t].split(' ')[0])):.0f}%" for t in ("x", "dy")}
     moe = _cells_of("train-lm-moe4-cpu-amd-epyc-2core.md", "full")[-1]
     schedule = (RESULTS / "train-lm-schedule-cpu-amd-epyc-2core.md").read_text()
     switched = re.search(r"full with the last 20% in bf16 (\+[\d.]+% ± [\d.]+%)", " ".join(schedule.split()))[1]
     sass = json.loads((RESULTS / "sass-budget.json").read_text())
     count = {arch: sass[arch]["after"]["rowwise_columnwise"]["instructions_per_element"] for arch in sass}
-    fused = {(c[0], c[1]): c[7] for c in table_cells((RESULTS / "fused-gemm-sass-h100.md").read_text()) if len(c) > 7}
+    fused = {(c[0], c[1]): c[7] for c in record_cells("fused-gemm-sass-h100.md") if len(c) > 7}
     others = [("rht", RECIPES_STEM, RECIPES_STEM), ("4o6-mae", RECIPES_STEM, RECIPES_STEM), FULL]
     others += [("4o6", RECIPES_STEM, RECIPES_STEM), ("per-token", RECIPES_STEM, RECIPES_STEM)]
-    rows = readme_results()
-    peers = rows["Beside Qwix's `nvfp4`"]
+    residual = residual_mb()
+    normal = next(
+        c[2] for c in record_cells("peers-cpu-amd-epyc-2core.md") if c[:2] == ["ordinary: N(0, 1)", "jax_nvfp4"]
+    )
+    gathered = _cells_of("gather-bytes-cpu8-data2-fsdp2-tensor2.md", "**step**")[-1].strip("*")
     return [
         f"{plain[1]} ms, {plain[5]} faster than the reference and {plain[3]} a memcpy's time",
         f"the options cost {cheapest:.2f}x (per-token scales, the RHT with its amax estimated) to "
@@ -353,10 +371,11 @@ def benchmarks_page_quotes() -> list[str]:
         f"about {count['sm_90']:.0f} instructions an element on sm_90 and {count['sm_100a']:.0f} on sm_100a",
         f"{fused[('128 x 256 x 128, 8', 'as stored')]} instructions a decoded value "
         f"({fused[('128 x 256 x 128, 8', 'transposed')]} in dgrad's transposed variant)",
-        *(rows["Memory"][0].replace("keeps ", "", 1).split(" for its backward pass")[:1]),
-        rows["Memory"][1].replace("all-gathers ", ""),
-        f"have {peers[0].strip('()')} error",
-        peers[2].replace("quantize ", "quantize takes ").replace(" faster", " jax_nvfp4's time"),
+        f"{residual['NVFP4']:.1f} MB (x's columnwise copy, W's one 16x16-block copy) against bf16's "
+        f"{residual['bf16']:.1f} MB ({residual['NVFP4'] / residual['bf16']:.2f}x)",
+        f"{gathered} of bf16's bytes",
+        f"have {normal} relative RMS error",
+        f"Qwix's quantize takes {qwix_quantize_time()} jax_nvfp4's time",
     ]
 
 
