@@ -51,7 +51,7 @@ def _same_bytes(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def _transposes(t: NVFP4Tensor) -> bool:
     """Whether ``t``'s columnwise copy is its rowwise copy transposed (16x16 blocks, both copies, checked)."""
-    if not (t.block_2d and t.data is not None and t.data_t is not None) or (t.batched and len(t.shape) != 3):
+    if not (t.spec.transposable and t.data is not None and t.data_t is not None) or (t.batched and len(t.shape) != 3):
         return False
     made = with_columnwise_copy(dataclasses.replace(t, data_t=None, scale_t=None, amax_t=None))
     return all(bool(_same_bytes(getattr(made, n), getattr(t, n))) for n in ("data_t", "scale_t", "amax_t"))

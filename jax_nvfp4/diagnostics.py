@@ -15,25 +15,20 @@ sees it) with ``spec`` and measures, as float32 scalars::
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from jax_nvfp4.core.spec import QuantizeSpec
 
 STATS = ("rel_error", "underflow", "saturated", "amax", "zero")
-_BLOCK = 16
 _E4M3_ZERO_BELOW = 2.0**-10  # half the smallest E4M3 subnormal (2^-9): scales up to it round to 0
 
 
-def _block_amax(a: jax.Array, block_2d: bool) -> jax.Array:
-    """|x| [M, K] -> the amax of each 1x16 block [M, K/16] (16x16: of each tile [M/16, K/16]), zero-padded."""
-    m, k = a.shape
-    a = jnp.pad(a, ((0, -m % _BLOCK if block_2d else 0), (0, -k % _BLOCK)))
-    if block_2d:
-        return a.reshape(a.shape[0] // _BLOCK, _BLOCK, -1, _BLOCK).max(axis=(1, 3))
-    return a.reshape(m, -1, _BLOCK).max(axis=2)
+def _block_amax(a: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
+    """|x| [M, K] -> the amax of each block of ``block_shape`` (r, c): [M/r, K/c] (1x16: [M, K/16]), zero-padded."""
+    (r, c), (m, k) = block_shape, a.shape
+    a = jnp.pad(a, ((0, -m % r), (0, -k % c)))
+    return a.reshape(a.shape[0] // r, r, -1, c).max(axis=(1, 3))
 
 
 def quantization_stats(
@@ -45,8 +40,8 @@ def quantization_stats(
     saturates)."""
     from jax_nvfp4 import dequantize, quantize  # the public pipeline (imported here: it imports this module's users)
 
-    spec = dataclasses.replace(spec, rowwise=True, columnwise=False, rht=False)
-    if not spec.stochastic_rounding:
+    spec = spec.rowwise_only()
+    if not spec.draws_random:
         rng_key = None
     elif rng_key is None:
         rng_key = jax.random.key(0)
@@ -56,7 +51,7 @@ def quantization_stats(
     norm = jnp.linalg.norm(x)
     a = jnp.abs(x)
     amax = t.amax[..., None]  # the amax each block's scale was made from: [1], or [M, 1] per row
-    blocks = _block_amax(a, spec.block_2d)
+    blocks = _block_amax(a, spec.block_shape)
     scales = blocks * spec.e4m3_max / jnp.where(amax > 0, amax, 1.0)
     nonzero_blocks = blocks > 0
     share = lambda hits, among: jnp.sum(hits & among) / jnp.maximum(jnp.sum(among), 1)  # noqa: E731

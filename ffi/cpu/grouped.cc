@@ -64,10 +64,7 @@ void grouped_stripe(const typename L::T* x, const GroupedCall& c, const Groups& 
   const uint32_t entry = uint32_t(b);
   if (c.spec.rowwise) {
     Options p{c.spec, GlobalScales{}, GlobalScales{}, nullptr, nullptr, c.seed, entry};
-    if (c.spec.row_scaled)
-      p.amax_rows = c.amax + b * c.rows;
-    else
-      p.g = c.spec.global_scales(c.amax[b]);
+    p.set_rows(c.amax, b, c.rows);
     masked_rows(all, width, 0, gr.rows_in_groups() - m0, st.value);  // rows past the groups: zero
     const QuantizeOutputs rows_out =
         QuantizeOutputs{c.o.data, c.o.scale, nullptr, nullptr}.entry(b, c.rows, c.cols);
@@ -80,10 +77,7 @@ void grouped_stripe(const typename L::T* x, const GroupedCall& c, const Groups& 
     Options p{c.spec, GlobalScales{}, GlobalScales{}, nullptr, nullptr, c.seed, entry};
     p.seed.key =
         Seed{c.group_seeds[2 * g], c.group_seeds[2 * g + 1]};  // the group's, at the same place
-    if (c.spec.row_scaled)
-      p.amax_cols = c.amax_t + (b * c.groups + g) * c.cols;
-    else
-      p.g_t = c.spec.global_scales(c.amax_t[b * c.groups + g]);
+    p.set_columns(c.amax_t, b * c.groups + g, c.cols);
     masked_rows(all, width, gr.start[g] - m0, gr.end[g] - m0, st.value);
     if (c.spec.columnwise_rht()) transform_stripe<L>(st, width);
     column_maxima(st, width);
@@ -129,7 +123,7 @@ ffi::Error grouped_quantize_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
     const int64_t cost = c.batch * c.rows * c.cols * int64_t(sizeof(typename L::T)) *
-                         (spec.stochastic_rounding || spec.four_over_six().on() ? 8 : 2);
+                         std::max<int64_t>(2, spec.cost_per_byte());
     parallel_for(pool, c.batch * stripes, cost, [&](int64_t lo, int64_t hi) {
       Stripe st;
       std::vector<float> all;
@@ -143,17 +137,17 @@ ffi::Error grouped_quantize_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
             : invalid("grouped quantize input must be bfloat16, float16 or float32");
 }
 
-// Each group's column maxima of one batch entry, plain and (with rht) of the transform, as
+// Each group's column maxima of one batch entry, plain and (with `transform`) of the RHT, as
 // magnitude bits [G][N]: work items of one group and 256 columns, each down its group's stripes.
 template <typename L>
 void group_column_maxima(ffi::ThreadPool& pool, const typename L::T* x, int64_t rows, int64_t cols,
-                         const Groups& gr, bool rht, std::vector<uint32_t>& plain,
+                         const Groups& gr, bool transform, std::vector<uint32_t>& plain,
                          std::vector<uint32_t>& transformed) {
   constexpr int64_t kWidth = 256;
   const int64_t chunks = (cols + kWidth - 1) / kWidth, groups = gr.count();
   plain.assign(groups * cols, 0);
   transformed.assign(groups * cols, 0);
-  const int64_t cost = rows * cols * int64_t(sizeof(typename L::T)) * (rht ? 8 : 1);
+  const int64_t cost = rows * cols * int64_t(sizeof(typename L::T)) * (transform ? 8 : 1);
   parallel_for(pool, groups * chunks, cost, [&](int64_t lo, int64_t hi) {
     std::vector<float> v(kBlock * kWidth);
     for (int64_t item = lo; item < hi; ++item) {
@@ -171,7 +165,7 @@ void group_column_maxima(ffi::ThreadPool& pool, const typename L::T* x, int64_t 
             mp[k] = std::max(mp[k], magnitude_bits(value));
           }
         }
-        if (!rht) continue;
+        if (!transform) continue;
         rht_rows(v.data(), width);
         for (int64_t r = 0; r < kBlock; ++r)
           for (int64_t k = 0; k < width; ++k)

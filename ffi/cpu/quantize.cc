@@ -64,21 +64,15 @@ ffi::Error quantize_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const bool ok = dispatch_input(x.element_type(), [&](auto loader) {
     using L = decltype(loader);
     const auto* data = static_cast<const typename L::T*>(x.untyped_data());
-    const int64_t cost = batch * rows * cols * int64_t(sizeof(typename L::T)) *
-                         (spec.stochastic_rounding || spec.four_over_six().on() ? 8 : 1) *
-                         (spec.rht ? 2 : 1);
+    const int64_t cost =
+        batch * rows * cols * int64_t(sizeof(typename L::T)) * spec.cost_per_byte();
     parallel_for(pool, batch * bands, cost, [&](int64_t lo, int64_t hi) {
       Stripe st;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t b = i / bands, band = i % bands;
         Options p{spec, GlobalScales{}, GlobalScales{}, nullptr, nullptr, key, uint32_t(b)};
-        if (spec.row_scaled) {
-          p.amax_rows = amax_data + b * rows;
-          p.amax_cols = amax_t_data + b * cols;
-        } else {
-          p.g = spec.global_scales(amax_data[b]);
-          p.g_t = spec.global_scales(amax_t_data[b]);
-        }
+        p.set_rows(amax_data, b, rows);
+        p.set_columns(amax_t_data, b, cols);
         const QuantizeOutputs o = all.entry(b, rows, cols);
         const int64_t first = band * kBandStripes;
         const int64_t last = std::min(stripes, first + kBandStripes);

@@ -68,6 +68,21 @@ struct Options {
   Stream seed;             // stochastic rounding's key and the copy's place (random counters)
   uint32_t b;              // the batch entry (random counters)
 
+  // The rowwise copy's global scales for batch entry b, from amax [B] ([B, M] row-scaled).
+  void set_rows(const float* amax, int64_t b, int64_t rows) {
+    if (spec.row_scaled)
+      amax_rows = amax + b * rows;
+    else
+      g = spec.global_scales(amax[b]);
+  }
+  // The columnwise copy's for entry e of amax_t [E] ([E, N] row-scaled).
+  void set_columns(const float* amax_t, int64_t e, int64_t cols) {
+    if (spec.row_scaled)
+      amax_cols = amax_t + e * cols;
+    else
+      g_t = spec.global_scales(amax_t[e]);
+  }
+
   // Global scales of row m of the rowwise copy and of row n of the columnwise one.
   GlobalScales row(int64_t m) const {
     return spec.row_scaled ? spec.global_scales(amax_rows[m]) : g;

@@ -271,9 +271,8 @@ inline ffi::Error check_grouped_quantize(
     GroupedShape& s, QuantizeOutputs& o, bool& placed) {
   if (auto e = check_grouped_input("grouped quantize", x, sizes, s); e.failure()) return e;
   if (auto e = spec.validate(); e.failure()) return e;
-  if (!spec.columnwise || spec.block_2d)
-    return invalid("grouped quantize makes a columnwise copy in 1x16 blocks");
-  const int64_t per_row = spec.row_scaled ? s.rows : 1, per_col = spec.row_scaled ? s.cols : 1;
+  if (auto e = spec.check_grouped(); e.failure()) return e;
+  const int64_t per_row = spec.amaxes_per_entry(s.rows), per_col = spec.amaxes_per_entry(s.cols);
   if ((spec.rowwise && int64_t(amax.element_count()) != s.batch * per_row) ||
       int64_t(amax_t.element_count()) != s.batch * s.groups * per_col)
     return invalid(

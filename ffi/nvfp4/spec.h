@@ -59,6 +59,22 @@ struct QuantizeSpec {
     return ffi::Error::Success();
   }
 
+  // The amaxes of one batch entry's copy of `rows` rows: one per row when row-scaled, else one.
+  NVFP4_HD int64_t amaxes_per_entry(int64_t rows) const { return row_scaled ? rows : 1; }
+
+  // The grouped quantize (mixture of experts) makes a columnwise copy in 1x16 blocks.
+  ffi::Error check_grouped() const {
+    if (!columnwise || block_2d)
+      return invalid("grouped quantize makes a columnwise copy in 1x16 blocks");
+    return ffi::Error::Success();
+  }
+
+  // The work a byte of input costs, relative to one plain pass (the thread pool's split): random
+  // words or 4over6's two candidates, and the transform, add passes.
+  int64_t cost_per_byte() const {
+    return (stochastic_rounding || four_over_six().on() ? 8 : 1) * (columnwise_rht() ? 2 : 1);
+  }
+
   // The transform takes chunks of 16 rows: a columnwise copy of it needs M a multiple of 16.
   ffi::Error check_rows(int64_t rows) const {
     if (columnwise_rht() && rows % kBlock != 0)

@@ -24,7 +24,6 @@ from jax_nvfp4.core.backend import Backend
 from jax_nvfp4.core.checks import (
     check_amax_values,
     check_flag,
-    check_key,
     check_mesh_axes,
     check_out_dtype,
     check_real,
@@ -97,11 +96,7 @@ def quantize_batch(backend: Backend, x: jax.Array, spec: QuantizeSpec, *, amax=N
     of stochastic rounding (needed with ``spec.stochastic_rounding``, unused without).
     """
     spec.check_rows(math.prod(x.shape[1:-1]))
-    seed = jnp.zeros(2, jnp.uint32)
-    if spec.stochastic_rounding:
-        if rng_key is None:
-            raise ValueError("stochastic_rounding=True needs rng_key= (a JAX PRNG key)")
-        seed = jax.random.bits(check_key(rng_key, "rng_key"), (2,), jnp.uint32)
+    seed = spec.seed(rng_key)
     amax, amax_t = _amaxes(backend, x, spec, amax)
     outs = list(backend.quantize(x, amax, amax_t, seed, spec=spec))
     data, scale = (outs.pop(0), outs.pop(0)) if spec.rowwise else (None, None)

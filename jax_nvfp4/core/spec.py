@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4.core import bits
-from jax_nvfp4.core.checks import check_choice, check_flag, check_mesh_axes, check_positive_factor
+from jax_nvfp4.core.checks import check_choice, check_flag, check_key, check_mesh_axes, check_positive_factor
 from jax_nvfp4.core.formats import BLOCK, num_blocks, packed_size
 
 FourOverSixError = Literal["mae", "mse"]
@@ -41,6 +42,19 @@ class CopyShapes(NamedTuple):
     data_t: Shape | None  # the columnwise copy (of x^T), codes
     scale_t: Shape | None  # and scales
     amax_t: Shape  # float32: () for the tensor, or one per row of x^T (column of x) when row-scaled
+
+
+class GlobalScale(NamedTuple):
+    """How a copy's global decode scales apply, decoded from its spec: what the GEMM epilogues read, so that
+    they spell no option. The decode scale of an amax is fp32(amax / (6 E))."""
+
+    per_row: bool  # one amax per row (per-token NVFP4): it scales the GEMM's output rows; else one per tensor
+    e4m3_max: int  # E
+
+    @property
+    def plain(self) -> bool:
+        """One scale for the tensor with E = 448: what a GEMM folds into its alpha (amax_a * amax_c / 2688^2)."""
+        return not self.per_row and self.e4m3_max == 448
 
 
 _FLAGS = ("rowwise", "columnwise", "block_2d", "rht", "stochastic_rounding", "row_scaled", "four_over_six_fast_math")
@@ -150,6 +164,59 @@ class QuantizeSpec:
     def blocked_rows(self) -> bool:
         """Whether blocks run along the rows (the columnwise copy, or 16x16 blocks)."""
         return self.columnwise or self.block_2d
+
+    @property
+    def blocked_cols(self) -> bool:
+        """Whether blocks run along the columns (the rowwise copy, or 16x16 blocks)."""
+        return self.rowwise or self.block_2d
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """A block's (rows, columns) in x: (16, 16) for 16x16 blocks, else (1, 16)."""
+        return (BLOCK if self.block_2d else 1, BLOCK)
+
+    @property
+    def transposable(self) -> bool:
+        """Whether the columnwise copy is the rowwise one transposed (16x16 blocks, one quantization for both):
+        either copy then stands for the other, read transposed."""
+        return self.block_2d
+
+    @property
+    def global_scale(self) -> GlobalScale:
+        """How the copies' global decode scales apply (per tensor or per row, and E)."""
+        return GlobalScale(self.row_scaled, self.e4m3_max)
+
+    @property
+    def draws_random(self) -> bool:
+        """Whether the kernels draw random words (stochastic rounding): the bytes then depend on a key and on each
+        element's position in the whole tensor, so a shard must be told where it sits."""
+        return self.stochastic_rounding
+
+    def seed(self, rng_key: jax.Array | None, name: str = "rng_key") -> jax.Array:
+        """The kernels' seed, uint32 [2]: drawn from ``rng_key`` where the spec draws random words (which needs
+        a key; ValueError naming ``name`` without one), zeros where it does not."""
+        if not self.draws_random:
+            return jnp.zeros(2, jnp.uint32)
+        if rng_key is None:
+            raise ValueError(f"stochastic_rounding=True needs {name}= (a JAX PRNG key)")
+        return jax.random.bits(check_key(rng_key, name), (2,), jnp.uint32)
+
+    def rowwise_only(self) -> QuantizeSpec:
+        """The spec of the rowwise copy alone: the columnwise copy and its options (the transform) dropped."""
+        return dataclasses.replace(self, rowwise=True, columnwise=False, rht=False, rht_amax_factor=None)
+
+    def check_grouped(self) -> None:
+        """Raise ValueError unless the grouped quantize (mixture of experts) can run the spec: it makes a
+        columnwise copy in 1x16 blocks."""
+        if not self.columnwise or self.block_2d:
+            raise ValueError(
+                "the grouped quantize makes a columnwise copy in 1x16 blocks: columnwise=True, block_2d=False"
+            )
+
+    @property
+    def four_over_six_choice(self) -> tuple[FourOverSixError, bool] | None:
+        """How 4over6 picks a block's candidate, (error measure, fast math), or None where it is off."""
+        return None if self.four_over_six_error is None else (self.four_over_six_error, self.four_over_six_fast_math)
 
     @property
     def measures_rht_amax(self) -> bool:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import numpy as np
 
 from jax_nvfp4.core.spec import QuantizeSpec
+
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(QuantizeSpec))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -30,9 +33,8 @@ class NVFP4Tensor:
               the amax of each row of x^T (column of x, of its transform with ``rht``).
 
     Static metadata: ``shape``, ``dtype`` (of the quantized input) and ``spec``,
-    the ``QuantizeSpec`` it was quantized with (``block_2d``, ``rht``,
-    ``row_scaled`` and ``e4m3_max`` read from it: every global decode scale
-    is amax / (6 E), E = ``e4m3_max``).
+    the ``QuantizeSpec`` it was quantized with, which says how it decodes (every
+    global decode scale is amax / (6 E), E of ``spec.global_scale``).
 
     ``batched`` (made by ``dot_general``, not by ``quantize``): ``shape[0]`` is
     a batch of B independent tensors ``[*R, N]``, each with its own columnwise copy:
@@ -61,11 +63,17 @@ class NVFP4Tensor:
         """N: the last axis."""
         return self.shape[-1]
 
-    # Shorthands for the spec fields that decide how the tensor decodes.
-    block_2d = property(lambda self: self.spec.block_2d)
-    rht = property(lambda self: self.spec.rht)
-    row_scaled = property(lambda self: self.spec.row_scaled)
-    e4m3_max = property(lambda self: self.spec.e4m3_max)
+    def __getattr__(self, name: str):
+        # The spec's fields were read as the tensor's own attributes (``t.block_2d``): they are ``t.spec``'s, and
+        # the old spelling warns for one release.
+        if name.startswith("_") or name not in _SPEC_FIELDS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(
+            f"NVFP4Tensor.{name} is deprecated and will be removed in the next release; use t.spec.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(self.spec, name)
 
     def tree_flatten(self):
         children = (self.data, self.scale, self.amax, self.data_t, self.scale_t, self.amax_t)

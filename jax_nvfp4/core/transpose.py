@@ -59,7 +59,7 @@ def with_columnwise_copy(t: NVFP4Tensor) -> NVFP4Tensor:
     ``quantize`` [..., L] (its rows flattened). Equal, byte for byte, to quantizing the same input
     with ``columnwise=True``: codes, scales and amax.
     """
-    if not t.block_2d:
+    if not t.spec.transposable:
         raise ValueError("only a tensor in 16x16 blocks has a columnwise copy that is its rowwise one transposed")
     if t.data is None:
         raise ValueError("the columnwise copy is made from the rowwise copy, which this tensor lacks")

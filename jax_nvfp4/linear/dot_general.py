@@ -155,7 +155,7 @@ def _matmul_bwd(config: DotConfig, residuals, dy):
     # them, which cancels in the product. [B, K, *M] . [B, N, *M] -> [B, K, N], w's layout: no pass over dW. With
     # row scales dW^T = [B, N, *M] . [B, K, *M] transposed, whose epilogue scales by dy's first (linear/gemm.py),
     # as it always has.
-    if qx.row_scaled or qdy.row_scaled:
+    if qx.spec.global_scale.per_row or qdy.spec.global_scale.per_row:
         dw_t = batched_gemm(qdy, qx, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=impl)
         return dx, jnp.swapaxes(dw_t, 1, 2), None
     return dx, batched_gemm(qx, qdy, config.w_dtype, a_columnwise=True, c_columnwise=True, impl=impl), None

@@ -41,6 +41,7 @@ from jax.typing import DTypeLike
 
 from jax_nvfp4.core.checks import check_out_dtype, check_real
 from jax_nvfp4.core.formats import E2M1_MAX, E4M3_MAX
+from jax_nvfp4.core.spec import GlobalScale
 from jax_nvfp4.core.tensor import NVFP4Tensor, check_tensor
 from jax_nvfp4.linear.block_sum import GemmImpl, check_impl
 from jax_nvfp4.ops.gemm import decode_scale, gemm_p, scale_product, split
@@ -49,7 +50,7 @@ from jax_nvfp4.ops.gemm import decode_scale, gemm_p, scale_product, split
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["data", "scale", "amax"],
-    meta_fields=["contract_ndim", "length", "per_row", "e4m3_max", "packed_rows"],
+    meta_fields=["contract_ndim", "length", "global_scale", "packed_rows"],
 )
 @dataclasses.dataclass(frozen=True)
 class _Copy:
@@ -66,23 +67,22 @@ class _Copy:
     amax: jax.Array
     contract_ndim: int
     length: int
-    per_row: bool
-    e4m3_max: int
+    global_scale: GlobalScale
     packed_rows: int = 0
 
     @classmethod
     def of(cls, t: NVFP4Tensor, columnwise: bool, transposed: bool = False) -> _Copy:
         if transposed:
-            if not (columnwise and t.block_2d and t.batched and len(t.shape) == 3 and t.data is not None):
+            if not (columnwise and t.spec.transposable and t.batched and len(t.shape) == 3 and t.data is not None):
                 raise ValueError("a GEMM reads transposed only the rowwise copy of a [B, R, L] tensor in 16x16 blocks")
-            return cls(t.data, t.scale, t.amax, 1, t.shape[1], False, t.spec.e4m3_max, t.shape[2])
+            return cls(t.data, t.scale, t.amax, 1, t.shape[1], t.spec.global_scale, t.shape[2])
         if columnwise:
             arrays, contract_ndim, length = (t.data_t, t.scale_t, t.amax_t), len(t.shape) - 2, t.shape[-2]
         else:
             arrays, contract_ndim, length = (t.data, t.scale, t.amax), 1, t.shape[-1]
         if arrays[0] is None:
             raise ValueError(f"this GEMM needs the {'columnwise' if columnwise else 'rowwise'} copy of its operand")
-        return cls(*arrays, contract_ndim, length, t.spec.row_scaled, t.spec.e4m3_max)
+        return cls(*arrays, contract_ndim, length, t.spec.global_scale)
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -117,7 +117,7 @@ def _row_scale(op: _Copy, before: int, after: int) -> jax.Array:
         )
     # The barrier keeps the scales' integer emulation out of the fusion with the output's multiply and cast,
     # which XLA's CPU compiler otherwise spends minutes on.
-    s = lax.optimization_barrier(decode_scale(op.amax, op.e4m3_max))
+    s = lax.optimization_barrier(decode_scale(op.amax, op.global_scale))
     return s.reshape(s.shape[0], *(1,) * before, *op.rows, *(1,) * after)
 
 
@@ -161,7 +161,7 @@ def batched_gemm(
 @functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "keep_c"))
 def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None, impl: str, keep_c: bool) -> tuple:
     """y, and with ``keep_c`` the primitive's copy of c's codes and scale bytes."""
-    plain = not (ca.per_row or cc.per_row) and ca.e4m3_max == cc.e4m3_max == 448
+    plain = ca.global_scale.plain and cc.global_scale.plain
     if plain and bias is None:
         return tuple(_bind(ca, cc, ca.amax, cc.amax, out_dtype, impl, keep_c))  # the scale product inside
     # Global decode scale 1 in the primitive (amax = 6 * 448); the scales apply to its float32 result.
@@ -169,13 +169,15 @@ def _gemm(ca: _Copy, cc: _Copy, out_dtype: jnp.dtype, bias: jax.Array | None, im
     y, *kept = _bind(ca, cc, unit, unit, jnp.float32, impl, keep_c)
     ra, rc = len(ca.rows), len(cc.rows)
     per_tensor = [
-        jnp.broadcast_to(decode_scale(op.amax, op.e4m3_max), y.shape[:1]) for op in (ca, cc) if not op.per_row
+        jnp.broadcast_to(decode_scale(op.amax, op.global_scale), y.shape[:1])
+        for op in (ca, cc)
+        if not op.global_scale.per_row
     ]
     if per_tensor:
         y = y * scale_product(per_tensor).reshape(-1, *(1,) * (ra + rc))
-    if ca.per_row:
+    if ca.global_scale.per_row:
         y = y * _row_scale(ca, 0, rc)
-    if cc.per_row:
+    if cc.global_scale.per_row:
         y = y * _row_scale(cc, ra, 0)
     if bias is not None:
         y = y + bias
@@ -194,7 +196,7 @@ def _bias(bias, out_shape: tuple[int, ...]) -> jax.Array:
 
 def _as_batch(t: NVFP4Tensor) -> NVFP4Tensor:
     """A quantized tensor's rowwise copy as a batch of one [1, M, N] (amax [1], or [1, M] per row)."""
-    amax = t.amax.reshape(1, t.rows) if t.spec.row_scaled else t.amax.reshape(1)
+    amax = t.amax.reshape(1, *t.spec.copy_shapes((t.rows,), t.cols).amax)
     data, scale = t.data.reshape(1, t.rows, -1), t.scale.reshape(1, t.rows, -1)
     return NVFP4Tensor(data, scale, amax, None, None, None, (1, t.rows, t.cols), t.dtype, t.spec, batched=True)
 

@@ -109,10 +109,9 @@ def _quantize(
     spec = spec if rowwise else dataclasses.replace(spec, rowwise=False)
     spec.check_rows(math.prod(x.shape[1:-1]))
     b = x.shape[0]
-    seed = jnp.zeros(2, jnp.uint32)
-    if spec.stochastic_rounding:
+    if spec.draws_random:
         recipe.check_rng_key(key)
-        seed = jax.random.bits(key, (2,), jnp.uint32)
+    seed = spec.seed(key)
     outs = KERNELS.amax(x, amax_mesh_axes=None, rht_amax=spec.measures_rht_amax, per_row=False)
     outs = [jnp.broadcast_to(_pmax_bits(a, axes), (b,)) for a in outs]
     amax, amax_t = outs[0], spec.columnwise_amax(outs[-1])

@@ -14,11 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.core.checks import check_key
-from jax_nvfp4.core.spec import QuantizeSpec
+from jax_nvfp4.core.spec import GlobalScale, QuantizeSpec
 from jax_nvfp4.ops.gemm import block_values
 from jax_nvfp4.ops.grouped import grouped_amax, grouped_quantize
-from jax_nvfp4.reference import grouped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +25,7 @@ class Scaled:
 
     values: jax.Array  # bf16: E2M1 code times E4M3 block scale, exact
     amax: jax.Array  # float32: per tensor, per group, per row or per group and row
-    per_row: bool
-    e4m3_max: int
+    global_scale: GlobalScale
 
 
 @functools.partial(
@@ -51,13 +48,13 @@ class GroupedCopies:
     def rows(self) -> Scaled:
         """The rowwise copy's values [M, L] and scales."""
         values = block_values(self.data[None], self.scale[None], self.length)[0]
-        return Scaled(values, self.amax, self.spec.row_scaled, self.spec.e4m3_max)
+        return Scaled(values, self.amax, self.spec.global_scale)
 
     def columns(self) -> Scaled:
         """The grouped copy's values [L, Mp] and each group's scales ([G] or [G, L])."""
         mp = self.data_t.shape[1] * 2
         values = block_values(self.data_t[None], self.scale_t[None], mp)[0]
-        return Scaled(values, self.amax_t, self.spec.row_scaled, self.spec.e4m3_max)
+        return Scaled(values, self.amax_t, self.spec.global_scale)
 
     @property
     def length(self) -> int:
@@ -77,21 +74,20 @@ def quantize_grouped(
 ) -> GroupedCopies:
     """x [M, L] (tokens sorted by group, ``group_sizes`` int32 [G]) quantized as ``spec`` says, grouped.
 
-    ``spec`` must ask for the columnwise copy; with ``spec.stochastic_rounding`` the rowwise copy
+    ``spec`` must ask for the columnwise copy; with stochastic rounding the rowwise copy
     rounds with ``row_key`` and group g's blocks with ``group_keys[g]`` (the words each key would
     draw for today's per-group copy, ``reference.grouped``).
     """
-    grouped.check_grouped_spec(spec)
+    spec.check_grouped()
     spec.check_rows(x.shape[0])
     groups = group_sizes.shape[0]
     xb, sizes = x[None], group_sizes.astype(jnp.int32)[None]
-    amax, amax_t = grouped_amax(xb, sizes, rht_amax=spec.measures_rht_amax, per_row=spec.row_scaled)
+    amax, amax_t = grouped_amax(xb, sizes, rht_amax=spec.measures_rht_amax, per_row=spec.global_scale.per_row)
     amax_t = spec.columnwise_amax(amax_t)
-    seed, group_seeds = jnp.zeros(2, jnp.uint32), jnp.zeros((groups, 2), jnp.uint32)
-    if spec.stochastic_rounding:
-        if row_key is None or group_keys is None:
-            raise ValueError("stochastic_rounding=True needs the row key and the group keys")
-        seed = _seed(check_key(row_key, "rng_key"))
+    seed, group_seeds = spec.seed(row_key, "row_key"), jnp.zeros((groups, 2), jnp.uint32)
+    if spec.draws_random:
+        if group_keys is None:
+            raise ValueError("stochastic_rounding=True needs group_keys= (one JAX PRNG key a group)")
         group_seeds = jax.vmap(_seed)(group_keys)
     outs = list(grouped_quantize(xb, sizes, amax, amax_t, seed, group_seeds, spec=spec))
     data, scale = (outs.pop(0)[0], outs.pop(0)[0]) if spec.rowwise else (None, None)

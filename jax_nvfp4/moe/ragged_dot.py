@@ -125,7 +125,7 @@ def _expert_values(qw: NVFP4Tensor, columnwise: bool) -> Scaled:
     GEMM (from W^T's rowwise copy), W^T for the backward one (from its columnwise copy)."""
     data, scale, amax = (qw.data_t, qw.scale_t, qw.amax_t) if columnwise else (qw.data, qw.scale, qw.amax)
     values = block_values(data, scale, qw.shape[1] if columnwise else qw.shape[2])
-    return Scaled(jnp.swapaxes(values, 1, 2), amax, qw.spec.row_scaled, qw.spec.e4m3_max)
+    return Scaled(jnp.swapaxes(values, 1, 2), amax, qw.spec.global_scale)
 
 
 def _dgrad_values(qw: NVFP4Tensor) -> Scaled:
@@ -135,7 +135,7 @@ def _dgrad_values(qw: NVFP4Tensor) -> Scaled:
     if qw.data_t is not None:
         return _expert_values(qw, columnwise=True)
     values = block_values(lax.optimization_barrier(qw.data), qw.scale, qw.shape[2])
-    return Scaled(values, qw.amax, qw.spec.row_scaled, qw.spec.e4m3_max)
+    return Scaled(values, qw.amax, qw.spec.global_scale)
 
 
 def _scaled(acc: jax.Array, per_tensor: list[jax.Array], per_row: list[jax.Array], out_dtype) -> jax.Array:
@@ -151,7 +151,7 @@ def _scaled(acc: jax.Array, per_tensor: list[jax.Array], per_row: list[jax.Array
 
 def _decode(op: Scaled) -> jax.Array:
     # The barrier keeps the scales' integer emulation out of the fusion with the output's multiply (as gemm's).
-    return lax.optimization_barrier(decode_scale(op.amax, op.e4m3_max))
+    return lax.optimization_barrier(decode_scale(op.amax, op.global_scale))
 
 
 def _token_gemm(tokens: Scaled, experts: Scaled, sizes: jax.Array, ids: jax.Array, out_dtype) -> jax.Array:
@@ -161,7 +161,7 @@ def _token_gemm(tokens: Scaled, experts: Scaled, sizes: jax.Array, ids: jax.Arra
     expert = _decode(experts)[jnp.minimum(ids, groups - 1)][:, None]  # each row's expert's scale
     token = _decode(tokens)
     per_tensor, per_row = [expert], []
-    if tokens.per_row:
+    if tokens.global_scale.per_row:
         per_row.append(token[:, None])
     else:
         per_tensor.insert(0, jnp.broadcast_to(token, expert.shape))
@@ -174,8 +174,9 @@ def _weight_gemm(a: Scaled, c: Scaled, segments: jax.Array, out_dtype) -> jax.Ar
     row scales apply first, as in ``gemm``)."""
     acc = lax.ragged_dot_general(a.values, c.values, segments, _WGRAD, preferred_element_type=jnp.float32)
     sa, sc = _decode(a), _decode(c)
-    per_tensor = [s[:, None, None] for s, op in ((sa, a), (sc, c)) if not op.per_row]
-    per_row = ([sa[:, :, None]] if a.per_row else []) + ([sc[:, None, :]] if c.per_row else [])
+    per_tensor = [s[:, None, None] for s, op in ((sa, a), (sc, c)) if not op.global_scale.per_row]
+    a_rows, c_rows = a.global_scale.per_row, c.global_scale.per_row
+    per_row = ([sa[:, :, None]] if a_rows else []) + ([sc[:, None, :]] if c_rows else [])
     return _scaled(acc, per_tensor, per_row, out_dtype)
 
 
@@ -185,7 +186,7 @@ def _fused_weight_gemm(a: GroupedCopies, c: GroupedCopies, segments: jax.Array, 
     either, no dense expansion of the ragged product). The epilogue in the emulation's order: the product of the
     per-tensor scales, then the row scales, dy's first where either copy has them (the emulation's dW^T
     order), so that no transpose of dW follows."""
-    (sa, a_rows), (sc, c_rows) = ((_decode(_column_scales(q)), q.spec.row_scaled) for q in (a, c))
+    (sa, a_rows), (sc, c_rows) = ((_decode(_column_scales(q)), q.spec.global_scale.per_row) for q in (a, c))
     groups = segments.shape[0]
     per_tensor = [s for s, per_row in ((sa, a_rows), (sc, c_rows)) if not per_row]
     s1 = scale_product(per_tensor) if per_tensor else jnp.ones((groups,), jnp.float32)
@@ -200,7 +201,7 @@ def _fused_weight_gemm(a: GroupedCopies, c: GroupedCopies, segments: jax.Array, 
 
 def _column_scales(q: GroupedCopies) -> Scaled:
     """The grouped copy's per-group scales ([G], or [G, L] row-scaled) without its values."""
-    return Scaled(None, q.amax_t, q.spec.row_scaled, q.spec.e4m3_max)
+    return Scaled(None, q.amax_t, q.spec.global_scale)
 
 
 def _masked(v: jax.Array, ids: jax.Array, groups: int) -> jax.Array:
@@ -235,7 +236,7 @@ def _fused_token_gemm(
     ``transposed`` [G, L, n]), decoded in the kernel's tiles; the scales of ``tokens`` and ``experts`` (their
     ``values`` unused) in ``_token_gemm``'s order: the product of the per-tensor ones, then a token's row scale."""
     expert, token = _decode(experts), _decode(tokens)
-    if tokens.per_row:
+    if tokens.global_scale.per_row:
         s1, s2 = expert, token
     else:
         s1, s2 = scale_product([jnp.broadcast_to(token, expert.shape), expert]), jnp.ones(data.shape[:1], jnp.float32)
@@ -260,7 +261,7 @@ def _fprop(rows: tuple, qw: NVFP4Tensor, sizes, ids, config: DotConfig) -> jax.A
     without values) and each expert's W."""
     data, scale, tokens = rows
     if resolve_impl(config.recipe.impl) == "fused":
-        experts = Scaled(None, qw.amax, False, qw.spec.e4m3_max)
+        experts = Scaled(None, qw.amax, qw.spec.global_scale)
         shapes = {"n": qw.shape[1], "length": qw.shape[2], "transposed": False}  # W^T [G, N, K]: rows N
         return _fused_token_gemm(data, scale, tokens, qw.data, qw.scale, experts, sizes, config.out_dtype, **shapes)
     return _token_gemm(_values(rows, qw.shape[2]), _expert_values(qw, columnwise=False), sizes, ids, config.out_dtype)
@@ -268,7 +269,7 @@ def _fprop(rows: tuple, qw: NVFP4Tensor, sizes, ids, config: DotConfig) -> jax.A
 
 def _rows(q) -> tuple:
     """A grouped quantization's rowwise copy as ``_fprop`` takes it: codes, scales, and a Scaled without values."""
-    return q.data, q.scale, Scaled(None, q.amax, q.spec.row_scaled, q.spec.e4m3_max)
+    return q.data, q.scale, Scaled(None, q.amax, q.spec.global_scale)
 
 
 def _values(rows: tuple, length: int) -> Scaled:
@@ -285,7 +286,7 @@ def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array, key, config: Dot
     ids = group_ids(group_sizes, rows)
     spec = config.recipe.spec("x", columnwise=False, tokens=rows)
     t = quantize_batch(KERNELS, _masked(x, ids, groups)[None], spec)
-    qx = (t.data[0], t.scale[0], Scaled(None, t.amax[0], spec.row_scaled, spec.e4m3_max))
+    qx = (t.data[0], t.scale[0], Scaled(None, t.amax[0], spec.global_scale))
     return _fprop(qx, _experts(w, config.recipe, columnwise=False), _cut_sizes(group_sizes, rows), ids, config)
 
 
@@ -310,7 +311,7 @@ def _ragged_bwd(config: DotConfig, residuals, dy):
     if resolve_impl(recipe.impl) == "fused":  # W^T [G, N, K]: its rowwise copy read transposed, or its columnwise
         transposed = qw.data_t is None
         c = (qw.data, qw.scale) if transposed else (qw.data_t, qw.scale_t)
-        experts = Scaled(None, qw.amax if transposed else qw.amax_t, False, qw.spec.e4m3_max)
+        experts = Scaled(None, qw.amax if transposed else qw.amax_t, qw.spec.global_scale)
         data, scale, tokens = _rows(qdy)
         shapes = {"n": qw.shape[2], "length": qw.shape[1], "transposed": transposed}
         dx = _fused_token_gemm(data, scale, tokens, *c, experts, sizes, config.x_dtype, **shapes)
@@ -320,7 +321,7 @@ def _ragged_bwd(config: DotConfig, residuals, dy):
     if resolve_impl(recipe.impl) == "fused":  # dW [G, K, N] in W's layout, in every case
         return dx, _fused_weight_gemm(qx, qdy, segments, config.w_dtype), None, None
     # dW [G, K, N], W's layout; with row scales dW^T, transposed, whose epilogue scales by dy's first.
-    if qx.spec.row_scaled or qdy.spec.row_scaled:
+    if qx.spec.global_scale.per_row or qdy.spec.global_scale.per_row:
         dw = jnp.swapaxes(_weight_gemm(qdy.columns(), qx.columns(), segments, config.w_dtype), 1, 2)
     else:
         dw = _weight_gemm(qx.columns(), qdy.columns(), segments, config.w_dtype)

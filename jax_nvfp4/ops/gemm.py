@@ -32,6 +32,7 @@ from jax import lax
 
 from jax_nvfp4.core import bits as b
 from jax_nvfp4.core.formats import BLOCK, E2M1_MAX, E4M3_MAX
+from jax_nvfp4.core.spec import GlobalScale
 from jax_nvfp4.core.transpose import transpose_codes, transpose_scales
 from jax_nvfp4.linear.block_sum import resolve_impl
 from jax_nvfp4.ops.define import Partitioning, define, shaped
@@ -53,8 +54,9 @@ _ONE_ONE = 0x22  # two E2M1 codes of 1.0
 _E4M3_ONE = 0x38
 
 
-def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
-    """fp32(amax / (6 E)), rounded exactly: an operand's global decode scale (per tensor or per row).
+def decode_scale(amax: jax.Array, global_scale: GlobalScale | None = None) -> jax.Array:
+    """fp32(amax / (6 E)), rounded exactly: an operand's global decode scale (per tensor or per row), E that of
+    ``global_scale`` (None: 448).
 
     Computed as the dequantize op's value of one E2M1 code 1.0 under block scale 1.0 (exactly the global decode
     scale): a kernel backend runs it as a custom call, where the reference's integer emulation of the division,
@@ -64,6 +66,7 @@ def decode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
     rows = amax.reshape(amax.shape[0], -1) if amax.ndim > 1 else amax.reshape(-1)  # [B] or per row [B, M]
     ones = jnp.full((rows.shape[0], rows.shape[1] if rows.ndim > 1 else 1, 1), _ONE_ONE, jnp.uint8)
     scale = lax.bitcast_convert_type(jnp.full(ones.shape, _E4M3_ONE, jnp.uint8), jnp.float8_e4m3fn)
+    e4m3_max = int(E4M3_MAX) if global_scale is None else global_scale.e4m3_max
     return dequantize(ones, scale, rows, cols=1, dtype=jnp.dtype(jnp.float32), e4m3_max=e4m3_max).reshape(amax.shape)
 
 

@@ -68,7 +68,7 @@ grouped_amax_p = define(
 
 
 def quantize_abstract(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec: QuantizeSpec):
-    ref.check_grouped_spec(spec)
+    spec.check_grouped()
     bsz, rows, n = x.shape
     check_seed_shape(seed.shape, rows)
     groups = group_sizes.shape[-1]
@@ -76,14 +76,14 @@ def quantize_abstract(x, group_sizes, amax, amax_t, seed, group_seeds, *, spec: 
         raise ValueError(
             f"group_sizes [B, G] and group_seeds [G, 2] for x {x.shape}: got {group_sizes.shape}, {group_seeds.shape}"
         )
-    want = ((bsz, rows), (bsz, groups, n)) if spec.row_scaled else ((bsz,), (bsz, groups))
+    s = spec.copy_shapes((rows,), n)
+    want = ((bsz, *s.amax), (bsz, groups, *s.amax_t))
     if (spec.rowwise and amax.shape != want[0]) or amax_t.shape != want[1]:
         raise ValueError(f"grouped amax / amax_t must be {want[0]} / {want[1]}, got {amax.shape} / {amax_t.shape}")
     spec.check_rows(rows)
     mp = BLOCK * ref.grouped_blocks(rows, groups)
     outs = ()
     if spec.rowwise:
-        s = spec.copy_shapes((rows,), n)
         outs += (shaped((bsz, *s.data), jnp.uint8), shaped((bsz, *s.scale), SCALE_DTYPE))
     return (*outs, shaped((bsz, n, mp // 2), jnp.uint8), shaped((bsz, n, mp // BLOCK), SCALE_DTYPE))
 
@@ -95,8 +95,9 @@ def _quantize_rule(axis_sizes, in_shapes, out_shapes, *, spec: QuantizeSpec):
     f.replicated += ["m", "q", "qs"]
     outs = [f"b m {np_}", f"b m {ns}"] if spec.rowwise else []
     outs += [f"b {nv} q", f"b {nv} qs"]
-    amax = "b m" if spec.row_scaled else "b"
-    amax_t = f"b g {nv}" if spec.row_scaled else "b g"
+    # A per-row amax goes with its rows, amax_t with the columns.
+    amax = "b m" if len(in_shapes[2]) > 1 else "b"
+    amax_t = f"b g {nv}" if len(in_shapes[3]) > 2 else "b g"
     return f.rule(f"b m {nv}, b g, {amax}, {amax_t}, s, g t -> " + ", ".join(outs))
 
 
@@ -104,10 +105,10 @@ def _quantize_partition(mesh, in_dims, out_dims, in_shapes, kernel, *, spec: Qua
     bdim = fits(mesh, in_shapes[0][0], in_dims[0][0])
     ndim = fits(mesh, in_shapes[0][2], in_dims[0][2], BLOCK if spec.rowwise else 1)
     outs = [(bdim, (), ndim)] * 2 * spec.rowwise + [(bdim, ndim, ())] * 2
-    amax = (bdim, ()) if spec.row_scaled else (bdim,)
-    amax_t = (bdim, (), ndim) if spec.row_scaled else (bdim, ())
+    amax = (bdim, ()) if len(in_shapes[2]) > 1 else (bdim,)
+    amax_t = (bdim, (), ndim) if len(in_shapes[3]) > 2 else (bdim, ())
     local = kernel
-    if spec.stochastic_rounding and bdim + ndim:
+    if spec.draws_random and bdim + ndim:
         # The kernel numbers its shard's elements from 0: tell it where the shard sits (both copies' place).
         def local(x, group_sizes, amax, amax_t, seed, group_seeds):
             seed = placed_seed(mesh, seed, (bdim, (), ndim), in_shapes[0])

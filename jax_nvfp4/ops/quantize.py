@@ -47,7 +47,7 @@ def _rule(axis_sizes, in_shapes, out_shapes, *, spec: QuantizeSpec):
     lead = row_factors(len(in_shapes[0]) - 3)
     f = Factors(axis_sizes)
     mv, mp, ms = f.dim("m", m, blocked=spec.blocked_rows)
-    nv, np_, ns = f.dim("n", n, blocked=spec.rowwise or spec.block_2d)
+    nv, np_, ns = f.dim("n", n, blocked=spec.blocked_cols)
     rows = " ".join(["b", *lead])
     outs = []
     if spec.rowwise:
@@ -65,13 +65,13 @@ def _partition(mesh, in_dims, out_dims, in_shapes, kernel, *, spec: QuantizeSpec
     (*lead_sizes, m, n), (*lead, dm, dn) = in_shapes[0], in_dims[0]
     lead = [fits(mesh, size, d) for size, d in zip(lead_sizes, lead, strict=True)]  # B and all rows but M
     dm = fits(mesh, m, dm, BLOCK if spec.blocked_rows else 1)
-    dn = fits(mesh, n, dn, BLOCK if spec.rowwise or spec.block_2d else 1)
+    dn = fits(mesh, n, dn, BLOCK if spec.blocked_cols else 1)
     rows = (*lead, dm, dn)
     outs = [rows] * 2 * spec.rowwise + [(lead[0], dn, *lead[1:], dm)] * 2 * spec.columnwise
     amax = rows[:-1] if len(in_shapes[1]) > 1 else (lead[0],)
     amax_t = (lead[0], dn) if len(in_shapes[2]) > 1 else (lead[0],)
     local = kernel
-    if spec.stochastic_rounding and any(rows):
+    if spec.draws_random and any(rows):
         # The kernel numbers its shard's elements from 0: tell it where the shard sits, so that it draws the
         # random words of those positions of the whole tensor.
         def local(x, amax, amax_t, seed):

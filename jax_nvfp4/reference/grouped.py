@@ -144,17 +144,18 @@ def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, sp
     bsz = x.shape[0]
     groups = group_sizes.shape[-1]
     u = _valid_rows(b.to_bits(x), group_sizes)
-    fos = None if spec.four_over_six_error is None else (spec.four_over_six_error, spec.four_over_six_fast_math)
+    fos = spec.four_over_six_choice
     outs = []
     if spec.rowwise:
-        data, scale = core.quantize_1d(u, core.global_scales(amax, spec.e4m3_max), seed_or(spec, seed), 0, fos)
+        seed_rows = seed if spec.draws_random else None
+        data, scale = core.quantize_1d(u, core.global_scales(amax, spec.e4m3_max), seed_rows, 0, fos)
         outs += [data, core.as_e4m3(scale)]
     cols, owner = _columns(u, group_sizes, spec.rht, x.dtype)
     n, mp = cols.shape[1:]
     used = owner < groups  # [B, P]
     g_index = jnp.minimum(owner, groups - 1)
     amax_t = amax_t.astype(jnp.float32)
-    if spec.row_scaled:  # [B, G, N] -> each block's [B, N, P]
+    if spec.global_scale.per_row:  # [B, G, N] -> each block's [B, N, P]
         block_amax = jnp.take_along_axis(jnp.swapaxes(amax_t, 1, 2), g_index[:, None, :], axis=2)
     else:
         block_amax = jnp.take_along_axis(amax_t, g_index, axis=1)[:, None, :]
@@ -167,7 +168,7 @@ def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, sp
     else:
         scale, enc = g.block_encode(core.block_scale(core.max_magnitude_bits(blocks, -1), g.encode_div6))
         v = b.mul(blocks, enc[..., None]).reshape(cols.shape)
-        if spec.stochastic_rounding:
+        if spec.draws_random:
             codes = e2m1_encode_stochastic(v, _group_bytes(group_seeds, owner, cols.shape, split_seed(seed)[1]))
         else:
             codes = e2m1_encode(v)
@@ -177,21 +178,9 @@ def grouped_quantize_core(x, group_sizes, amax, amax_t, seed, group_seeds, *, sp
     return tuple(outs)
 
 
-def seed_or(spec: QuantizeSpec, seed):
-    """The seed where the spec rounds stochastically, else None."""
-    return seed if spec.stochastic_rounding else None
-
-
-def check_grouped_spec(spec: QuantizeSpec) -> None:
-    """ValueError unless ``spec`` suits the grouped quantize: a columnwise copy in 1x16 blocks."""
-    if not spec.columnwise or spec.block_2d:
-        raise ValueError("the grouped quantize makes a columnwise copy in 1x16 blocks: columnwise=True, block_2d=False")
-
-
 __all__ = [
     "block_owners",
     "bounds",
-    "check_grouped_spec",
     "grouped_amax_core",
     "grouped_blocks",
     "grouped_quantize_core",

@@ -227,8 +227,8 @@ def quantize_core(x, amax, amax_t, seed, *, spec: QuantizeSpec):
     spec.check_amaxes(x.shape, amax.shape, amax_t.shape)
     u = b.to_bits(x)
     g = global_scales(amax, spec.e4m3_max)
-    seed = seed if spec.stochastic_rounding else None
-    fos = None if spec.four_over_six_error is None else (spec.four_over_six_error, spec.four_over_six_fast_math)
+    seed = seed if spec.draws_random else None
+    fos = spec.four_over_six_choice
     if spec.block_2d:
         data, scale, data_t, scale_t = _quantize_2d(u, g, seed, fos)
         copies = [(data, scale)] * rowwise + [(data_t, scale_t)] * columnwise

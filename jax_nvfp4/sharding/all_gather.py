@@ -107,7 +107,7 @@ def all_gather(t: NVFP4Tensor, axis_name: str | tuple[str, ...], *, axis: int = 
         lead = t.shape[:-1]
         outer, run = math.prod(lead[:axis]), math.prod(lead[axis:])
         # Rows are blocked along M in the columnwise copy, and in groups of 16 in 2D blocks.
-        if (t.data_t is not None or t.block_2d) and run % BLOCK:
+        if (t.data_t is not None or t.spec.transposable) and run % BLOCK:
             raise ValueError(
                 f"each shard holds runs of {run} consecutive rows along the gathered axis {axis} of {t.shape}; "
                 f"the columnwise (or 2D-block) copy needs them to be a multiple of {BLOCK}"
@@ -128,7 +128,7 @@ def all_gather(t: NVFP4Tensor, axis_name: str | tuple[str, ...], *, axis: int = 
         return None if a is None else gather(a)
 
     amax, amax_t = _agreed_amax(t.amax, axis_name), each(lambda a: _agreed_amax(a, axis_name), t.amax_t)
-    if t.row_scaled:
+    if t.spec.global_scale.per_row:
         # Per-row amaxes travel with their rows; those along the gathered axis must agree (as one amax does).
         if axis == ndim - 1:
             amax_t = each(lambda a: lax.all_gather(a, axis_name, axis=0, tiled=True), t.amax_t)

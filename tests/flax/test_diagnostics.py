@@ -37,6 +37,14 @@ def test_quantization_stats_measure_the_quantized_tensor(block_2d):
         assert float(stats["underflow"]) == 0.0
 
 
+def test_the_stats_of_a_transformed_operand_are_of_its_rowwise_copy():
+    """A wgrad operand's spec (the transform, its amax estimated by a factor) measures its rowwise copy."""
+    x = normal((64, 96), 1)
+    spec = QuantizeSpec(columnwise=True, rht=True, rht_amax_factor=2.0)
+    got, want = ({k: float(v) for k, v in quantization_stats(x, s).items()} for s in (spec, QuantizeSpec()))
+    assert got == want
+
+
 def test_per_token_scales_measure_each_row_against_its_own_amax():
     """A row far below the others underflows against the tensor's amax, not against its own (row-scaled)."""
     x = normal((32, 64), 2).at[3].multiply(1e-7)

@@ -10,6 +10,7 @@ import pytest
 from helpers import assert_same_bytes
 
 from jax_nvfp4.core import bits
+from jax_nvfp4.core.spec import GlobalScale
 from jax_nvfp4.ops import gemm
 from jax_nvfp4.reference import kernels
 
@@ -27,7 +28,7 @@ def _special_and_random_amaxes(shape, seed=0) -> np.ndarray:
 @pytest.mark.parametrize("shape", [(), (11,), (3, 11), (2, 3, 5)])
 def test_decode_scale_is_the_exact_division(shape, e4m3_max):
     amax = _special_and_random_amaxes(shape) if shape != (11,) else SPECIAL_AMAX
-    got = jax.jit(lambda a: gemm.decode_scale(a, e4m3_max))(amax)
+    got = jax.jit(lambda a: gemm.decode_scale(a, GlobalScale(False, e4m3_max)))(amax)
     want = bits.from_bits(kernels.dequantize_scale(bits.to_bits(jnp.asarray(amax)), e4m3_max))
     assert got.shape == amax.shape
     assert_same_bytes(got, want)

@@ -119,8 +119,9 @@ FIELDS = ("data", "scale", "amax", "data_t", "scale_t", "amax_t")
 
 def assert_same_tensor(t, u):
     """Two NVFP4Tensors with the same metadata and the same bytes in each array."""
-    meta = ("shape", "dtype", "block_2d", "rht", "row_scaled", "e4m3_max")
-    assert [getattr(t, k) for k in meta] == [getattr(u, k) for k in meta]
+    decoding = ("block_2d", "rht", "row_scaled", "e4m3_max")  # the spec fields that say how the bytes decode
+    assert (t.shape, t.dtype) == (u.shape, u.dtype)
+    assert [getattr(t.spec, k) for k in decoding] == [getattr(u.spec, k) for k in decoding]
     for name in FIELDS:
         a, b = getattr(t, name), getattr(u, name)
         assert (a is None) == (b is None), name
@@ -144,8 +145,8 @@ def columnwise_as_rowwise(t):
     """The columnwise copy of a quantized [M, N] tensor as the rowwise tensor of its [N, M] transpose."""
     return jax_nvfp4.NVFP4Tensor(
         t.data_t, t.scale_t, t.amax_t, None, None, None, t.shape[::-1], t.dtype,
-        spec=jax_nvfp4.QuantizeSpec(row_scaled=t.row_scaled, four_over_six_error=t.spec.four_over_six_error,
-                                    e4m3_max=t.e4m3_max),
+        spec=jax_nvfp4.QuantizeSpec(row_scaled=t.spec.row_scaled, four_over_six_error=t.spec.four_over_six_error,
+                                    e4m3_max=t.spec.e4m3_max),
     )  # fmt: skip
 
 

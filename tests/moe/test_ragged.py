@@ -33,7 +33,7 @@ def _rowwise_spec(spec: QuantizeSpec) -> QuantizeSpec:
 
 def _rows(t: NVFP4Tensor, lo: int, hi: int) -> NVFP4Tensor:
     """Rows lo..hi of a rowwise [M, L] tensor."""
-    amax = t.amax[lo:hi] if t.row_scaled else t.amax
+    amax = t.amax[lo:hi] if t.spec.row_scaled else t.amax
     return NVFP4Tensor(t.data[lo:hi], t.scale[lo:hi], amax, None, None, None, (hi - lo, t.shape[1]), t.dtype, t.spec)
 
 

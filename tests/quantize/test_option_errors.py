@@ -68,7 +68,7 @@ def test_a_bad_flag_fails_in_python_not_at_the_ffi_boundary():
 
 def test_numpy_scalars_are_accepted_as_their_python_values():
     t = jax_nvfp4.quantize(X, block_2d=np.bool_(True), four_over_six_error=np.str_("mse"), e4m3_max=np.int64(256))
-    assert t.block_2d is True and t.e4m3_max == 256 and type(t.e4m3_max) is int
+    assert t.spec.block_2d is True and t.spec.e4m3_max == 256 and type(t.spec.e4m3_max) is int
     plain = jax_nvfp4.quantize(X, block_2d=True, four_over_six_error="mse", e4m3_max=256)
     assert np.asarray(t.data).tobytes() == np.asarray(plain.data).tobytes()
 

@@ -127,3 +127,37 @@ def test_recipe_hands_each_operand_its_spec():
     assert not recipe.spec("x", columnwise=False, tokens=64).rht
     estimated = dataclasses.replace(recipe, rht_amax_estimate=True).spec("x", columnwise=True, tokens=64)
     assert estimated.rht_amax_factor == recipe.rht_amax_factor_x
+
+
+def test_the_decoded_views_say_what_the_options_mean():
+    from jax_nvfp4.core.spec import GlobalScale
+
+    per_row, fos = QuantizeSpec(row_scaled=True), QuantizeSpec(four_over_six_error="mse", e4m3_max=256)
+    assert (QuantizeSpec().global_scale, per_row.global_scale) == (GlobalScale(False, 448), GlobalScale(True, 448))
+    assert QuantizeSpec().global_scale.plain and not per_row.global_scale.plain and not fos.global_scale.plain
+    assert (QuantizeSpec().block_shape, QuantizeSpec(block_2d=True).block_shape) == ((1, 16), (16, 16))
+    assert QuantizeSpec(block_2d=True).transposable and not QuantizeSpec(columnwise=True).transposable
+    assert QuantizeSpec(rowwise=False, columnwise=True).blocked_cols is False
+    assert (fos.four_over_six_choice, QuantizeSpec().four_over_six_choice) == (("mse", False), None)
+    # The rowwise copy's spec drops the transform and its factor (which alone would not validate).
+    transformed = QuantizeSpec(columnwise=True, rht=True, **FACTOR)
+    assert transformed.rowwise_only() == QuantizeSpec()
+    with pytest.raises(ValueError, match="grouped quantize makes a columnwise copy in 1x16 blocks"):
+        QuantizeSpec(columnwise=True, block_2d=True).check_grouped()
+
+
+def test_the_seed_comes_from_the_key_where_the_spec_draws_random_words():
+    key = jax.random.key(3)
+    assert (QuantizeSpec().seed(None) == 0).all() and (QuantizeSpec().seed(key) == 0).all()
+    rounded = QuantizeSpec(stochastic_rounding=True)
+    assert rounded.draws_random and (rounded.seed(key) == jax.random.bits(key, (2,), jnp.uint32)).all()
+    with pytest.raises(ValueError, match="needs row_key="):
+        rounded.seed(None, "row_key")
+
+
+def test_a_tensors_spec_fields_read_from_the_tensor_warn():
+    t = jax_nvfp4.quantize(X, block_2d=True)
+    with pytest.warns(DeprecationWarning, match=r"NVFP4Tensor.block_2d is deprecated.*t.spec.block_2d"):
+        assert t.block_2d is True
+    with pytest.raises(AttributeError, match="no attribute 'blocks'"):
+        t.blocks  # noqa: B018

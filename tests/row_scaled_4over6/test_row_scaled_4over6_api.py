@@ -59,7 +59,7 @@ def _decode64(data, scale, amax, e4m3_max: int, cols: int) -> np.ndarray:
 def test_row_scaled_tensor_layout_and_metadata():
     x = _gaussian((3, 8, 48), dtype=jnp.bfloat16)
     t = _quantize_by_numpy(x, columnwise=True, row_scaled=True)
-    assert (t.row_scaled, t.e4m3_max, t.block_2d, t.rht) == (True, 448, False, False)
+    assert (t.spec.row_scaled, t.spec.e4m3_max, t.spec.block_2d, t.spec.rht) == (True, 448, False, False)
     assert t.amax.shape == (3, 8) and t.amax.dtype == jnp.float32  # one per row, in x's leading shape
     assert t.amax_t.shape == (48,)  # one per column of x (row of x^T)
     xf = np.abs(np.asarray(x, np.float32))
@@ -73,18 +73,18 @@ def test_row_scaled_tensor_layout_and_metadata():
     assert_same_bytes(t.amax_t, tt.amax)
     # Defaults: one amax per tensor, E = 448.
     plain = _quantize_by_numpy(x)
-    assert (plain.row_scaled, plain.e4m3_max, plain.amax.shape) == (False, 448, ())
+    assert (plain.spec.row_scaled, plain.spec.e4m3_max, plain.amax.shape) == (False, 448, ())
 
 
 def test_4over6_records_e4m3_max_and_keeps_the_layout():
     x = _gaussian((40, 72), dtype=jnp.bfloat16)
     t = _quantize_by_numpy(x, columnwise=True, four_over_six_error="mse", e4m3_max=256)
     plain = _quantize_by_numpy(x, columnwise=True)
-    assert (t.e4m3_max, t.row_scaled) == (256, False)
+    assert (t.spec.e4m3_max, t.spec.row_scaled) == (256, False)
     for name in ("data", "scale", "data_t", "scale_t"):
         assert getattr(t, name).shape == getattr(plain, name).shape
     assert_same_bytes(t.amax, plain.amax)  # the amax is max|x| either way; E changes the scales
-    assert _quantize_by_numpy(x, four_over_six_error="mae").e4m3_max == 448
+    assert _quantize_by_numpy(x, four_over_six_error="mae").spec.e4m3_max == 448
 
 
 @pytest.mark.parametrize(
@@ -95,12 +95,12 @@ def test_4over6_records_e4m3_max_and_keeps_the_layout():
 def test_public_reference_quantize_gives_the_golden_bytes(name):
     g, x, options = load(name)
     t = jax.jit(lambda x: reference.quantize(x, **options))(x)
-    assert t.row_scaled == options.get("row_scaled", False) and t.e4m3_max == options.get("e4m3_max", 448)
+    assert t.spec.row_scaled == options.get("row_scaled", False) and t.spec.e4m3_max == options.get("e4m3_max", 448)
     np.testing.assert_array_equal(np.asarray(t.data), g["data"])
     np.testing.assert_array_equal(np.asarray(t.scale).view(np.uint8), g["scale"][: x.shape[0]])
     np.testing.assert_array_equal(np.asarray(t.data_t), g["data_t"])
     np.testing.assert_array_equal(np.asarray(t.scale_t).view(np.uint8), g["scale_t"][: x.shape[1]])
-    amax, amax_t = (g["amax_row"], g["amax_col"]) if t.row_scaled else (g["amax_row"][0], g["amax_col"][0])
+    amax, amax_t = (g["amax_row"], g["amax_col"]) if t.spec.row_scaled else (g["amax_row"][0], g["amax_col"][0])
     assert np.asarray(t.amax).tobytes() == amax.astype(np.float32).tobytes()
     assert np.asarray(t.amax_t).tobytes() == amax_t.astype(np.float32).tobytes()
 
@@ -120,11 +120,11 @@ def test_public_reference_quantize_gives_the_golden_bytes(name):
 def test_dequantize_reads_amax_and_e4m3_max_from_the_tensor(options):
     x = _gaussian((2, 16, 48), seed=1)
     t = _quantize_by_numpy(x, columnwise=True, **options)
-    amax = np.asarray(t.amax)[..., None] if t.row_scaled else np.asarray(t.amax)
-    want = _decode64(t.data, t.scale, amax, t.e4m3_max, 48)
+    amax = np.asarray(t.amax)[..., None] if t.spec.row_scaled else np.asarray(t.amax)
+    want = _decode64(t.data, t.scale, amax, t.spec.e4m3_max, 48)
     np.testing.assert_allclose(np.asarray(_dequantize_by_numpy(t)), want, rtol=2.0**-22, atol=0)
-    amax_t = np.asarray(t.amax_t)[:, None] if t.row_scaled else np.asarray(t.amax_t)
-    want_t = _decode64(t.data_t, t.scale_t, amax_t, t.e4m3_max, 32)  # [N, M]
+    amax_t = np.asarray(t.amax_t)[:, None] if t.spec.row_scaled else np.asarray(t.amax_t)
+    want_t = _decode64(t.data_t, t.scale_t, amax_t, t.spec.e4m3_max, 32)  # [N, M]
     got_t = np.asarray(_dequantize_by_numpy(t, columnwise=True))
     np.testing.assert_allclose(got_t.reshape(32, 48).T, want_t, rtol=2.0**-22, atol=0)
 
@@ -218,14 +218,14 @@ def test_pytree_jit_and_vmap_keep_the_new_fields():
     assert len(leaves) == 6  # the arrays; row_scaled and e4m3_max are static metadata
     assert_same_tensor(jax.tree.unflatten(treedef, leaves), t)
     through_jit = jax.jit(lambda t: t)(t)
-    assert (through_jit.row_scaled, through_jit.e4m3_max) == (True, 256)
+    assert (through_jit.spec.row_scaled, through_jit.spec.e4m3_max) == (True, 256)
     assert_same_bytes(jax.jit(reference.dequantize)(t), reference.dequantize(t))
     # Tensors of different metadata are different pytree structures (jit retraces, tree ops refuse to mix).
     assert jax.tree.structure(reference.quantize(x)) != jax.tree.structure(reference.quantize(x, row_scaled=True))
 
     # vmap: each entry quantized on its own, per-row amaxes stacked.
     batched = jax.vmap(lambda x: reference.quantize(x, columnwise=True, row_scaled=True))(x)
-    assert batched.amax.shape == (4, 16) and batched.amax_t.shape == (4, 32) and batched.row_scaled
+    assert batched.amax.shape == (4, 16) and batched.amax_t.shape == (4, 32) and batched.spec.row_scaled
     deq = jax.vmap(reference.dequantize)(batched)
     for i in range(4):
         single = reference.quantize(x[i], columnwise=True, row_scaled=True)
@@ -300,22 +300,22 @@ def test_gemm_scales_in_the_documented_order(case):
 
     acc = np.asarray(jax_nvfp4.gemm(neutral(a), neutral(c))).reshape(24, 20)
     f32 = np.float32
-    sa = np.asarray(a.amax, f32).reshape(-1) / f32(6 * a.e4m3_max)
-    sc = np.asarray(c.amax, f32).reshape(-1) / f32(6 * c.e4m3_max)
+    sa = np.asarray(a.amax, f32).reshape(-1) / f32(6 * a.spec.e4m3_max)
+    sc = np.asarray(c.amax, f32).reshape(-1) / f32(6 * c.spec.e4m3_max)
     y = acc
-    if not a.row_scaled and not c.row_scaled:
+    if not a.spec.row_scaled and not c.spec.row_scaled:
         y = y * (sa[0] * sc[0])
-    elif not (a.row_scaled and c.row_scaled):
-        y = y * (sc[0] if a.row_scaled else sa[0])
-    if a.row_scaled:
+    elif not (a.spec.row_scaled and c.spec.row_scaled):
+        y = y * (sc[0] if a.spec.row_scaled else sa[0])
+    if a.spec.row_scaled:
         y = y * sa[:, None]
-    if c.row_scaled:
+    if c.spec.row_scaled:
         y = y * sc[None, :]
     np.testing.assert_array_equal(got.reshape(24, 20), y)
 
     # float64: exact products of the dequantized values, with the decode scales' own roundings.
-    va = values64(a.data, a.scale, 80).reshape(24, 80) * (sa[:, None] if a.row_scaled else sa[0])
-    vc = values64(c.data, c.scale, 80) * (sc[:, None] if c.row_scaled else sc[0])
+    va = values64(a.data, a.scale, 80).reshape(24, 80) * (sa[:, None] if a.spec.row_scaled else sa[0])
+    vc = values64(c.data, c.scale, 80) * (sc[:, None] if c.spec.row_scaled else sc[0])
     want = va @ vc.T
     bound = (80 + 4) * 2.0**-24 * (np.abs(va) @ np.abs(vc).T)
     assert (np.abs(got.reshape(24, 20) - want) <= bound).all()
