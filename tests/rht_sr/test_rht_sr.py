@@ -53,7 +53,7 @@ def test_rht_copy_keeps_the_weight_gradient(impl):
     dy = jax.random.normal(jax.random.key(1), (256, 32), jnp.float32)
     x = x.at[3, 5].set(40.0)  # an outlier the transform spreads over its 16 rows
     tx, tdy = q(x, columnwise=True, rht=True), q(dy, columnwise=True, rht=True)
-    assert tx.rht and float(tx.amax_t) < float(tx.amax)
+    assert tx.spec.rht and float(tx.amax_t) < float(tx.amax)
 
     got = np.asarray(jax_nvfp4.gemm(columnwise_as_rowwise(tdy), columnwise_as_rowwise(tx)))
     want = np.asarray(dy.T @ x)
