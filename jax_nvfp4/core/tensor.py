@@ -64,8 +64,8 @@ class NVFP4Tensor:
         return self.shape[-1]
 
     def __getattr__(self, name: str):
-        # The spec's fields were read as the tensor's own attributes (``t.block_2d``): they are ``t.spec``'s, and
-        # the old spelling warns for one release.
+        # Four of the spec's fields were the tensor's own shorthands (block_2d, rht, row_scaled, e4m3_max): they
+        # warn for one release. Every spec field is forwarded alike, so that no list spells the four again.
         if name.startswith("_") or name not in _SPEC_FIELDS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         warnings.warn(

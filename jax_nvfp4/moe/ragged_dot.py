@@ -174,8 +174,8 @@ def _weight_gemm(a: Scaled, c: Scaled, segments: jax.Array, out_dtype) -> jax.Ar
     row scales apply first, as in ``gemm``)."""
     acc = lax.ragged_dot_general(a.values, c.values, segments, _WGRAD, preferred_element_type=jnp.float32)
     sa, sc = _decode(a), _decode(c)
-    per_tensor = [s[:, None, None] for s, op in ((sa, a), (sc, c)) if not op.global_scale.per_row]
     a_rows, c_rows = a.global_scale.per_row, c.global_scale.per_row
+    per_tensor = [s[:, None, None] for s, rows in ((sa, a_rows), (sc, c_rows)) if not rows]
     per_row = ([sa[:, :, None]] if a_rows else []) + ([sc[:, None, :]] if c_rows else [])
     return _scaled(acc, per_tensor, per_row, out_dtype)
 

@@ -107,7 +107,7 @@ def all_gather(t: NVFP4Tensor, axis_name: str | tuple[str, ...], *, axis: int = 
         lead = t.shape[:-1]
         outer, run = math.prod(lead[:axis]), math.prod(lead[axis:])
         # Rows are blocked along M in the columnwise copy, and in groups of 16 in 2D blocks.
-        if (t.data_t is not None or t.spec.transposable) and run % BLOCK:
+        if (t.data_t is not None or t.spec.block_shape[0] > 1) and run % BLOCK:
             raise ValueError(
                 f"each shard holds runs of {run} consecutive rows along the gathered axis {axis} of {t.shape}; "
                 f"the columnwise (or 2D-block) copy needs them to be a multiple of {BLOCK}"
