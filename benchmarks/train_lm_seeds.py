@@ -9,10 +9,10 @@ results under its seed (``args.seed``), runs that several files hold taken from 
 table (a run that not every seed of the group has is left out, and said so); ``--width-plot`` draws each run's
 final gap against d_model over the groups, one curve per training length (a learning-rate sweep's bf16-only
 groups are not points), and ``--progress-plot`` each width's gap against bf16's validation loss over training
-(the widths compared at the same point of training).
+(the widths compared at the same point of training); ``--width-runs`` picks their runs.
 
     python -m benchmarks.train_lm_seeds RESULTS.json ... [--out table.md] [--plot gaps.png] [--width-plot w.png]
-        [--progress-plot p.png]
+        [--progress-plot p.png] [--width-runs full,full-keep-ends]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import io
 import itertools
 import json
 import pathlib
+from collections.abc import Sequence
 
 import matplotlib
 import matplotlib.ticker
@@ -135,27 +136,33 @@ def comparable(found: list[tuple[argparse.Namespace, dict[int, dict]]]) -> Chose
     return chosen
 
 
-def _multi_width_runs(chosen: Chosen) -> list[tuple[str, str]]:
-    """The (arch, NVFP4 run) pairs of two widths or more (a curve needs two)."""
+def _multi_width_runs(chosen: Chosen, only: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """The (arch, NVFP4 run) pairs of two widths or more (a curve needs two); of the runs ``only`` names, if
+    given (every run at several widths makes an unreadable plot once a width has all the options)."""
+    unknown = sorted(set(only or ()) - set(RUNS))
+    if unknown:
+        raise ValueError(f"--width-runs names no run of examples.train_lm: {unknown} (the runs: {sorted(RUNS)})")
     archs = sorted({arch for arch, _, _ in chosen})
     return [
         (arch, r)
         for arch in archs
         for r in RUNS
-        if r != "bf16" and len({d for (a, d, _), (s, _) in chosen.items() if a == arch and r in s.runs}) > 1
+        if r != "bf16"
+        and (only is None or r in only)
+        and len({d for (a, d, _), (s, _) in chosen.items() if a == arch and r in s.runs}) > 1
     ]
 
 
 MARKERS = {"gpt": "o", "llama": "^", "qwen3": "s"}  # the block's marker in the plots
 
 
-def plot_widths(chosen: Chosen, path: str) -> None:
-    """Each run's final validation gap to bf16 against d_model (the runs at two widths or more): mean over the
-    seeds, ± one sd (none for one seed). One curve per block (its marker), run (its colour) and training length
-    (steps; the longest solid)."""
+def plot_widths(chosen: Chosen, path: str, only: Sequence[str] | None = None) -> None:
+    """Each run's final validation gap to bf16 against d_model (the runs at two widths or more, of ``only`` if
+    given): mean over the seeds, ± one sd (none for one seed). One curve per block (its marker), run (its colour)
+    and training length (steps; the longest solid)."""
     longest = max((steps for _, _, steps in chosen), default=0)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arch, run in _multi_width_runs(chosen):
+    for arch, run in _multi_width_runs(chosen, only):
         for length in sorted({steps for _, _, steps in chosen}, reverse=True):
             points = []
             for (a, d_model, steps), (settings, by_seed) in sorted(chosen.items()):
@@ -204,12 +211,12 @@ def plot_widths(chosen: Chosen, path: str) -> None:
     print(f"wrote {path}")
 
 
-def plot_progress(chosen: Chosen, path: str) -> None:
+def plot_progress(chosen: Chosen, path: str, only: Sequence[str] | None = None) -> None:
     """Each run's validation gap to bf16 at every evaluation against bf16's validation loss there (mean over the
     seeds, ± one sd): one curve per block (its marker), width (its shade) and run (its line style), for the runs at
-    two widths or more and a width's longest training only, so that widths compare at the same point of training
-    whatever their steps and tokens per parameter."""
-    pairs = _multi_width_runs(chosen)
+    two widths or more (of ``only`` if given) and a width's longest training only, so that widths compare at the
+    same point of training whatever their steps and tokens per parameter."""
+    pairs = _multi_width_runs(chosen, only)
     widths = sorted({d for _, d, _ in chosen})
     shade = dict(zip(widths, plt.get_cmap("viridis")(np.linspace(0, 0.85, len(widths))), strict=True))
     runs = list(dict.fromkeys(run for _, run in pairs))
@@ -251,6 +258,11 @@ def main() -> None:
     )
     parser.add_argument("--width-plot", help="the final gap against d_model, over the groups")
     parser.add_argument("--progress-plot", help="each width's gap against bf16's validation loss, over training")
+    parser.add_argument(
+        "--width-runs",
+        type=lambda s: s.split(","),
+        help="the runs of the width and progress plots, comma-separated (default: every run at two widths or more)",
+    )
     args = parser.parse_args()
     found = groups(args.results)
     tables = io.StringIO()
@@ -277,9 +289,9 @@ def main() -> None:
     if args.width_plot or args.progress_plot:
         chosen = comparable(found)
         if args.width_plot:
-            plot_widths(chosen, args.width_plot)
+            plot_widths(chosen, args.width_plot, args.width_runs)
         if args.progress_plot:
-            plot_progress(chosen, args.progress_plot)
+            plot_progress(chosen, args.progress_plot, args.width_runs)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import train_lm_seeds
 
 
@@ -90,6 +92,9 @@ def test_blocks_group_apart_and_a_switch_to_bf16_takes_the_unswitched_bf16(tmp_p
     chosen = train_lm_seeds.comparable(found)
     assert sorted(chosen) == [("gpt", 128, 200), ("qwen3", 128, 200), ("qwen3", 256, 200)]
     assert train_lm_seeds._multi_width_runs(chosen) == [("qwen3", "full")]
+    assert train_lm_seeds._multi_width_runs(chosen, ["rht"]) == []  # named, but at one width or none
+    with pytest.raises(ValueError, match=r"--width-runs names no run of examples.train_lm: \['ful'\]"):
+        train_lm_seeds._multi_width_runs(chosen, ["full", "ful"])
     for draw in (train_lm_seeds.plot_widths, train_lm_seeds.plot_progress):
         plot = tmp_path / f"{draw.__name__}.png"
         draw(chosen, str(plot))
