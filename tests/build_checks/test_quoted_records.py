@@ -420,8 +420,8 @@ QWEN3_OPTION_ROWS = [
 
 
 def test_the_qwen3_options_and_widths_quoted_are_their_records():
-    """The Qwen3-style block's options at d_model 128 and 256 and its gaps at 256, in docs/recipe.md and the
-    benchmarks page."""
+    """The Qwen3-style block's options at d_model 128 and 256 and its gaps at 256 and 384, in docs/recipe.md and
+    the benchmarks page."""
     option = {
         (run, d): spread(qwen3_option_gaps(run, stem, d)) for run, stem, _ in QWEN3_OPTION_ROWS for d in (128, 256)
     }
@@ -432,6 +432,10 @@ def test_the_qwen3_options_and_widths_quoted_are_their_records():
     recipe = [f"| {label} | {option[run, 128]} | {option[run, 256]} |" for run, _, label in QWEN3_OPTION_ROWS]
     recipe.append(f"| 256 (lr 1e-3) | {ends256} | {full256} |")
     ends384, full384 = spread(qwen3_gaps("full-keep-ends", 384)), spread(qwen3_gaps("full", 384))
+    # docs/recipe.md says both runs' gaps rise from 256 to 384 in each seed, the recommended run's staying within 2%.
+    for run in ("full-keep-ends", "full"):
+        assert (qwen3_gaps(run, 384) > qwen3_gaps(run, 256)).all(), run
+    assert (qwen3_gaps("full-keep-ends", 384) < 2).all()
     recipe.append(f"| 384 (lr 6.7e-4) | {ends384} | {full384} |")
     benchmarks = [
         f"at d_model 256 {ends256} and {full256}, at 384 {ends384} and {full384} (3 seeds each)",
